@@ -1,0 +1,40 @@
+"""One small hierarchy of typed errors.
+
+Every error raised for something a caller, a config or a trace can trigger is a
+`HybridKVError`; its message names the layer / group / field involved, the numbers on
+both sides, and what to change. Bare `assert` is reserved for our own invariants.
+"""
+
+from __future__ import annotations
+
+
+class HybridKVError(Exception):
+    """Base class of every error hybridkv raises on purpose."""
+
+
+class ConfigError(HybridKVError):
+    """A model config (config.json or preset) is malformed or unsupported."""
+
+
+class SpecError(HybridKVError):
+    """A layer spec got impossible numbers (zero heads, a dtype we do not know, ...)."""
+
+
+class PlanError(HybridKVError):
+    """The planner cannot satisfy the inputs (memory, block size, layout, max_num_seqs)."""
+
+
+class CacheError(HybridKVError):
+    """A `CacheManager` call that is not valid in the request's current state."""
+
+
+class InvariantError(HybridKVError):
+    """`check_invariants()` found a broken invariant (a bug in hybridkv, never user input)."""
+
+
+class TraceError(HybridKVError):
+    """A simulator trace line is malformed; the message carries the line number."""
+
+
+class EngineError(HybridKVError):
+    """The reference engine cannot load or run a checkpoint."""

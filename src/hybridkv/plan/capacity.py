@@ -1,0 +1,202 @@
+"""Sizing pools, placing tensors and computing capacity: `LayoutDraft` -> `CachePlan`.
+
+Capacity uses `GroupPlan.blocks_for`, the same formula the cache manager admits
+requests by, so the two cannot disagree. For a pool shared by groups ``G``::
+
+    concurrency(L) = usable_blocks // sum(g.blocks_for(L, K) for g in G)
+
+and the plan's concurrency is the minimum over pools.
+"""
+
+from __future__ import annotations
+
+from math import lcm
+
+from hybridkv.errors import PlanError
+from hybridkv.plan.layouts import LayoutDraft
+from hybridkv.plan.types import (
+    Capacity,
+    CachePlan,
+    GroupPlan,
+    PlanOptions,
+    PoolPlan,
+    TensorPlacement,
+)
+from hybridkv.spec.layers import FULL_ATTENTION, MLA, STATE
+
+GROWING_KINDS = (FULL_ATTENTION, MLA)  # kinds whose blocks per request grow without bound
+
+
+def _groups(draft: LayoutDraft, options: PlanOptions) -> tuple[GroupPlan, ...]:
+    mode = options.resolved_state_mode
+    return tuple(
+        GroupPlan(
+            group_id=gid,
+            model=g.cls.model,
+            spec=g.cls.spec,
+            layers=g.layers,
+            block_size=g.block_size,
+            page_bytes=g.page_bytes,
+            padded_page_bytes=g.padded_page_bytes,
+            pool_id=g.pool,
+            num_spec_states=options.num_spec_states,
+            state_mode=mode,
+        )
+        for gid, g in enumerate(draft.groups)
+    )
+
+
+def _split_pages(
+    draft: LayoutDraft, groups: tuple[GroupPlan, ...], options: PlanOptions, target: int
+) -> list[int]:
+    """Static split: state and window pools for min(requests that fit, max_num_seqs)
+    requests at ``target`` tokens; full-attention pools share the rest in proportion to
+    their bytes per token (every request needs all of them for each token)."""
+    k = options.num_spec_tokens
+    slabs = [draft.pool_page_bytes[g.pool_id] * draft.pool_num_tensors[g.pool_id]
+             for g in groups]
+    available = options.memory_bytes - sum(slabs)  # one null page per pool
+    per_request = sum(g.blocks_for(target, k) * s for g, s in zip(groups, slabs, strict=True))
+    fits = max(available, 0) // per_request if per_request else options.max_num_seqs
+    num_requests = min(fits, options.max_num_seqs)
+    pages = [0] * len(draft.pool_page_bytes)
+    growing: list[int] = []
+    for g, slab in zip(groups, slabs, strict=True):
+        if g.kind not in GROWING_KINDS:
+            pages[g.pool_id] = num_requests * g.blocks_for(target, k) + 1
+            available -= num_requests * g.blocks_for(target, k) * slab
+        else:
+            growing.append(g.group_id)
+    weight = {gid: slabs[gid] / groups[gid].block_size for gid in growing}
+    total_weight = sum(weight.values())
+    for gid in growing:
+        share = max(available, 0) * weight[gid] / total_weight
+        pages[groups[gid].pool_id] = int(share // slabs[gid]) + 1
+    return pages
+
+
+def _capacity(
+    groups: tuple[GroupPlan, ...], pools: tuple[PoolPlan, ...], options: PlanOptions,
+    max_model_len: int, target: int, typical: int,
+) -> Capacity:
+    k = options.num_spec_tokens
+
+    def concurrency(length: int, only_state: bool = False) -> tuple[int, float]:
+        whole, frac = None, None
+        for pool in pools:
+            members = [groups[i] for i in pool.group_ids
+                       if not only_state or groups[i].kind == STATE]
+            need = sum(g.blocks_for(length, k) for g in members)
+            if not need:
+                continue
+            n, f = pool.num_usable_blocks // need, pool.num_usable_blocks / need
+            whole = n if whole is None else min(whole, n)
+            frac = f if frac is None else min(frac, f)
+        return (whole or 0, frac or 0.0) if whole is not None else (10**9, float(10**9))
+
+    at_target, at_target_float = concurrency(target)
+    state_slots, _ = concurrency(1, only_state=True)
+    seqs_that_fit, _ = concurrency(1)
+    return Capacity(
+        max_model_len=max_model_len,
+        target_len=target,
+        typical_len=typical,
+        blocks_per_request_at_target={g.group_id: g.blocks_for(target, k) for g in groups},
+        max_concurrency=at_target,
+        max_concurrency_float=at_target_float,
+        concurrency_at_typical=concurrency(typical)[0],
+        tokens_per_group={
+            g.group_id: pools[g.pool_id].num_usable_blocks * g.block_size
+            for g in groups if g.kind != STATE
+        },
+        state_slots=state_slots if any(g.kind == STATE for g in groups) else 0,
+        max_num_seqs=options.max_num_seqs,
+        max_num_seqs_that_fit=seqs_that_fit,
+    )
+
+
+def _placements(
+    groups: tuple[GroupPlan, ...], pools: tuple[PoolPlan, ...]
+) -> tuple[TensorPlacement, ...]:
+    placed = []
+    for g in groups:
+        pool = pools[g.pool_id]
+        for tensor_index, ref in enumerate(g.layers):
+            placed.append(TensorPlacement(
+                layer=ref,
+                group_id=g.group_id,
+                pool_id=pool.pool_id,
+                tensor_index=tensor_index,
+                offset_bytes=tensor_index * pool.num_pages * pool.page_bytes,
+                page_stride_bytes=pool.page_bytes,
+                used_bytes=g.page_bytes,
+            ))
+    return tuple(placed)
+
+
+def _waste_bytes(
+    groups: tuple[GroupPlan, ...], pools: tuple[PoolPlan, ...], options: PlanOptions, target: int
+) -> int:
+    """Padding (and idle tensor slots) in each pool, weighted by the block mix of
+    requests at ``target`` tokens: the share of a full pool that holds no data."""
+    waste = 0.0
+    for pool in pools:
+        used = padded = 0
+        for gid in pool.group_ids:
+            g = groups[gid]
+            blocks = g.blocks_for(target, options.num_spec_tokens)
+            used += blocks * pool.slab_bytes
+            padded += blocks * (pool.slab_bytes - g.page_bytes * len(g.layers))
+        if used:
+            waste += pool.total_bytes * padded / used
+    return int(waste)
+
+
+def build_plan(
+    draft: LayoutDraft, options: PlanOptions, *, main_name: str, draft_name: str | None,
+    max_model_len: int, target: int, typical: int,
+) -> CachePlan:
+    groups = _groups(draft, options)
+    if draft.pool_num_pages is not None:
+        pages = draft.pool_num_pages
+    elif draft.name == "split":
+        pages = _split_pages(draft, groups, options, target)
+    else:
+        slab = draft.pool_page_bytes[0] * draft.pool_num_tensors[0]
+        pages = [options.memory_bytes // slab]
+    for pid, count in enumerate(pages):
+        slab = draft.pool_page_bytes[pid] * draft.pool_num_tensors[pid]
+        if count < 2:
+            raise PlanError(
+                f"layout {draft.name}: memory {options.memory_bytes} bytes leaves pool {pid} "
+                f"{count} pages of {slab} bytes (a null page plus at least one block are "
+                "needed); raise --memory or lower --max-model-len / --max-num-seqs"
+            )
+    pools = tuple(
+        PoolPlan(
+            pool_id=pid,
+            page_bytes=draft.pool_page_bytes[pid],
+            num_pages=pages[pid],
+            num_tensors=draft.pool_num_tensors[pid],
+            group_ids=tuple(g.group_id for g in groups if g.pool_id == pid),
+        )
+        for pid in range(len(draft.pool_page_bytes))
+    )
+    capacity = _capacity(groups, pools, options, max_model_len, target, typical)
+    hit_groups = [g for g in groups if g.kind != STATE or g.state_mode == "align"]
+    granularity = lcm(*(g.block_size for g in hit_groups)) if hit_groups else 0
+    return CachePlan(
+        layout=draft.name,
+        main_model=main_name,
+        draft_model=draft_name,
+        options=options,
+        groups=groups,
+        pools=pools,
+        tensors=_placements(groups, pools),
+        capacity=capacity,
+        memory_bytes=options.memory_bytes,
+        used_bytes=sum(p.total_bytes for p in pools),
+        waste_bytes=_waste_bytes(groups, pools, options, target),
+        hit_granularity_tokens=granularity if options.prefix_caching else 0,
+        warnings=tuple(draft.notes),
+    )

@@ -1,0 +1,253 @@
+"""The three layouts: pure functions from layer classes and options to a `LayoutDraft`.
+
+* ``shared``: one pool, one page size; any block goes to any group. The page size is
+  chosen among candidates (each state page, and for each attention class the smallest
+  aligned block whose page holds the largest state page); attention block sizes are
+  scaled to fill the page before anything is padded; state pages are padded up.
+* ``split``: one pool per group (= per class), natural pages, no padding; the split of
+  memory between pools is static, sized for the target length and ``max_num_seqs``.
+* ``vllm``: vLLM 0.33's rule, to predict what vLLM will do (see `vllm_layout`).
+
+Each returns pools without page counts except ``split``; `capacity.build_plan` sizes
+and checks them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from math import lcm
+
+from hybridkv.errors import PlanError
+from hybridkv.ids import cdiv, round_up
+from hybridkv.plan.grouping import (
+    LayerClass,
+    group_size_candidates,
+    vllm_group_size,
+)
+from hybridkv.plan.types import LayerRef, PlanOptions
+from hybridkv.spec.layers import MLASpec
+
+BLOCK_ALIGN_TOKENS = 16  # attention kernels (FlashAttention, FlashInfer) want multiples of 16
+SPLIT_STATE_INTERVAL_NO_ATTENTION = 256  # checkpoint interval of attention-free models
+MAX_HIT_GRANULARITY_FACTOR = 8  # cap: lcm of block sizes <= 8 x the largest block
+
+
+@dataclass
+class GroupDraft:
+    cls: LayerClass
+    layers: tuple[LayerRef, ...]
+    block_size: int
+    page_bytes: int
+    padded_page_bytes: int
+    pool: int
+
+
+@dataclass
+class LayoutDraft:
+    name: str
+    groups: list[GroupDraft]
+    pool_page_bytes: list[int]
+    pool_num_tensors: list[int]
+    pool_num_pages: list[int] | None = None  # None: one pool takes the whole budget
+    notes: list[str] = field(default_factory=list)
+
+
+def _attention(classes: list[LayerClass]) -> list[LayerClass]:
+    return [c for c in classes if not c.is_state]
+
+
+def _states(classes: list[LayerClass]) -> list[LayerClass]:
+    return [c for c in classes if c.is_state]
+
+
+def _main_attention(classes: list[LayerClass]) -> LayerClass | None:
+    """The class whose block size defines the layout: main model's full attention first."""
+    attn = _attention(classes)
+    ranked = sorted(attn, key=lambda c: (c.model != "main", c.spec.kind != "full_attention"))
+    return ranked[0] if ranked else None
+
+
+def _state_interval(attention_block_sizes: list[int], fallback: int) -> int:
+    """State checkpoints at a boundary of every attention group (their lcm)."""
+    return lcm(*attention_block_sizes) if attention_block_sizes else fallback
+
+
+def _max_state_page(classes: list[LayerClass], options: PlanOptions) -> int:
+    return max((c.state_page_bytes(options.num_spec_states) for c in _states(classes)),
+               default=0)
+
+
+# --------------------------------------------------------------------------- shared
+
+
+def _shared_for_page(
+    classes: list[LayerClass], options: PlanOptions, page_bytes: int, group_size: int
+) -> LayoutDraft | None:
+    """Fit every class into ``page_bytes`` pages; None when an attention block would be
+    empty or the hit granularity would exceed its cap."""
+    sizes: dict[int, int] = {}
+    for index, cls in enumerate(_attention(classes)):
+        per_token = cls.bytes_per_token()
+        block = (page_bytes // per_token) // BLOCK_ALIGN_TOKENS * BLOCK_ALIGN_TOKENS
+        if block == 0:
+            return None
+        sizes[index] = block
+    blocks = list(sizes.values())
+    interval = _state_interval(blocks, fallback=options.block_size or 256)
+    if blocks and interval > MAX_HIT_GRANULARITY_FACTOR * max(blocks):
+        return None
+    groups: list[GroupDraft] = []
+    attn_index = 0
+    for cls in classes:
+        if cls.is_state:
+            block = interval
+            raw = cls.state_page_bytes(options.num_spec_states)
+        else:
+            block = sizes[attn_index]
+            attn_index += 1
+            raw = block * cls.bytes_per_token()
+        groups.extend(
+            GroupDraft(cls, chunk, block, raw, page_bytes, 0) for chunk in cls.chunks(group_size)
+        )
+    return LayoutDraft("shared", groups, [page_bytes], [group_size])
+
+
+def shared_layout_candidates(
+    classes: list[LayerClass], options: PlanOptions
+) -> list[LayoutDraft]:
+    """Every (page size, group size) pair worth planning; the caller keeps the best."""
+    max_state = _max_state_page(classes, options)
+    attention = _attention(classes)
+    main_attn = _main_attention(classes)
+    if options.block_size is not None:
+        if main_attn is None:
+            pages = [max_state]
+        else:
+            page = options.block_size * main_attn.bytes_per_token()
+            if page < max_state:
+                need = cdiv(max_state, main_attn.bytes_per_token())
+                raise PlanError(
+                    f"layout shared: block size {options.block_size} gives the "
+                    f"{main_attn.model} attention layers a page of {page} bytes, smaller than "
+                    f"the largest state page ({max_state} bytes); use --block-size >= "
+                    f"{round_up(need, BLOCK_ALIGN_TOKENS)} or --layout split"
+                )
+            pages = [page]
+    else:
+        pages = [max_state] if max_state else []
+        for cls in attention:
+            per_token = cls.bytes_per_token()
+            block = round_up(max(cdiv(max_state, per_token), 1), BLOCK_ALIGN_TOKENS)
+            pages.append(block * per_token)
+    drafts = []
+    for page in sorted(set(pages)):
+        for group_size in group_size_candidates(classes):
+            draft = _shared_for_page(classes, options, page, group_size)
+            if draft is None:
+                continue
+            if options.block_size is not None and main_attn is not None:
+                main_blocks = {g.block_size for g in draft.groups if g.cls is main_attn}
+                if main_blocks != {options.block_size}:
+                    continue  # user block not a multiple of 16: cannot be honoured exactly
+            drafts.append(draft)
+    if not drafts:
+        raise PlanError(
+            "layout shared: no page size fits every layer class "
+            f"(largest state page {max_state} bytes, attention bytes/token "
+            f"{[c.bytes_per_token() for c in attention]}); "
+            "use a block size that is a multiple of 16, or --layout split"
+        )
+    return drafts
+
+
+# --------------------------------------------------------------------------- split
+
+
+def split_layout(classes: list[LayerClass], options: PlanOptions) -> LayoutDraft:
+    """One pool per class with natural pages: attention blocks of 16 tokens (or the
+    user's block size), state pages of exactly the state size, no padding. State
+    checkpoints (align mode) every smallest multiple of the attention block whose
+    attention page holds the state page: the same hit granularity as vLLM's rule."""
+    block = options.block_size or BLOCK_ALIGN_TOKENS
+    max_state = _max_state_page(classes, options)
+    main_attn = _main_attention(classes)
+    if main_attn is not None:
+        interval = round_up(max(cdiv(max_state, main_attn.bytes_per_token()), 1), block)
+    else:
+        interval = block if options.block_size else SPLIT_STATE_INTERVAL_NO_ATTENTION
+    groups: list[GroupDraft] = []
+    page_sizes: list[int] = []
+    tensors: list[int] = []
+    for pool, cls in enumerate(classes):
+        if cls.is_state:
+            raw = cls.state_page_bytes(options.num_spec_states)
+            groups.append(GroupDraft(cls, cls.layers, interval, raw, raw, pool))
+        else:
+            raw = block * cls.bytes_per_token()
+            groups.append(GroupDraft(cls, cls.layers, block, raw, raw, pool))
+        page_sizes.append(raw)
+        tensors.append(len(cls.layers))
+    return LayoutDraft("split", groups, page_sizes, tensors)
+
+
+# --------------------------------------------------------------------------- vllm
+
+
+def vllm_layout(classes: list[LayerClass], options: PlanOptions) -> LayoutDraft:
+    """vLLM 0.33's rule, reproduced from its documented behaviour.
+
+    1. Attention block = smallest multiple of 16 tokens whose page (main model's
+       attention layer) holds the main model's largest state page; a larger user block
+       size is kept, a smaller one is raised by vLLM (we refuse it instead, with the
+       number vLLM would use).
+    2. Every page is brought to the largest page of all layers, draft included: a state
+       page is padded; an attention page that divides the largest has its block size
+       multiplied; any other attention page is padded; an MLA page that does not divide
+       is refused (vLLM raises).
+    3. Layers with one spec form a type; group size is `vllm_group_size`; one pool,
+       ``num_blocks = memory // (page * group_size)``.
+    """
+    main_state = max(
+        (c.state_page_bytes(options.num_spec_states) for c in _states(classes)
+         if c.model == "main"),
+        default=0,
+    )
+    main_attn = _main_attention([c for c in classes if c.model == "main"])
+    block = options.block_size or BLOCK_ALIGN_TOKENS
+    if main_state and main_attn is not None:
+        need = round_up(cdiv(main_state, main_attn.bytes_per_token()), BLOCK_ALIGN_TOKENS)
+        if options.block_size is not None and options.block_size < need:
+            raise PlanError(
+                f"layout vllm: block size {options.block_size} is below the {need} tokens "
+                f"vLLM derives so that one main attention page "
+                f"({main_attn.bytes_per_token()} bytes/token) holds a state page "
+                f"({main_state} bytes); vLLM would silently raise it to {need}; use "
+                f"--block-size {need} or leave it unset"
+            )
+        block = max(block, need)
+    pages = [
+        c.state_page_bytes(options.num_spec_states) if c.is_state else block * c.bytes_per_token()
+        for c in classes
+    ]
+    largest = max(pages)
+    drafts: list[tuple[LayerClass, int, int]] = []  # class, block size, raw page
+    for cls, page in zip(classes, pages, strict=True):
+        if cls.is_state:
+            drafts.append((cls, block, page))
+        elif largest % page == 0:
+            drafts.append((cls, block * (largest // page), largest))
+        elif isinstance(cls.spec, MLASpec):
+            raise PlanError(
+                f"layout vllm: the {cls.model} MLA page ({page} bytes at block {block}) does "
+                f"not divide the largest page ({largest} bytes); vLLM raises here; use "
+                "--layout shared or split"
+            )
+        else:
+            drafts.append((cls, block, page))
+    group_size = vllm_group_size(classes)
+    groups = [
+        GroupDraft(cls, chunk, size, raw, largest, 0)
+        for cls, size, raw in drafts
+        for chunk in cls.chunks(group_size)
+    ]
+    return LayoutDraft("vllm", groups, [largest], [group_size])

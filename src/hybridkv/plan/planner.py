@@ -1,0 +1,187 @@
+"""`plan()`: validate inputs, run the layouts, pick the best, explain the choice."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+from hybridkv.errors import PlanError
+from hybridkv.plan.capacity import build_plan
+from hybridkv.plan.grouping import LayerClass, layer_classes
+from hybridkv.plan.layouts import (
+    LayoutDraft,
+    shared_layout_candidates,
+    split_layout,
+    vllm_layout,
+)
+from hybridkv.plan.types import LAYOUTS, SPEC_METHODS, STATE_MODES, CachePlan, PlanOptions
+from hybridkv.spec.model import ModelSpec
+
+DEFAULT_MAX_MODEL_LEN = 32768  # when the config states no max_position_embeddings
+DEFAULT_TYPICAL_LEN = 8192
+PADDING_WARN_FRACTION = 0.02
+GRANULARITY_WARN_TOKENS = 64
+LAYOUT_PREFERENCE = ("shared", "split", "vllm")  # on equal scores: dynamic pools first
+
+
+def _validate(options: PlanOptions, draft: ModelSpec | None) -> None:
+    def bad(field: str, value: object, rule: str) -> PlanError:
+        return PlanError(f"{field}={value!r}: {rule}")
+
+    if options.layout not in LAYOUTS:
+        raise bad("layout", options.layout, f"use one of {', '.join(LAYOUTS)}")
+    if options.spec_method is not None and options.spec_method not in SPEC_METHODS:
+        raise bad("spec_method", options.spec_method, f"use one of {', '.join(SPEC_METHODS)}")
+    if options.state_mode is not None and options.state_mode not in STATE_MODES:
+        raise bad("state_mode", options.state_mode, f"use one of {', '.join(STATE_MODES)}")
+    if options.num_spec_tokens < 0:
+        raise bad("num_spec_tokens", options.num_spec_tokens, "must be >= 0")
+    if options.spec_method is None and options.num_spec_tokens:
+        raise bad("num_spec_tokens", options.num_spec_tokens,
+                  "needs a speculative method (--spec-method draft|eagle|mtp|ngram|suffix)")
+    if options.spec_method is not None and options.num_spec_tokens == 0:
+        raise bad("num_spec_tokens", 0, f"spec method {options.spec_method!r} needs K >= 1")
+    if options.spec_method == "draft" and draft is None:
+        raise PlanError("spec_method='draft' needs a draft model (--draft MODEL)")
+    if options.state_mode == "align" and not options.prefix_caching:
+        raise bad("state_mode", "align", "only makes sense with prefix caching on")
+    for field in ("tp", "max_num_seqs", "max_num_batched_tokens", "memory_bytes"):
+        value = getattr(options, field)
+        if not isinstance(value, int) or value < 1:
+            raise bad(field, value, "must be a positive integer")
+    for field in ("max_model_len", "block_size", "target_len", "typical_len"):
+        value = getattr(options, field)
+        if value is not None and (not isinstance(value, int) or value < 1):
+            raise bad(field, value, "must be a positive integer")
+
+
+def _score(plan: CachePlan) -> tuple[int, int, float, int]:
+    biggest_block = max((g.block_size for g in plan.groups if g.kind != "state"), default=0)
+    return (
+        plan.capacity.max_concurrency,
+        plan.capacity.concurrency_at_typical,
+        -plan.waste_bytes,
+        -max(biggest_block, plan.hit_granularity_tokens),
+    )
+
+
+def _warnings(plan: CachePlan, main: ModelSpec, draft: ModelSpec | None) -> tuple[str, ...]:
+    notes = list(plan.warnings)
+    cap, opts = plan.capacity, plan.options
+    if opts.prefix_caching and plan.hit_granularity_tokens > GRANULARITY_WARN_TOKENS:
+        notes.append(
+            f"prompts shorter than {plan.hit_granularity_tokens} tokens never hit the prefix "
+            "cache (lcm of the groups' block sizes)"
+        )
+    if not cap.max_num_seqs_fits:
+        notes.append(
+            f"max_num_seqs={cap.max_num_seqs} exceeds the {cap.max_num_seqs_that_fit} requests "
+            f"whose blocks and state slots fit; the largest value that fits is "
+            f"{cap.max_num_seqs_that_fit}"
+        )
+    if plan.waste_fraction > PADDING_WARN_FRACTION:
+        notes.append(
+            f"padding wastes {plan.waste_fraction:.1%} of the budget ({plan.waste_bytes} bytes)"
+        )
+    if draft is not None and draft.max_position_embeddings is not None and (
+        draft.max_position_embeddings < cap.max_model_len
+    ):
+        notes.append(
+            f"draft {draft.name!r} supports {draft.max_position_embeddings} positions, fewer "
+            f"than max_model_len={cap.max_model_len}"
+        )
+    return tuple(notes)
+
+
+def _finish(
+    draft_layout: LayoutDraft, options: PlanOptions, main: ModelSpec, draft: ModelSpec | None,
+    lengths: tuple[int, int, int],
+) -> CachePlan:
+    max_len, target, typical = lengths
+    plan = build_plan(draft_layout, options, main_name=main.name,
+                      draft_name=draft.name if draft else None,
+                      max_model_len=max_len, target=target, typical=typical)
+    return dataclasses.replace(plan, warnings=_warnings(plan, main, draft))
+
+
+def _plan_layout(
+    name: str, classes: list[LayerClass], options: PlanOptions, main: ModelSpec,
+    draft: ModelSpec | None, lengths: tuple[int, int, int],
+) -> CachePlan:
+    builders: dict[str, Callable[[], list[LayoutDraft]]] = {
+        "shared": lambda: shared_layout_candidates(classes, options),
+        "split": lambda: [split_layout(classes, options)],
+        "vllm": lambda: [vllm_layout(classes, options)],
+    }
+    plans = [_finish(d, options, main, draft, lengths) for d in builders[name]()]
+    return max(plans, key=_score)
+
+
+def plan(
+    main: ModelSpec, draft: ModelSpec | None = None, options: PlanOptions | None = None,
+    **option_values: object,
+) -> CachePlan:
+    """Plan cache memory for ``main`` (and an optional ``draft``).
+
+    Options come as a `PlanOptions` or as keyword arguments of the same names. With
+    ``layout="auto"`` every layout is planned and the one with the highest concurrency
+    at the target length wins (ties: more requests at the typical length, less padding,
+    smaller blocks, then shared > split > vllm); the others are in ``alternatives``.
+    Raises `PlanError` with the numbers when no layout can serve one request.
+    """
+    opts = options or PlanOptions()
+    if option_values:
+        opts = dataclasses.replace(opts, **option_values)  # type: ignore[arg-type]
+    _validate(opts, draft)
+    max_len = opts.max_model_len or main.max_position_embeddings or DEFAULT_MAX_MODEL_LEN
+    target = opts.target_len or max_len
+    typical = opts.typical_len or min(DEFAULT_TYPICAL_LEN, max_len)
+    lengths = (max_len, target, typical)
+    classes = layer_classes(main, draft, opts)
+    names = LAYOUT_PREFERENCE if opts.layout == "auto" else (opts.layout,)
+    plans: list[CachePlan] = []
+    errors: list[str] = []
+    for name in names:
+        try:
+            plans.append(_plan_layout(name, classes, opts, main, draft, lengths))
+        except PlanError as err:
+            if opts.layout != "auto":
+                raise
+            errors.append(f"{name}: {err}")
+    if not plans:
+        raise PlanError("no layout works: " + "; ".join(errors))
+    best = max(plans, key=lambda p: (_score(p), -LAYOUT_PREFERENCE.index(p.layout)))
+    if best.capacity.max_concurrency == 0:
+        raise _no_room(best, main)
+    others = tuple(p for p in plans if p is not best)
+    reason = _reason(best, others, errors)
+    return dataclasses.replace(best, alternatives=others, reason=reason)
+
+
+def _reason(best: CachePlan, others: tuple[CachePlan, ...], errors: list[str]) -> str:
+    if not others and not errors:
+        return f"layout {best.layout} requested"
+    parts = [
+        f"{best.layout}: {best.capacity.max_concurrency} requests at "
+        f"{best.capacity.target_len} tokens, {best.waste_fraction:.2%} padding"
+    ]
+    parts += [
+        f"{p.layout}: {p.capacity.max_concurrency} requests, {p.waste_fraction:.2%} padding"
+        for p in others
+    ]
+    parts += [f"not possible: {e}" for e in errors]
+    return "highest concurrency at the target length; " + "; ".join(parts)
+
+
+def _no_room(plan: CachePlan, main: ModelSpec) -> PlanError:
+    need = sum(
+        g.blocks_for(plan.capacity.target_len, plan.options.num_spec_tokens)
+        * plan.pools[g.pool_id].slab_bytes
+        for g in plan.groups
+    )
+    return PlanError(
+        f"memory {plan.memory_bytes} bytes cannot hold one request of "
+        f"{plan.capacity.target_len} tokens for {main.name!r} (needs about {need} bytes in "
+        f"layout {plan.layout}); raise --memory, lower --max-model-len, or use a smaller "
+        "kv dtype"
+    )

@@ -1,0 +1,91 @@
+"""Human-readable rendering of a `CachePlan` (rich tables)."""
+
+from __future__ import annotations
+
+from rich.console import Console, Group
+from rich.table import Table
+
+from hybridkv.plan.types import CachePlan
+
+
+def format_bytes(num_bytes: float) -> str:
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(num_bytes) >= size:
+            return f"{num_bytes / size:.2f} {unit}"
+    return f"{int(num_bytes)} B"
+
+
+def _layer_span(names: list[str]) -> str:
+    if len(names) <= 4:
+        return ", ".join(names)
+    return f"{names[0]}, {names[1]}, ... {names[-1]} ({len(names)})"
+
+
+def groups_table(plan: CachePlan) -> Table:
+    table = Table(title=f"groups (layout {plan.layout})", title_justify="left")
+    for col in ("id", "model", "kind", "spec", "layers", "block", "page", "padded", "pool"):
+        table.add_column(col, justify="right" if col in ("id", "block", "pool") else "left")
+    for g in plan.groups:
+        table.add_row(
+            str(g.group_id), g.model, g.kind + (f":{g.state_family}" if g.state_family else ""),
+            g.spec.describe(), _layer_span([r.name for r in g.layers]),
+            str(g.block_size), format_bytes(g.page_bytes), format_bytes(g.padded_page_bytes),
+            str(g.pool_id),
+        )
+    return table
+
+
+def pools_table(plan: CachePlan) -> Table:
+    table = Table(title="pools", title_justify="left")
+    for col in ("pool", "page", "pages", "tensors", "bytes", "groups"):
+        table.add_column(col)
+    for p in plan.pools:
+        table.add_row(str(p.pool_id), format_bytes(p.page_bytes), str(p.num_pages),
+                      str(p.num_tensors), format_bytes(p.total_bytes),
+                      ",".join(map(str, p.group_ids)))
+    return table
+
+
+def comparison_table(plan: CachePlan) -> Table:
+    cap = plan.capacity
+    table = Table(title=f"layouts at {cap.target_len} tokens (typical {cap.typical_len})",
+                  title_justify="left")
+    for col in ("layout", "requests @target", "requests @typical", "padding",
+                "attention blocks", "hit granularity"):
+        table.add_column(col)
+    for p in (plan, *plan.alternatives):
+        s = p.summary()
+        mark = " *" if p is plan else ""
+        table.add_row(
+            p.layout + mark, f"{s['max_concurrency']} ({s['max_concurrency_float']})",
+            str(s["concurrency_at_typical_len"]), f"{p.waste_fraction:.2%}",
+            ",".join(map(str, s["attention_block_sizes"])), str(s["hit_granularity_tokens"]),
+        )
+    return table
+
+
+def render(plan: CachePlan, console: Console | None = None) -> None:
+    console = console or Console()
+    cap = plan.capacity
+    head = (
+        f"[bold]{plan.main_model}[/bold]"
+        + (f" + draft [bold]{plan.draft_model}[/bold]" if plan.draft_model else "")
+        + f"  memory {format_bytes(plan.memory_bytes)}, used {format_bytes(plan.used_bytes)}, "
+        f"padding {format_bytes(plan.waste_bytes)} ({plan.waste_fraction:.2%})"
+    )
+    lines = [
+        f"max concurrency at {cap.target_len} tokens: [bold]{cap.max_concurrency}[/bold] "
+        f"({cap.max_concurrency_float:.2f}); at {cap.typical_len}: {cap.concurrency_at_typical}",
+        f"state slots: {cap.state_slots}; max_num_seqs {cap.max_num_seqs} "
+        + ("fits" if cap.max_num_seqs_fits else f"does NOT fit (largest {cap.max_num_seqs_that_fit})"),
+    ]
+    if plan.reason:
+        lines.append(f"why: {plan.reason}")
+    console.print(head)
+    console.print(Group(groups_table(plan), pools_table(plan)))
+    if plan.alternatives:
+        console.print(comparison_table(plan))
+    for line in lines:
+        console.print(line)
+    for warning in plan.warnings:
+        console.print(f"[yellow]warning:[/yellow] {warning}")

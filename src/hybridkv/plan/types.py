@@ -1,0 +1,324 @@
+"""The planner's inputs (`PlanOptions`) and output (`CachePlan`).
+
+A `CachePlan` carries every number the runtime needs: which layers share a block table
+(groups), how many tokens a block covers, which pool lends the blocks and how many pages
+it has, where each layer's pages live in the pool's bytes, and what capacity follows.
+The cache manager and the engine do no size arithmetic of their own.
+
+Pool byte layout (one buffer per pool)::
+
+    pool (num_pages pages, num_tensors tensor slots, page_bytes per page)
+    +-- tensor 0: page 0 | page 1 | ... | page num_pages-1     <- layer a of every group
+    +-- tensor 1: page 0 | page 1 | ...                          <- layer b of every group
+    ...
+    offset of (tensor t, page p) = (t * num_pages + p) * page_bytes
+
+A block id ``p`` of group ``g`` names page ``p`` in each of the group's layers' tensors:
+its *slab* is ``len(g.layers) * page_bytes``. Page 0 of every pool is the null block.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from hybridkv.ids import cdiv
+from hybridkv.spec.dtypes import DType
+from hybridkv.spec.layers import (
+    CHUNKED_ATTENTION,
+    SLIDING_ATTENTION,
+    STATE,
+    ChunkedLocalSpec,
+    LayerSpec,
+    SlidingWindowSpec,
+    StateSpec,
+)
+
+LAYOUTS = ("auto", "shared", "split", "vllm")
+SPEC_METHODS = ("draft", "eagle", "mtp", "ngram", "suffix")
+STATE_MODES = ("align", "none")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanOptions:
+    """Everything the planner needs besides the model specs. Defaults follow vLLM's."""
+
+    spec_method: str | None = None
+    num_spec_tokens: int = 0
+    kv_dtype: DType | None = None  # None: the model's dtype
+    conv_dtype: DType | None = None
+    ssm_dtype: DType | None = None
+    tp: int = 1
+    max_model_len: int | None = None  # None: the main model's max_position_embeddings
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    prefix_caching: bool = True
+    state_mode: str | None = None  # None: "align" with prefix caching, else "none"
+    memory_bytes: int = 64 << 30
+    block_size: int | None = None  # user-chosen attention block size (tokens)
+    layout: str = "auto"
+    target_len: int | None = None  # None: max_model_len
+    typical_len: int | None = None  # None: min(8192, max_model_len)
+
+    @property
+    def resolved_state_mode(self) -> str:
+        if self.state_mode is not None:
+            return self.state_mode
+        return "align" if self.prefix_caching else "none"
+
+    @property
+    def num_spec_states(self) -> int:
+        """S: draft positions whose state must be kept (0 without speculative decoding)."""
+        return self.num_spec_tokens if self.spec_method else 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class LayerRef:
+    """A layer named by model ("main" / "draft") and index in that model's spec."""
+
+    model: str
+    index: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.model}.{self.index}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class GroupPlan:
+    """Layers sharing one block table per request.
+
+    ``block_size`` is tokens per block (for a state group: the checkpoint interval in
+    ``align`` mode). ``page_bytes`` is one layer's raw page, ``padded_page_bytes`` the
+    page it occupies in its pool.
+    """
+
+    group_id: int
+    model: str
+    spec: LayerSpec
+    layers: tuple[LayerRef, ...]
+    block_size: int
+    page_bytes: int
+    padded_page_bytes: int
+    pool_id: int
+    num_spec_states: int = 0
+    state_mode: str = "none"
+
+    @property
+    def kind(self) -> str:
+        return self.spec.kind
+
+    @property
+    def state_family(self) -> str | None:
+        return self.spec.family if isinstance(self.spec, StateSpec) else None
+
+    @property
+    def waste_bytes_per_block(self) -> int:
+        return (self.padded_page_bytes - self.page_bytes) * len(self.layers)
+
+    def blocks_for(
+        self, num_tokens: int, num_lookahead_tokens: int = 0, num_new_tokens: int = 1
+    ) -> int:
+        """Blocks one request holds in this group at ``num_tokens`` (+ lookahead) tokens.
+
+        ``num_tokens`` counts every position up to and including the ``num_new_tokens``
+        computed this step; drafts add ``num_lookahead_tokens``. This is the single
+        formula that both capacity reports and the cache manager's admission use.
+        Attention: one block per ``block_size`` tokens; windows are capped at their live
+        blocks for ``num_new_tokens + num_lookahead_tokens`` tokens in flight; a state
+        group holds its running state, S speculative states, and in ``align`` mode the
+        previous checkpoint until the next one is written.
+
+        Example: full attention, block 16, 40 tokens + 3 drafts -> cdiv(43, 16) = 3.
+        """
+        total = num_tokens + num_lookahead_tokens
+        if self.kind == STATE:
+            base = 2 if self.state_mode == "align" else 1
+            return base + self.num_spec_states
+        blocks = cdiv(total, self.block_size)
+        if self.kind in (SLIDING_ATTENTION, CHUNKED_ATTENTION):
+            assert isinstance(self.spec, SlidingWindowSpec | ChunkedLocalSpec)
+            in_flight = num_new_tokens + num_lookahead_tokens
+            live = self.spec.max_live_blocks(self.block_size, in_flight)
+            blocks = min(blocks, live)
+        return blocks
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "group_id": self.group_id,
+            "kind": self.kind,
+            "state_family": self.state_family,
+            "model": self.model,
+            "layers": [ref.name for ref in self.layers],
+            "num_layers": len(self.layers),
+            "spec": self.spec.describe(),
+            "block_size": self.block_size,
+            "page_bytes": self.page_bytes,
+            "padded_page_bytes": self.padded_page_bytes,
+            "pool": self.pool_id,
+        }
+
+
+@dataclass(frozen=True, kw_only=True)
+class PoolPlan:
+    """A region cut into ``num_pages`` pages per tensor slot; page 0 is the null block."""
+
+    pool_id: int
+    page_bytes: int
+    num_pages: int
+    num_tensors: int
+    group_ids: tuple[int, ...]
+
+    @property
+    def num_usable_blocks(self) -> int:
+        return self.num_pages - 1
+
+    @property
+    def slab_bytes(self) -> int:
+        return self.page_bytes * self.num_tensors
+
+    @property
+    def total_bytes(self) -> int:
+        return self.slab_bytes * self.num_pages
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "pool_id": self.pool_id,
+            "page_bytes": self.page_bytes,
+            "num_pages": self.num_pages,
+            "num_tensors": self.num_tensors,
+            "total_bytes": self.total_bytes,
+            "groups": list(self.group_ids),
+        }
+
+
+@dataclass(frozen=True, kw_only=True)
+class TensorPlacement:
+    """Where one layer's pages live: ``offset_bytes + page * page_stride_bytes``."""
+
+    layer: LayerRef
+    group_id: int
+    pool_id: int
+    tensor_index: int
+    offset_bytes: int
+    page_stride_bytes: int
+    used_bytes: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "layer": self.layer.name,
+            "group": self.group_id,
+            "pool": self.pool_id,
+            "tensor_index": self.tensor_index,
+            "offset_bytes": self.offset_bytes,
+            "page_stride_bytes": self.page_stride_bytes,
+            "used_bytes": self.used_bytes,
+        }
+
+
+@dataclass(frozen=True, kw_only=True)
+class Capacity:
+    max_model_len: int
+    target_len: int
+    typical_len: int
+    blocks_per_request_at_target: dict[int, int]  # group id -> blocks
+    max_concurrency: int  # whole requests at target_len
+    max_concurrency_float: float
+    concurrency_at_typical: int
+    tokens_per_group: dict[int, int]
+    state_slots: int  # requests whose state fits (sum over state groups: the minimum)
+    max_num_seqs: int
+    max_num_seqs_that_fit: int
+
+    @property
+    def max_num_seqs_fits(self) -> bool:
+        return self.max_num_seqs <= self.max_num_seqs_that_fit
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "max_model_len": self.max_model_len,
+            "target_len": self.target_len,
+            "typical_len": self.typical_len,
+            "max_concurrency": self.max_concurrency,
+            "max_concurrency_float": round(self.max_concurrency_float, 3),
+            "concurrency_at_typical_len": self.concurrency_at_typical,
+            "blocks_per_request_at_target": {
+                str(k): v for k, v in self.blocks_per_request_at_target.items()
+            },
+            "tokens_per_group": {str(k): v for k, v in self.tokens_per_group.items()},
+            "state_slots": self.state_slots,
+            "max_num_seqs": self.max_num_seqs,
+            "max_num_seqs_that_fit": self.max_num_seqs_that_fit,
+            "max_num_seqs_fits": self.max_num_seqs_fits,
+        }
+
+
+@dataclass(frozen=True, kw_only=True)
+class CachePlan:
+    """One memory plan: groups, pools, placement, capacity, waste, warnings."""
+
+    layout: str
+    main_model: str
+    draft_model: str | None
+    options: PlanOptions
+    groups: tuple[GroupPlan, ...]
+    pools: tuple[PoolPlan, ...]
+    tensors: tuple[TensorPlacement, ...]
+    capacity: Capacity
+    memory_bytes: int
+    used_bytes: int
+    waste_bytes: int
+    hit_granularity_tokens: int
+    warnings: tuple[str, ...] = ()
+    reason: str = ""
+    alternatives: tuple[CachePlan, ...] = field(default=(), compare=False)
+
+    @property
+    def waste_fraction(self) -> float:
+        return self.waste_bytes / self.memory_bytes if self.memory_bytes else 0.0
+
+    def check_invariants(self) -> None:
+        """Raise `InvariantError` if the plan contradicts itself (see `plan.checks`)."""
+        from hybridkv.plan.checks import check_plan_invariants
+
+        check_plan_invariants(self)
+
+    def group(self, group_id: int) -> GroupPlan:
+        return self.groups[group_id]
+
+    def pool(self, pool_id: int) -> PoolPlan:
+        return self.pools[pool_id]
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "layout": self.layout,
+            "max_concurrency": self.capacity.max_concurrency,
+            "max_concurrency_float": round(self.capacity.max_concurrency_float, 3),
+            "concurrency_at_typical_len": self.capacity.concurrency_at_typical,
+            "waste_bytes": self.waste_bytes,
+            "waste_fraction": round(self.waste_fraction, 6),
+            "attention_block_sizes": sorted(
+                {g.block_size for g in self.groups if g.kind != "state"}
+            ),
+            "hit_granularity_tokens": self.hit_granularity_tokens,
+        }
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "layout": self.layout,
+            "reason": self.reason,
+            "main_model": self.main_model,
+            "draft_model": self.draft_model,
+            "groups": [g.to_dict() for g in self.groups],
+            "pools": [p.to_dict() for p in self.pools],
+            "tensors": [t.to_dict() for t in self.tensors],
+            "memory_bytes": self.memory_bytes,
+            "used_bytes": self.used_bytes,
+            "waste_bytes": self.waste_bytes,
+            "waste_fraction": round(self.waste_fraction, 6),
+            "hit_granularity_tokens": self.hit_granularity_tokens,
+            "capacity": self.capacity.to_dict(),
+            "alternatives": [alt.summary() for alt in self.alternatives],
+            "warnings": list(self.warnings),
+        }
+
