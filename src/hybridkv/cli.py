@@ -127,6 +127,31 @@ def models_command(as_json: o.Json = False) -> None:
     run_guarded(as_json, body)
 
 
+@app.command(
+    "bench", context_settings={"allow_extra_args": True, "ignore_unknown_options": True}
+)
+def bench_command(
+    ctx: typer.Context,
+    name: str = typer.Argument(help="a script in bench/ without .py, e.g. planner"),
+) -> None:
+    """Run one benchmark from the repository's bench/ folder (a source checkout)."""
+    import runpy
+    from pathlib import Path
+
+    def body() -> None:
+        root = Path(__file__).resolve().parents[2] / "bench"
+        script = root / f"{name}.py"
+        if not script.is_file():
+            available = sorted(p.stem for p in root.glob("*.py") if not p.stem.startswith("_"))
+            raise FileNotFoundError(
+                f"no benchmark {name!r} in {root}; available: {', '.join(available) or 'none'}"
+            )
+        sys.argv = [str(script), *ctx.args]
+        runpy.run_path(str(script), run_name="__main__")
+
+    run_guarded(False, body)
+
+
 def _register_optional_commands() -> None:
     """Commands whose modules may be absent in a partial install register themselves."""
     for module in ("hybridkv.sim.cli", "hybridkv.engine.cli"):

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import pytest
+from tests.specs_fixtures import gemma_like, nemotron_like, qwen3_4b, qwen3_coder_next, qwen35_9b
 
 from hybridkv.errors import PlanError
 from hybridkv.plan import PlanOptions, plan
 from hybridkv.spec import DType
-from tests.specs_fixtures import gemma_like, nemotron_like, qwen3_4b, qwen3_coder_next, qwen35_9b
 
 GiB = 1 << 30
 
@@ -32,7 +32,7 @@ def test_vllm_rule_dense_draft_pads_deltanet_pages_by_half() -> None:
              kv_dtype=DType.FP8_E4M3, memory_bytes=60 * GiB, layout="vllm")
     main_attn = [g for g in p.groups if g.model == "main" and g.kind == "full_attention"]
     draft_attn = [g for g in p.groups if g.model == "draft"]
-    state = [g for g in p.groups if g.kind == "state"][0]
+    state = next(g for g in p.groups if g.kind == "state")
     assert main_attn[0].block_size == 2240 and draft_attn[0].block_size == 1120
     assert state.page_bytes * 2 == state.padded_page_bytes
 

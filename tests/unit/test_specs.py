@@ -47,7 +47,7 @@ def test_attention_tp_divides_and_replicates() -> None:
     spec = AttentionSpec(num_kv_heads=8, head_dim=128)
     assert spec.shard(4).num_kv_heads == 2
     assert AttentionSpec(num_kv_heads=2, head_dim=128).shard(8).num_kv_heads == 1
-    with pytest.raises(SpecError, match="num_kv_heads=6 .* 4"):
+    with pytest.raises(SpecError, match=r"num_kv_heads=6 .* 4"):
         AttentionSpec(num_kv_heads=6, head_dim=128).shard(4)
 
 

@@ -15,8 +15,8 @@ from math import lcm
 from hybridkv.errors import PlanError
 from hybridkv.plan.layouts import LayoutDraft
 from hybridkv.plan.types import (
-    Capacity,
     CachePlan,
+    Capacity,
     GroupPlan,
     PlanOptions,
     PoolPlan,

@@ -21,6 +21,7 @@ DEFAULT_MAX_MODEL_LEN = 32768  # when the config states no max_position_embeddin
 DEFAULT_TYPICAL_LEN = 8192
 PADDING_WARN_FRACTION = 0.02
 GRANULARITY_WARN_TOKENS = 64
+TIE_TOLERANCE = 0.05  # concurrency at the target within 5% of the best counts as a tie
 LAYOUT_PREFERENCE = ("shared", "split", "vllm")  # on equal scores: dynamic pools first
 
 
@@ -124,9 +125,8 @@ def plan(
     """Plan cache memory for ``main`` (and an optional ``draft``).
 
     Options come as a `PlanOptions` or as keyword arguments of the same names. With
-    ``layout="auto"`` every layout is planned and the one with the highest concurrency
-    at the target length wins (ties: more requests at the typical length, less padding,
-    smaller blocks, then shared > split > vllm); the others are in ``alternatives``.
+    ``layout="auto"`` every layout is planned; see `_pick` for the choice. The others
+    are kept in ``alternatives``.
     Raises `PlanError` with the numbers when no layout can serve one request.
     """
     opts = options or PlanOptions()
@@ -150,12 +150,24 @@ def plan(
             errors.append(f"{name}: {err}")
     if not plans:
         raise PlanError("no layout works: " + "; ".join(errors))
-    best = max(plans, key=lambda p: (_score(p), -LAYOUT_PREFERENCE.index(p.layout)))
+    best = _pick(plans)
     if best.capacity.max_concurrency == 0:
         raise _no_room(best, main)
     others = tuple(p for p in plans if p is not best)
     reason = _reason(best, others, errors)
     return dataclasses.replace(best, alternatives=others, reason=reason)
+
+
+def _pick(plans: list[CachePlan]) -> CachePlan:
+    """Highest concurrency at the target length; layouts within `TIE_TOLERANCE` of the
+    best (and never below vLLM's rule) count as tied and are ranked by concurrency at
+    the typical length, so a one-request win at the target cannot cost 3x at 8K."""
+    top = max(p.capacity.max_concurrency for p in plans)
+    floor = max([top * (1 - TIE_TOLERANCE)]
+                + [p.capacity.max_concurrency for p in plans if p.layout == "vllm"])
+    tied = [p for p in plans if p.capacity.max_concurrency >= floor]
+    return max(tied, key=lambda p: (
+        p.capacity.concurrency_at_typical, _score(p), -LAYOUT_PREFERENCE.index(p.layout)))
 
 
 def _reason(best: CachePlan, others: tuple[CachePlan, ...], errors: list[str]) -> str:
@@ -170,7 +182,8 @@ def _reason(best: CachePlan, others: tuple[CachePlan, ...], errors: list[str]) -
         for p in others
     ]
     parts += [f"not possible: {e}" for e in errors]
-    return "highest concurrency at the target length; " + "; ".join(parts)
+    return ("highest concurrency at the target length (within 5%, then at the typical "
+            "length); " + "; ".join(parts))
 
 
 def _no_room(plan: CachePlan, main: ModelSpec) -> PlanError:

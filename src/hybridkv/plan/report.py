@@ -16,9 +16,9 @@ def format_bytes(num_bytes: float) -> str:
 
 
 def _layer_span(names: list[str]) -> str:
-    if len(names) <= 4:
-        return ", ".join(names)
-    return f"{names[0]}, {names[1]}, ... {names[-1]} ({len(names)})"
+    if len(names) <= 2:
+        return ",".join(names)
+    return f"{len(names)}: {names[0]}..{names[-1].split('.')[-1]}"
 
 
 def groups_table(plan: CachePlan) -> Table:
@@ -77,7 +77,8 @@ def render(plan: CachePlan, console: Console | None = None) -> None:
         f"max concurrency at {cap.target_len} tokens: [bold]{cap.max_concurrency}[/bold] "
         f"({cap.max_concurrency_float:.2f}); at {cap.typical_len}: {cap.concurrency_at_typical}",
         f"state slots: {cap.state_slots}; max_num_seqs {cap.max_num_seqs} "
-        + ("fits" if cap.max_num_seqs_fits else f"does NOT fit (largest {cap.max_num_seqs_that_fit})"),
+        + ("fits" if cap.max_num_seqs_fits
+           else f"does NOT fit (largest {cap.max_num_seqs_that_fit})"),
     ]
     if plan.reason:
         lines.append(f"why: {plan.reason}")

@@ -15,8 +15,12 @@ from hybridkv.spec.layers import AttentionSpec, LayerSpec, StateSpec
 class ModelSpec:
     """Layers of one model (main, draft, or EAGLE/MTP head), in model order.
 
-    ``layers[i]`` is the spec of decoder layer ``i``; a model's MTP / EAGLE head is a
-    separate `ModelSpec` (see `draft_head`), planned as draft layers.
+    ``layers`` lists the cache-holding layers in model order: decoder layers without a
+    cache (Nemotron-H MLP / MoE layers) are skipped, and a decoder layer holding two
+    caches (Falcon-H1: attention and Mamba2 in parallel) gives two entries;
+    `hybridkv.models.registry.decoder_layer_indices` maps entries back to decoder
+    layers. A model's MTP / EAGLE head is a separate `ModelSpec` (see `draft_head`),
+    planned as draft layers.
     """
 
     name: str
@@ -57,7 +61,8 @@ class ModelSpec:
         self, kv: DType | None = None, conv: DType | None = None, ssm: DType | None = None
     ) -> ModelSpec:
         return dataclasses.replace(
-            self, layers=tuple(layer.with_dtypes(kv=kv, conv=conv, ssm=ssm) for layer in self.layers)
+            self,
+            layers=tuple(layer.with_dtypes(kv=kv, conv=conv, ssm=ssm) for layer in self.layers),
         )
 
     def draft_head(self, num_layers: int | None = None, *, method: str = "mtp") -> ModelSpec:

@@ -1,0 +1,223 @@
+"""From a Hugging Face ``config.json`` (dict, file, folder) or a preset name to a `ModelSpec`.
+
+``TABLE`` maps each ``model_type`` to its adapter (one row per type; the adapters live in
+one module per family). Multimodal wrappers (``gemma3``, ``qwen3_5``, ``qwen3_5_moe``)
+are read through their ``text_config``.
+
+Layer order and indices: ``ModelSpec.layers`` lists the cache-holding layers in model
+order. Layers that hold no cache (Nemotron-H MLP ``-`` and MoE ``E`` layers) are skipped,
+and a Falcon-H1 decoder layer gives two specs (attention, then Mamba2), so position ``k``
+in ``layers`` is not always decoder layer ``k``; `decoder_layer_indices` gives, for each
+position, the decoder-layer index it belongs to::
+
+    Nemotron-H pattern "M-M*E":   layers = (mamba2, mamba2, attn)
+                                  decoder_layer_indices = (0, 2, 3)
+    Falcon-H1, 2 layers:          layers = (attn, mamba2, attn, mamba2)
+                                  decoder_layer_indices = (0, 0, 1, 1)
+
+Presets are HF-style config files in ``models/presets/<name>.json`` with an extra
+``"_hybridkv"`` key (name, hf_id, family, source, notes); ``scripts/make_presets.py``
+writes them from the shared model table.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from hybridkv.errors import ConfigError, SpecError
+from hybridkv.models import dense, mamba_hybrids, others, qwen_hybrid
+from hybridkv.models._fields import Adapter, ConfigReader, IndexedLayers
+from hybridkv.spec.model import ModelSpec
+
+TABLE: dict[str, Adapter] = {
+    **dense.ADAPTERS,
+    **qwen_hybrid.ADAPTERS,
+    **mamba_hybrids.ADAPTERS,
+    **others.ADAPTERS,
+}
+
+# Wrapper model_type -> model_type of its text_config when that does not say.
+WRAPPERS: dict[str, str] = {
+    "gemma3": "gemma3_text",
+    "qwen3_5": "qwen3_5_text",
+    "qwen3_5_moe": "qwen3_5_moe_text",
+}
+# Wrapper keys a text_config inherits when it does not state them itself.
+_INHERITED = (
+    "dtype",
+    "torch_dtype",
+    "mamba_ssm_dtype",
+    "mamba_ssm_cache_dtype",
+    "mtp_num_hidden_layers",
+    "_name_or_path",
+    "_hybridkv",
+)
+
+META_KEY = "_hybridkv"
+PathLike = str | os.PathLike[str]
+
+
+@dataclass(frozen=True)
+class PresetInfo:
+    """One built-in preset, as `hybridkv models` lists it."""
+
+    name: str
+    family: str
+    model_type: str
+    hf_id: str
+    layer_mix: str
+    source: tuple[str, ...]
+
+
+def supported_model_types() -> list[str]:
+    return sorted([*TABLE, *WRAPPERS])
+
+
+def _unsupported(model_type: object) -> ConfigError:
+    return ConfigError(
+        f"unsupported model_type {model_type!r}; supported model types: "
+        f"{', '.join(supported_model_types())}"
+    )
+
+
+def text_config(config: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The dict the adapter reads: ``config`` itself, or a wrapper's ``text_config``."""
+    model_type = config.get("model_type")
+    if model_type in TABLE:
+        return config
+    text = config.get("text_config")
+    if text is None:
+        if model_type in WRAPPERS:
+            raise ConfigError(f"config field 'text_config' is missing (model_type {model_type!r})")
+        raise _unsupported(model_type)
+    if not isinstance(text, Mapping):
+        raise ConfigError(f"config field 'text_config' must be an object, got {text!r}")
+    merged = dict(text)
+    for key in _INHERITED:
+        if merged.get(key) is None and config.get(key) is not None:
+            merged[key] = config[key]
+    if merged.get("model_type") is None and model_type in WRAPPERS:
+        merged["model_type"] = WRAPPERS[str(model_type)]
+    return merged
+
+
+def _adapt(
+    config: Mapping[str, Any], name: str | None, source: str
+) -> tuple[ModelSpec, IndexedLayers]:
+    if not isinstance(config, Mapping):
+        raise ConfigError(f"a model config must be a JSON object, got {type(config).__name__}")
+    cfg = text_config(config)
+    model_type = cfg.get("model_type")
+    if not isinstance(model_type, str) or model_type not in TABLE:
+        raise _unsupported(model_type)
+    adapter = TABLE[model_type]
+    reader = ConfigReader(cfg, model_type, adapter.defaults)
+    raw_meta = cfg.get(META_KEY)
+    meta: Mapping[str, Any] = raw_meta if isinstance(raw_meta, Mapping) else {}
+    try:
+        indexed = adapter.build(reader)
+        spec = ModelSpec(
+            name=str(name or meta.get("name") or cfg.get("_name_or_path") or model_type),
+            model_type=model_type,
+            layers=tuple(layer for _, layer in indexed),
+            dtype=reader.dtype,
+            max_position_embeddings=reader.max_position_embeddings,
+            num_mtp_layers=reader.num_mtp_layers,
+            source=source,
+        )
+    except SpecError as err:
+        raise ConfigError(f"model_type {model_type!r}: {err}") from err
+    return spec, indexed
+
+
+def from_hf_config(
+    config: Mapping[str, Any], *, name: str | None = None, source: str = ""
+) -> ModelSpec:
+    """The `ModelSpec` of a HF ``config.json`` dict (unsharded; the planner applies TP).
+
+    Raises `ConfigError` for an unknown ``model_type`` (listing the supported ones) or a
+    missing / malformed field (naming it).
+    """
+    return _adapt(config, name, source)[0]
+
+
+def decoder_layer_indices(config: Mapping[str, Any]) -> tuple[int, ...]:
+    """For each entry of ``from_hf_config(config).layers``, its decoder-layer index."""
+    return tuple(index for index, _ in _adapt(config, None, "")[1])
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def _presets_dir() -> Any:
+    return resources.files("hybridkv.models").joinpath("presets")
+
+
+def preset_names() -> list[str]:
+    return sorted(
+        p.name[: -len(".json")] for p in _presets_dir().iterdir() if p.name.endswith(".json")
+    )
+
+
+def _read_json(text: str, where: str) -> dict[str, Any]:
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"{where} is not valid JSON: {err}") from err
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where} must hold a JSON object, got {type(data).__name__}")
+    return data
+
+
+def load_config(path_or_preset: PathLike) -> tuple[dict[str, Any], str]:
+    """(config dict, source) for a ``config.json`` path, a folder holding one, or a preset."""
+    path = Path(path_or_preset)
+    if path.is_dir():
+        path = path / "config.json"
+        if not path.is_file():
+            raise ConfigError(f"folder {path.parent} holds no config.json")
+    if path.is_file():
+        return _read_json(path.read_text(encoding="utf-8"), str(path)), str(path)
+    key = str(path_or_preset).strip().lower()
+    preset = _presets_dir().joinpath(f"{key}.json")
+    if key and "/" not in key and preset.is_file():
+        config = _read_json(preset.read_text(encoding="utf-8"), f"preset {key}")
+        return config, f"preset {key}"
+    raise ConfigError(
+        f"{str(path_or_preset)!r} is neither a config.json, a folder holding one, nor a preset; "
+        f"presets: {', '.join(preset_names())}"
+    )
+
+
+def load_model_spec(path_or_preset: PathLike | Mapping[str, Any]) -> ModelSpec:
+    """A `ModelSpec` from a preset name (any case), a ``config.json``, a folder, or a dict."""
+    if isinstance(path_or_preset, Mapping):
+        return from_hf_config(path_or_preset)
+    config, source = load_config(path_or_preset)
+    return from_hf_config(config, source=source)
+
+
+def list_presets() -> list[PresetInfo]:
+    """Every built-in preset with its family, layer mix and sources, sorted by name."""
+    infos = []
+    for name in preset_names():
+        config, source = load_config(name)
+        meta = config.get(META_KEY, {})
+        spec = from_hf_config(config, source=source)
+        infos.append(
+            PresetInfo(
+                name=name,
+                family=str(meta.get("family", TABLE[spec.model_type].family)),
+                model_type=str(config.get("model_type")),
+                hf_id=str(meta.get("hf_id", "")),
+                layer_mix=spec.layer_mix(),
+                source=tuple(meta.get("source", ())),
+            )
+        )
+    return infos
