@@ -1,0 +1,109 @@
+"""Read a transformers checkpoint folder: ``config.json`` plus ``*.safetensors``.
+
+Weights are addressed by transformers' parameter names. Sharded checkpoints are read
+through ``model.safetensors.index.json``. Every tensor a model takes is checked against
+the shape its config implies, so a checkpoint that does not match its config fails at
+load time with the tensor's name and both shapes, not later with a matmul error.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hybridkv.errors import EngineError
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def read_config(path: str | Path) -> dict[str, Any]:
+    """The ``config.json`` of a checkpoint folder (or the file itself) as a dict."""
+    path = Path(path)
+    config_file = path / "config.json" if path.is_dir() else path
+    try:
+        config = json.loads(config_file.read_text())
+    except FileNotFoundError:
+        raise EngineError(f"no config.json at {config_file}") from None
+    except json.JSONDecodeError as err:
+        raise EngineError(f"{config_file} is not valid JSON: {err}") from None
+    if not isinstance(config, dict):
+        raise EngineError(f"{config_file} must hold a JSON object")
+    return config
+
+
+def safetensors_files(folder: Path) -> list[Path]:
+    """The weight files of a checkpoint: the index's shards, or the single file."""
+    index = folder / INDEX_FILE
+    if index.exists():
+        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        return [folder / name for name in sorted(set(weight_map.values()))]
+    if (folder / SINGLE_FILE).exists():
+        return [folder / SINGLE_FILE]
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise EngineError(f"no *.safetensors weights in {folder}")
+    return files
+
+
+class Checkpoint:
+    """The tensors of one checkpoint, handed out once each by name with a shape check."""
+
+    def __init__(self, folder: str | Path, dtype: torch.dtype, device: str | torch.device = "cpu"):
+        from safetensors import safe_open
+
+        self.folder = Path(folder)
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self._tensors: dict[str, torch.Tensor] = {}
+        for file in safetensors_files(self.folder):
+            with safe_open(str(file), framework="pt") as handle:
+                for name in handle.keys():  # noqa: SIM118 - safe_open is not a mapping
+                    self._tensors[name] = handle.get_tensor(name)
+        self._taken: set[str] = set()
+
+    def has(self, name: str) -> bool:
+        return name in self._tensors
+
+    def take(
+        self, name: str, shape: tuple[int, ...], dtype: torch.dtype | None = None
+    ) -> torch.Tensor:
+        """The tensor ``name`` converted to the model dtype, or `EngineError` if it is
+        missing or its shape is not ``shape``."""
+        tensor = self._tensors.get(name)
+        if tensor is None:
+            raise EngineError(f"checkpoint {self.folder} has no tensor {name!r}")
+        if tuple(tensor.shape) != tuple(shape):
+            raise EngineError(
+                f"tensor {name!r} in {self.folder} has shape {tuple(tensor.shape)} but the "
+                f"config implies {tuple(shape)}; the checkpoint does not match its config.json"
+            )
+        self._taken.add(name)
+        return tensor.to(device=self.device, dtype=dtype or self.dtype)
+
+    def take_optional(self, name: str, shape: tuple[int, ...]) -> torch.Tensor | None:
+        return self.take(name, shape) if self.has(name) else None
+
+    def unused(self) -> list[str]:
+        """Tensors nobody took (e.g. an MTP head we do not run)."""
+        return sorted(set(self._tensors) - self._taken)
+
+
+def cfg_get(config: dict[str, Any], *names: str, default: Any = None) -> Any:
+    """The first of ``names`` present (and not None) in ``config``, else ``default``."""
+    for name in names:
+        value = config.get(name)
+        if value is not None:
+            return value
+    return default
+
+
+def cfg_require(config: dict[str, Any], name: str) -> Any:
+    value = config.get(name)
+    if value is None:
+        model_type = config.get("model_type", "?")
+        raise EngineError(f"config.json (model_type {model_type}) has no {name!r}")
+    return value

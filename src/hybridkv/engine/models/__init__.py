@@ -1,0 +1,53 @@
+"""Reference model implementations, one module per architecture family.
+
+`load_model(folder)` reads ``config.json``, picks the loader for its ``model_type`` from
+`LOADERS` and returns a `CausalLM` whose `layers` describe the caches it expects.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hybridkv.engine.loader import Checkpoint, read_config
+from hybridkv.engine.models.common import CausalLM, LayerDesc
+from hybridkv.errors import EngineError
+
+Loader = Callable[[dict[str, Any], Checkpoint], CausalLM]
+
+
+def _loaders() -> dict[str, Loader]:
+    from hybridkv.engine.models.gemma3 import load_gemma3
+    from hybridkv.engine.models.nemotron_h import load_nemotron_h
+    from hybridkv.engine.models.qwen3 import load_qwen3
+    from hybridkv.engine.models.qwen3_5 import load_qwen3_5
+
+    return {
+        "qwen3": load_qwen3,
+        "qwen3_5_text": load_qwen3_5,
+        "qwen3_next": load_qwen3_5,
+        "gemma3_text": load_gemma3,
+        "nemotron_h": load_nemotron_h,
+    }
+
+
+def load_model(
+    folder: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu"
+) -> CausalLM:
+    """Load a transformers checkpoint folder into the reference engine."""
+    config = read_config(folder)
+    model_type = config.get("model_type")
+    loaders = _loaders()
+    loader = loaders.get(str(model_type))
+    if loader is None:
+        raise EngineError(
+            f"model_type {model_type!r} is not supported by the reference engine; "
+            f"supported: {sorted(loaders)}"
+        )
+    return loader(config, Checkpoint(folder, dtype, device))
+
+
+__all__ = ["CausalLM", "LayerDesc", "load_model"]

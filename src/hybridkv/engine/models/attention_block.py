@@ -1,0 +1,151 @@
+"""The attention mixer shared by the dense and hybrid architectures.
+
+Variants are flags, not subclasses: optional per-head q/k norms (Qwen3, Gemma 3,
+Qwen3.5), an output gate packed with the query projection (Qwen3.5 / Qwen3-Next:
+``q_proj`` yields ``[q | gate]`` per head), rope or none (NoPE layers), a sliding
+window, and the attention scale and logit softcap each config defines.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from hybridkv.engine.attention import paged_attention
+from hybridkv.engine.context import ForwardBatch, KVCache, LayerCache
+from hybridkv.engine.loader import Checkpoint
+from hybridkv.engine.models.common import (
+    FULL_ATTENTION,
+    SLIDING_ATTENTION,
+    LayerDesc,
+    NormFn,
+    Rope,
+)
+from hybridkv.errors import EngineError
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    bias: bool = False
+    gated: bool = False  # q_proj also yields a sigmoid gate on the attention output
+    qk_norm: bool = False
+
+
+@dataclass
+class Attention:
+    """q/k/v projections, rope, paged attention, optional gate, o projection."""
+
+    shape: AttentionShape
+    q_proj: torch.Tensor
+    k_proj: torch.Tensor
+    v_proj: torch.Tensor
+    o_proj: torch.Tensor
+    q_bias: torch.Tensor | None
+    k_bias: torch.Tensor | None
+    v_bias: torch.Tensor | None
+    o_bias: torch.Tensor | None
+    q_norm: Callable[[torch.Tensor], torch.Tensor] | None
+    k_norm: Callable[[torch.Tensor], torch.Tensor] | None
+    rope: Rope | None
+    scale: float
+    sliding_window: int | None = None
+    softcap: float | None = None
+
+    @classmethod
+    def load(
+        cls,
+        ckpt: Checkpoint,
+        prefix: str,
+        shape: AttentionShape,
+        *,
+        norm: NormFn,
+        eps: float,
+        rope: Rope | None,
+        scale: float,
+        sliding_window: int | None = None,
+        softcap: float | None = None,
+    ) -> Attention:
+        s = shape
+        q_out = s.num_heads * s.head_dim * (2 if s.gated else 1)
+        kv_out = s.num_kv_heads * s.head_dim
+        o_in = s.num_heads * s.head_dim
+        if s.num_heads % s.num_kv_heads:
+            raise EngineError(
+                f"{prefix}: num_attention_heads {s.num_heads} is not a multiple of "
+                f"num_key_value_heads {s.num_kv_heads}"
+            )
+
+        def bias(name: str, size: int) -> torch.Tensor | None:
+            return ckpt.take(f"{prefix}.{name}.bias", (size,)) if s.bias else None
+
+        def head_norm(name: str) -> Callable[[torch.Tensor], torch.Tensor] | None:
+            if not s.qk_norm:
+                return None
+            weight = ckpt.take(f"{prefix}.{name}.weight", (s.head_dim,))
+            return lambda x: norm(x, weight, eps)
+
+        return cls(
+            shape=s,
+            q_proj=ckpt.take(f"{prefix}.q_proj.weight", (q_out, s.hidden_size)),
+            k_proj=ckpt.take(f"{prefix}.k_proj.weight", (kv_out, s.hidden_size)),
+            v_proj=ckpt.take(f"{prefix}.v_proj.weight", (kv_out, s.hidden_size)),
+            o_proj=ckpt.take(f"{prefix}.o_proj.weight", (s.hidden_size, o_in)),
+            q_bias=bias("q_proj", q_out),
+            k_bias=bias("k_proj", kv_out),
+            v_bias=bias("v_proj", kv_out),
+            o_bias=bias("o_proj", s.hidden_size),
+            q_norm=head_norm("q_norm"),
+            k_norm=head_norm("k_norm"),
+            rope=rope,
+            scale=scale,
+            sliding_window=sliding_window,
+            softcap=softcap,
+        )
+
+    def desc(self, index: int) -> LayerDesc:
+        s = self.shape
+        return LayerDesc(
+            index=index,
+            kind=SLIDING_ATTENTION if self.sliding_window is not None else FULL_ATTENTION,
+            family="attention",
+            shapes={"key": (s.num_kv_heads, s.head_dim), "value": (s.num_kv_heads, s.head_dim)},
+            sliding_window=self.sliding_window,
+        )
+
+    def __call__(self, x: torch.Tensor, batch: ForwardBatch, cache: LayerCache) -> torch.Tensor:
+        if not isinstance(cache, KVCache):
+            raise EngineError(f"attention layer got a {type(cache).__name__}, expected KVCache")
+        s = self.shape
+        num_tokens = x.shape[0]
+        q = F.linear(x, self.q_proj, self.q_bias).view(num_tokens, s.num_heads, -1)
+        gate = None
+        if s.gated:
+            q, gate = q[..., : s.head_dim], q[..., s.head_dim :]
+            gate = gate.reshape(num_tokens, -1)
+        k = F.linear(x, self.k_proj, self.k_bias).view(num_tokens, s.num_kv_heads, s.head_dim)
+        v = F.linear(x, self.v_proj, self.v_bias).view(num_tokens, s.num_kv_heads, s.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.rope is not None:
+            q = self.rope.apply(q, batch.positions)
+            k = self.rope.apply(k, batch.positions)
+        out = paged_attention(
+            q,
+            k,
+            v,
+            cache,
+            batch,
+            scale=self.scale,
+            sliding_window=self.sliding_window,
+            softcap=self.softcap,
+        ).reshape(num_tokens, -1)
+        if gate is not None:
+            out = out * torch.sigmoid(gate)
+        return F.linear(out, self.o_proj, self.o_bias)

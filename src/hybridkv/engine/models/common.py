@@ -1,0 +1,258 @@
+"""Pieces every architecture shares: layer descriptions, norms, rope, MLPs, the LM shell.
+
+A model is a plain object holding tensors (no ``nn.Module``): it only runs inference,
+and keeping weights in explicit fields makes the loader's shape checks the single
+place where checkpoint and config meet.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+import torch.nn.functional as F
+
+from hybridkv.engine.context import ForwardBatch, LayerCache
+from hybridkv.engine.loader import Checkpoint, cfg_get
+from hybridkv.errors import EngineError
+
+FULL_ATTENTION = "full_attention"
+SLIDING_ATTENTION = "sliding_attention"
+STATE = "state"
+
+
+@dataclass(frozen=True)
+class LayerDesc:
+    """What the runner needs to allocate one layer's cache.
+
+    ``shapes`` are per page (attention: per token in a block, i.e. the page is
+    ``[block_size, *shape]``) or per state slot (state layers: ``conv`` and ``ssm``;
+    the conv shape has the minimal ``kernel - 1`` columns, more are allowed).
+    Attention layers have ``key``/``value``; state layers ``conv``/``ssm``.
+    """
+
+    index: int
+    kind: str  # FULL_ATTENTION | SLIDING_ATTENTION | STATE
+    family: str  # "attention", "gated_delta_net", "mamba2"
+    shapes: Mapping[str, tuple[int, ...]]
+    sliding_window: int | None = None
+    ssm_dtype: torch.dtype | None = None  # None: the model dtype
+
+
+class Block(Protocol):
+    """One decoder layer: ``hidden [T, hidden] -> hidden``, reading/writing its cache.
+
+    ``desc`` is None for layers without a cache (Nemotron-H's MLP-only layers).
+    """
+
+    @property
+    def desc(self) -> LayerDesc | None: ...
+
+    def __call__(
+        self, hidden: torch.Tensor, batch: ForwardBatch, cache: LayerCache | None
+    ) -> torch.Tensor: ...
+
+
+class CausalLM:
+    """Embedding, a stack of blocks, final norm and LM head; logits at chosen tokens."""
+
+    def __init__(
+        self,
+        config: dict[str, Any],
+        dtype: torch.dtype,
+        embed: torch.Tensor,
+        blocks: Sequence[Block],
+        final_norm: Callable[[torch.Tensor], torch.Tensor],
+        lm_head: torch.Tensor,
+        embed_scale: float | None = None,
+        final_softcap: float | None = None,
+    ):
+        self.config = config
+        self.dtype = dtype
+        self.embed = embed
+        self.blocks = list(blocks)
+        self.final_norm = final_norm
+        self.lm_head = lm_head
+        self.embed_scale = embed_scale
+        self.final_softcap = final_softcap
+
+    @property
+    def layers(self) -> list[LayerDesc]:
+        """The layers that hold a cache, by transformers layer index."""
+        return [block.desc for block in self.blocks if block.desc is not None]
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.lm_head.shape[0])
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, caches: Mapping[int, LayerCache]) -> torch.Tensor:
+        """Run one step; returns float32 logits ``[N, vocab]`` at ``batch.selected_indices()``.
+
+        ``caches`` maps every layer index to its `KVCache` or `StateCache`; the caches
+        are updated in place (K/V of the new tokens written, state slots advanced).
+        """
+        hidden = F.embedding(batch.input_ids, self.embed)
+        if self.embed_scale is not None:
+            # The scale is rounded to the model dtype before multiplying, as trained.
+            hidden = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)
+        for block in self.blocks:
+            cache = None
+            if block.desc is not None:
+                cache = caches.get(block.desc.index)
+                if cache is None:
+                    raise EngineError(f"no cache given for layer {block.desc.index}")
+            hidden = block(hidden, batch, cache)
+        hidden = self.final_norm(hidden[batch.selected_indices()])
+        logits = F.linear(hidden, self.lm_head).float()
+        if self.final_softcap is not None:
+            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
+        return logits
+
+
+# ----------------------------------------------------------------------------- norms
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Llama-style RMSNorm: normalise in float32, cast back, then scale."""
+    xf = x.float()
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * normed.to(x.dtype)
+
+
+def rms_norm_offset(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Zero-centred RMSNorm (Gemma, Qwen3.5): scale by ``1 + weight`` in float32."""
+    xf = x.float()
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (normed * (1.0 + weight.float())).to(x.dtype)
+
+
+NormFn = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
+
+
+def bind_norm(
+    norm: NormFn, weight: torch.Tensor, eps: float
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    return lambda x: norm(x, weight, eps)
+
+
+# ----------------------------------------------------------------------------- rope
+
+
+@dataclass(frozen=True)
+class Rope:
+    """Rotary embedding on the first ``rotary_dim`` channels of each head (half-split)."""
+
+    inv_freq: torch.Tensor  # [rotary_dim // 2], float32
+    attention_scaling: float = 1.0
+
+    @property
+    def rotary_dim(self) -> int:
+        return 2 * int(self.inv_freq.numel())
+
+    def cos_sin(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions[:, None].float() * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos = emb.cos() * self.attention_scaling
+        sin = emb.sin() * self.attention_scaling
+        return cos.to(dtype), sin.to(dtype)
+
+    def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Rotate ``x [T, heads, head_dim]``; channels past ``rotary_dim`` pass through."""
+        cos, sin = self.cos_sin(positions, x.dtype)
+        cos, sin = cos[:, None, :], sin[:, None, :]
+        rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
+        half = self.rotary_dim // 2
+        rotated = torch.cat((-rot[..., half:], rot[..., :half]), dim=-1)
+        return torch.cat((rot * cos + rotated * sin, rest), dim=-1)
+
+
+def make_rope(params: Mapping[str, Any], head_dim: int) -> Rope:
+    """Rope from a transformers ``rope_parameters`` dict (default and linear types)."""
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    base = float(params.get("rope_theta", 10000.0))
+    dim = int(head_dim * float(params.get("partial_rotary_factor", 1.0)))
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    inv_freq = 1.0 / (base**exponents)
+    if rope_type == "linear":
+        inv_freq = inv_freq / float(params["factor"])
+    elif rope_type != "default":
+        raise EngineError(f"rope_type {rope_type!r} is not supported (default, linear)")
+    return Rope(inv_freq=inv_freq)
+
+
+def rope_parameters(config: Mapping[str, Any], layer_type: str | None = None) -> dict[str, Any]:
+    """The rope parameters of ``layer_type`` (per-type dicts win), with legacy fallbacks."""
+    params = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    if layer_type is not None and isinstance(params.get(layer_type), dict):
+        params = params[layer_type]
+    params = dict(params)
+    params.setdefault("rope_theta", cfg_get(dict(config), "rope_theta", default=10000.0))
+    if "partial_rotary_factor" in config and "partial_rotary_factor" not in params:
+        params["partial_rotary_factor"] = config["partial_rotary_factor"]
+    return params
+
+
+# ----------------------------------------------------------------------------- MLP
+
+
+def relu2(x: torch.Tensor) -> torch.Tensor:
+    return torch.square(F.relu(x))
+
+
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu,
+    "swish": F.silu,
+    "gelu": F.gelu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "relu2": relu2,
+}
+
+
+def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    try:
+        return ACTIVATIONS[name]
+    except KeyError:
+        raise EngineError(f"activation {name!r} is not supported ({sorted(ACTIVATIONS)})") from None
+
+
+@dataclass
+class GatedMLP:
+    """``down(act(gate(x)) * up(x))``."""
+
+    gate: torch.Tensor
+    up: torch.Tensor
+    down: torch.Tensor
+    act: Callable[[torch.Tensor], torch.Tensor]
+
+    @classmethod
+    def load(cls, ckpt: Checkpoint, prefix: str, hidden: int, inter: int, act: str) -> GatedMLP:
+        return cls(
+            gate=ckpt.take(f"{prefix}.gate_proj.weight", (inter, hidden)),
+            up=ckpt.take(f"{prefix}.up_proj.weight", (inter, hidden)),
+            down=ckpt.take(f"{prefix}.down_proj.weight", (hidden, inter)),
+            act=activation(act),
+        )
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(self.act(F.linear(x, self.gate)) * F.linear(x, self.up), self.down)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return F.linear(x, weight, bias)
+
+
+def load_lm_head(ckpt: Checkpoint, config: Mapping[str, Any], embed: torch.Tensor) -> torch.Tensor:
+    """``lm_head.weight``, or the embedding when the config ties them."""
+    if config.get("tie_word_embeddings", False) and not ckpt.has("lm_head.weight"):
+        return embed
+    return ckpt.take("lm_head.weight", tuple(embed.shape))
+
+
+def inv_sqrt(x: float) -> float:
+    return 1.0 / math.sqrt(x)

@@ -1,0 +1,183 @@
+"""Gated DeltaNet mixer (Qwen3.5, Qwen3-Next linear-attention layers).
+
+    x -> [q | k | v] -> causal conv (rolling state) -> silu -> split heads
+    beta = sigmoid(b),  g = -exp(A_log) * softplus(a + dt_bias)
+    o = gated delta rule(q, k, v, g, beta; recurrent state)
+    out = out_proj(rmsnorm(o) * silu(z))
+
+The two checkpoints differ only in how the input projections are packed, so a
+`Projector` turns hidden states into ``(mixed_qkv, z, b, a)`` and the rest is shared.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from hybridkv.engine.context import ForwardBatch, LayerCache, StateCache
+from hybridkv.engine.loader import Checkpoint, cfg_get, cfg_require
+from hybridkv.engine.models.common import STATE, LayerDesc
+from hybridkv.engine.state_ops import causal_conv1d, gated_delta_rule, initial_state, request_slots
+from hybridkv.errors import EngineError
+
+
+@dataclass(frozen=True)
+class GDNShape:
+    hidden_size: int
+    num_k_heads: int
+    num_v_heads: int
+    head_k_dim: int
+    head_v_dim: int
+    conv_kernel: int
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> GDNShape:
+        shape = cls(
+            hidden_size=int(cfg_require(config, "hidden_size")),
+            num_k_heads=int(cfg_require(config, "linear_num_key_heads")),
+            num_v_heads=int(cfg_require(config, "linear_num_value_heads")),
+            head_k_dim=int(cfg_require(config, "linear_key_head_dim")),
+            head_v_dim=int(cfg_require(config, "linear_value_head_dim")),
+            conv_kernel=int(cfg_get(config, "linear_conv_kernel_dim", default=4)),
+        )
+        if shape.num_v_heads % shape.num_k_heads:
+            raise EngineError(
+                f"linear_num_value_heads {shape.num_v_heads} is not a multiple of "
+                f"linear_num_key_heads {shape.num_k_heads}"
+            )
+        return shape
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_k_heads * self.head_k_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_v_heads * self.head_v_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.key_dim + self.value_dim
+
+
+# hidden [T, hidden] -> (mixed_qkv [T, conv_dim], z [T, value_dim], b [T, Hv], a [T, Hv])
+Projector = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+def qwen3_5_projector(ckpt: Checkpoint, prefix: str, s: GDNShape) -> Projector:
+    """Qwen3.5: separate ``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``, ``in_proj_a``."""
+    w_qkv = ckpt.take(f"{prefix}.in_proj_qkv.weight", (s.conv_dim, s.hidden_size))
+    w_z = ckpt.take(f"{prefix}.in_proj_z.weight", (s.value_dim, s.hidden_size))
+    w_b = ckpt.take(f"{prefix}.in_proj_b.weight", (s.num_v_heads, s.hidden_size))
+    w_a = ckpt.take(f"{prefix}.in_proj_a.weight", (s.num_v_heads, s.hidden_size))
+    return lambda x: (F.linear(x, w_qkv), F.linear(x, w_z), F.linear(x, w_b), F.linear(x, w_a))
+
+
+def qwen3_next_projector(ckpt: Checkpoint, prefix: str, s: GDNShape) -> Projector:
+    """Qwen3-Next: ``in_proj_qkvz`` and ``in_proj_ba`` packed per key head.
+
+    Per key head the rows are ``[q (dk) | k (dk) | v (r*dv) | z (r*dv)]`` and
+    ``[b (r) | a (r)]`` with ``r = Hv / Hk``; we regroup them into Qwen3.5's order.
+    """
+    ratio = s.num_v_heads // s.num_k_heads
+    per_head = 2 * s.head_k_dim + 2 * ratio * s.head_v_dim
+    w_qkvz = ckpt.take(f"{prefix}.in_proj_qkvz.weight", (s.num_k_heads * per_head, s.hidden_size))
+    w_ba = ckpt.take(f"{prefix}.in_proj_ba.weight", (2 * s.num_v_heads, s.hidden_size))
+
+    def project(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        n = x.shape[0]
+        qkvz = F.linear(x, w_qkvz).view(n, s.num_k_heads, per_head)
+        q, k, v, z = torch.split(
+            qkvz, [s.head_k_dim, s.head_k_dim, ratio * s.head_v_dim, ratio * s.head_v_dim], dim=-1
+        )
+        b, a = torch.split(F.linear(x, w_ba).view(n, s.num_k_heads, 2 * ratio), ratio, dim=-1)
+        mixed = torch.cat([q.reshape(n, -1), k.reshape(n, -1), v.reshape(n, -1)], dim=-1)
+        return mixed, z.reshape(n, -1), b.reshape(n, -1), a.reshape(n, -1)
+
+    return project  # type: ignore[return-value]
+
+
+@dataclass
+class GatedDeltaNet:
+    shape: GDNShape
+    project: Projector
+    conv_weight: torch.Tensor  # [conv_dim, kernel]
+    dt_bias: torch.Tensor
+    A_log: torch.Tensor
+    norm_weight: torch.Tensor  # [head_v_dim]
+    out_proj: torch.Tensor
+    eps: float
+
+    @classmethod
+    def load(
+        cls,
+        ckpt: Checkpoint,
+        prefix: str,
+        shape: GDNShape,
+        projector: Callable[[Checkpoint, str, GDNShape], Projector],
+        eps: float,
+    ) -> GatedDeltaNet:
+        s = shape
+        conv = ckpt.take(f"{prefix}.conv1d.weight", (s.conv_dim, 1, s.conv_kernel))
+        return cls(
+            shape=s,
+            project=projector(ckpt, prefix, s),
+            conv_weight=conv[:, 0, :],
+            dt_bias=ckpt.take(f"{prefix}.dt_bias", (s.num_v_heads,)),
+            A_log=ckpt.take(f"{prefix}.A_log", (s.num_v_heads,)),
+            norm_weight=ckpt.take(f"{prefix}.norm.weight", (s.head_v_dim,)),
+            out_proj=ckpt.take(f"{prefix}.out_proj.weight", (s.hidden_size, s.value_dim)),
+            eps=eps,
+        )
+
+    def desc(self, index: int) -> LayerDesc:
+        s = self.shape
+        return LayerDesc(
+            index=index,
+            kind=STATE,
+            family="gated_delta_net",
+            shapes={
+                "conv": (s.conv_dim, s.conv_kernel - 1),
+                "ssm": (s.num_v_heads, s.head_k_dim, s.head_v_dim),
+            },
+        )
+
+    def __call__(self, x: torch.Tensor, batch: ForwardBatch, cache: LayerCache) -> torch.Tensor:
+        if not isinstance(cache, StateCache):
+            raise EngineError(f"Gated DeltaNet layer got a {type(cache).__name__}, not StateCache")
+        s = self.shape
+        mixed, z, b, a = self.project(x)
+        beta = torch.sigmoid(b)
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        core = x.new_empty(x.shape[0], s.num_v_heads, s.head_v_dim)
+        ratio = s.num_v_heads // s.num_k_heads
+        for start, end, slot, has_initial in request_slots(batch, cache):
+            conv_state = initial_state(cache.conv, slot, has_initial)
+            conv_out, conv_state = causal_conv1d(
+                mixed[start:end], conv_state, self.conv_weight, None
+            )
+            conv_out = F.silu(conv_out)
+            q, k, v = torch.split(conv_out, [s.key_dim, s.key_dim, s.value_dim], dim=-1)
+            n = end - start
+            q = q.reshape(n, s.num_k_heads, s.head_k_dim).repeat_interleave(ratio, dim=1)
+            k = k.reshape(n, s.num_k_heads, s.head_k_dim).repeat_interleave(ratio, dim=1)
+            v = v.reshape(n, s.num_v_heads, s.head_v_dim)
+            state = initial_state(cache.ssm, slot, has_initial)
+            out, state = gated_delta_rule(q, k, v, g[start:end], beta[start:end], state)
+            core[start:end] = out
+            cache.conv[slot] = conv_state.to(cache.conv.dtype)
+            cache.ssm[slot] = state.to(cache.ssm.dtype)
+        gate = z.view(-1, s.num_v_heads, s.head_v_dim)
+        normed = self._gated_norm(core, gate).reshape(x.shape[0], s.value_dim)
+        return F.linear(normed, self.out_proj)
+
+    def _gated_norm(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """RMSNorm over each head (plain weight, no +1), then times silu(gate)."""
+        xf = x.float()
+        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        out = self.norm_weight * normed.to(x.dtype)
+        return (out * F.silu(gate.float())).to(x.dtype)

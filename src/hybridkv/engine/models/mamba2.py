@@ -1,0 +1,160 @@
+"""Mamba2 mixer (Nemotron-H layout; Granite-4.0-H and Falcon-H1 use the same core).
+
+    in_proj(x) -> [z (inner) | xBC (inner + 2*groups*N) | dt (heads)]
+    xBC -> causal conv (rolling state) + bias -> silu -> [x | B | C]
+    dt = clamp(softplus(dt + dt_bias), min=time_step_min),  A = -exp(A_log)
+    y = selective scan(x, dt, A, B, C, D; ssm state)
+    out = out_proj(grouped_rmsnorm(y * silu(z)))
+
+transformers clamps ``dt`` at ``time_step_min`` in its multi-token scan but not in its
+one-token decode; we clamp always so the result cannot depend on how a prompt is
+chunked. The two agree whenever ``softplus(dt + dt_bias) >= time_step_min``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from hybridkv.engine.context import ForwardBatch, LayerCache, StateCache
+from hybridkv.engine.loader import Checkpoint, cfg_get, cfg_require
+from hybridkv.engine.models.common import STATE, LayerDesc
+from hybridkv.engine.state_ops import causal_conv1d, initial_state, mamba2_scan, request_slots
+from hybridkv.errors import EngineError
+
+
+@dataclass(frozen=True)
+class Mamba2Shape:
+    hidden_size: int
+    num_heads: int
+    head_dim: int
+    state_size: int
+    n_groups: int
+    conv_kernel: int
+    use_conv_bias: bool
+    use_bias: bool
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> Mamba2Shape:
+        shape = cls(
+            hidden_size=int(cfg_require(config, "hidden_size")),
+            num_heads=int(cfg_require(config, "mamba_num_heads")),
+            head_dim=int(cfg_require(config, "mamba_head_dim")),
+            state_size=int(cfg_require(config, "ssm_state_size")),
+            n_groups=int(cfg_get(config, "n_groups", default=1)),
+            conv_kernel=int(cfg_get(config, "conv_kernel", default=4)),
+            use_conv_bias=bool(cfg_get(config, "use_conv_bias", default=True)),
+            use_bias=bool(cfg_get(config, "use_bias", "mamba_proj_bias", default=False)),
+        )
+        if shape.num_heads % shape.n_groups:
+            raise EngineError(
+                f"mamba_num_heads {shape.num_heads} is not a multiple of n_groups {shape.n_groups}"
+            )
+        return shape
+
+    @property
+    def inner(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return self.inner + 2 * self.n_groups * self.state_size
+
+
+@dataclass
+class Mamba2:
+    shape: Mamba2Shape
+    in_proj: torch.Tensor
+    in_bias: torch.Tensor | None
+    conv_weight: torch.Tensor  # [conv_dim, kernel]
+    conv_bias: torch.Tensor | None
+    dt_bias: torch.Tensor
+    A_log: torch.Tensor
+    D: torch.Tensor
+    norm_weight: torch.Tensor  # [inner]
+    out_proj: torch.Tensor
+    out_bias: torch.Tensor | None
+    eps: float
+    dt_min: float
+    ssm_dtype: torch.dtype | None
+
+    @classmethod
+    def load(cls, ckpt: Checkpoint, prefix: str, config: dict[str, Any]) -> Mamba2:
+        s = Mamba2Shape.from_config(config)
+        proj_size = s.inner + s.conv_dim + s.num_heads
+        ssm_dtype = config.get("mamba_ssm_cache_dtype")
+        return cls(
+            shape=s,
+            in_proj=ckpt.take(f"{prefix}.in_proj.weight", (proj_size, s.hidden_size)),
+            in_bias=ckpt.take(f"{prefix}.in_proj.bias", (proj_size,)) if s.use_bias else None,
+            conv_weight=ckpt.take(f"{prefix}.conv1d.weight", (s.conv_dim, 1, s.conv_kernel))[:, 0],
+            conv_bias=(
+                ckpt.take(f"{prefix}.conv1d.bias", (s.conv_dim,)) if s.use_conv_bias else None
+            ),
+            dt_bias=ckpt.take(f"{prefix}.dt_bias", (s.num_heads,)),
+            A_log=ckpt.take(f"{prefix}.A_log", (s.num_heads,)),
+            D=ckpt.take(f"{prefix}.D", (s.num_heads,)),
+            norm_weight=ckpt.take(f"{prefix}.norm.weight", (s.inner,)),
+            out_proj=ckpt.take(f"{prefix}.out_proj.weight", (s.hidden_size, s.inner)),
+            out_bias=ckpt.take(f"{prefix}.out_proj.bias", (s.hidden_size,)) if s.use_bias else None,
+            eps=float(cfg_get(config, "layer_norm_epsilon", "rms_norm_eps", default=1e-5)),
+            dt_min=float(cfg_get(config, "time_step_min", default=0.0)),
+            ssm_dtype=getattr(torch, ssm_dtype) if isinstance(ssm_dtype, str) else None,
+        )
+
+    def desc(self, index: int) -> LayerDesc:
+        s = self.shape
+        return LayerDesc(
+            index=index,
+            kind=STATE,
+            family="mamba2",
+            shapes={
+                "conv": (s.conv_dim, s.conv_kernel - 1),
+                "ssm": (s.num_heads, s.head_dim, s.state_size),
+            },
+            ssm_dtype=self.ssm_dtype,
+        )
+
+    def __call__(self, x: torch.Tensor, batch: ForwardBatch, cache: LayerCache) -> torch.Tensor:
+        if not isinstance(cache, StateCache):
+            raise EngineError(f"Mamba2 layer got a {type(cache).__name__}, not StateCache")
+        s = self.shape
+        z, xbc, dt = torch.split(
+            F.linear(x, self.in_proj, self.in_bias), [s.inner, s.conv_dim, s.num_heads], dim=-1
+        )
+        dt = F.softplus(dt + self.dt_bias).clamp(min=self.dt_min)
+        A = -torch.exp(self.A_log.float())
+        heads_per_group = s.num_heads // s.n_groups
+        y = x.new_empty(x.shape[0], s.inner)
+        for start, end, slot, has_initial in request_slots(batch, cache):
+            conv_state = initial_state(cache.conv, slot, has_initial)
+            conv_out, conv_state = causal_conv1d(
+                xbc[start:end], conv_state, self.conv_weight, self.conv_bias
+            )
+            hs, B, C = torch.split(
+                F.silu(conv_out),
+                [s.inner, s.n_groups * s.state_size, s.n_groups * s.state_size],
+                dim=-1,
+            )
+            n = end - start
+            B = B.reshape(n, s.n_groups, s.state_size).repeat_interleave(heads_per_group, dim=1)
+            C = C.reshape(n, s.n_groups, s.state_size).repeat_interleave(heads_per_group, dim=1)
+            state = initial_state(cache.ssm, slot, has_initial)
+            out, state = mamba2_scan(
+                hs.reshape(n, s.num_heads, s.head_dim), dt[start:end], A, B, C, self.D, state
+            )
+            y[start:end] = out.reshape(n, s.inner)
+            cache.conv[slot] = conv_state.to(cache.conv.dtype)
+            cache.ssm[slot] = state.to(cache.ssm.dtype)
+        return F.linear(self._gated_norm(y, z), self.out_proj, self.out_bias)
+
+    def _gated_norm(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """Gate first, then RMSNorm within each of ``n_groups`` channel groups."""
+        s = self.shape
+        gated = y.float() * F.silu(z.float())
+        grouped = gated.view(-1, s.n_groups, s.inner // s.n_groups)
+        grouped = grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.norm_weight * grouped.view(-1, s.inner).to(y.dtype)
