@@ -1,0 +1,204 @@
+"""One pool of blocks, exactly as a `PoolPlan` lays it out.
+
+Blocks ``1 .. num_pages - 1`` are lent to the groups that draw from the pool (one group
+in a ``split`` layout, every group in a ``shared`` one); block 0 is the null block.
+Per block the pool keeps a reference count and, while the block is cached, its hash and
+the group whose index holds it. Each group has its own hash index ``hash -> block``.
+
+Life of a block::
+
+    fresh free --take--> referenced --cache--> referenced+hashed --release(last)--> cached free
+        ^                    |                                                   |   |
+        +---release(last)----+                  hit (touch): back to referenced <-+   |
+        +------------------- take when no fresh block is left: evicted (hash dropped) +
+
+Eviction is lazy: a cached free block keeps its hash until it is taken for reuse.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+
+from hybridkv.cache.block import NULL_BLOCK, BlockInfo
+from hybridkv.cache.events import BLOCK_REMOVED, BLOCK_STORED, CacheEvent
+from hybridkv.cache.free_queue import FreeQueue
+from hybridkv.errors import InvariantError
+from hybridkv.ids import BlockId
+from hybridkv.plan.types import PoolPlan
+
+
+class BlockPool:
+    """Reference counts, free queue and per-group hash indexes of one pool."""
+
+    def __init__(
+        self, plan: PoolPlan, events: list[CacheEvent] | None, *, store_tokens: bool = False
+    ) -> None:
+        if plan.num_pages < 1:
+            raise InvariantError(f"pool {plan.pool_id} has {plan.num_pages} pages; needs >= 1")
+        self.pool_id = plan.pool_id
+        self.num_blocks = plan.num_pages
+        self.ref_counts = [0] * plan.num_pages
+        self.hashes: list[bytes | None] = [None] * plan.num_pages
+        self.hash_group: list[int] = [-1] * plan.num_pages
+        self.hash_end: list[int] = [0] * plan.num_pages  # tokens covered by the hash
+        self.tokens: list[tuple[int, ...] | None] | None = (
+            [None] * plan.num_pages if store_tokens else None
+        )
+        self.index: dict[int, dict[bytes, BlockId]] = {g: {} for g in plan.group_ids}
+        self.free = FreeQueue(plan.num_pages, list(range(1, plan.num_pages)))
+        self.events = events
+        self.num_evictions = 0
+        self.num_stored = 0
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def num_free(self) -> int:
+        return len(self.free)
+
+    @property
+    def num_usable(self) -> int:
+        return self.num_blocks - 1
+
+    def usage(self) -> float:
+        return 1.0 - self.num_free / self.num_usable if self.num_usable else 0.0
+
+    def lookup(
+        self, group_id: int, block_hash: bytes, tokens: Sequence[int] | None = None
+    ) -> BlockId | None:
+        """The cached block of ``group_id`` under ``block_hash``, if any (tokens checked
+        when the pool stores them)."""
+        block = self.index[group_id].get(block_hash)
+        if (
+            block is not None
+            and self.tokens is not None
+            and tokens is not None
+            and self.tokens[block] != tuple(tokens)
+        ):
+            return None
+        return block
+
+    def is_cached(self, block_id: BlockId) -> bool:
+        return self.hashes[block_id] is not None
+
+    def info(self, block_id: BlockId) -> BlockInfo:
+        group = self.hash_group[block_id]
+        return BlockInfo(
+            block_id=block_id,
+            pool_id=self.pool_id,
+            ref_count=self.ref_counts[block_id],
+            block_hash=self.hashes[block_id],
+            group_id=None if group < 0 else group,
+            is_free=block_id != NULL_BLOCK and self.ref_counts[block_id] == 0,
+        )
+
+    # ------------------------------------------------------------------ mutations
+    def take(self) -> BlockId:
+        """A free block with reference count 1; evicts a cached one if no fresh is left."""
+        block, was_cached = self.free.pop()
+        if was_cached:
+            self._evict(block)
+        self.ref_counts[block] = 1
+        return block
+
+    def touch(self, block_id: BlockId) -> None:
+        """Add a reference to a cached block (a prefix hit); revives it if free."""
+        assert block_id != NULL_BLOCK
+        if self.ref_counts[block_id] == 0:
+            self.free.remove_cached(block_id)
+        self.ref_counts[block_id] += 1
+
+    def release(self, block_id: BlockId) -> None:
+        assert block_id != NULL_BLOCK and self.ref_counts[block_id] > 0, block_id
+        count = self.ref_counts[block_id] - 1
+        self.ref_counts[block_id] = count
+        if count == 0:
+            if self.hashes[block_id] is None:
+                self.free.push_fresh(block_id)
+            else:
+                self.free.push_cached(block_id)
+
+    def cache(
+        self,
+        block_id: BlockId,
+        group_id: int,
+        block_hash: bytes,
+        num_tokens: int,
+        tokens: Sequence[int] | None = None,
+    ) -> bool:
+        """Enter a referenced, uncached block into ``group_id``'s index.
+
+        Returns False (and changes nothing) when the index already holds another block
+        under this hash: the first copy wins and this one stays private.
+        """
+        assert self.ref_counts[block_id] > 0 and self.hashes[block_id] is None
+        index = self.index[group_id]
+        if block_hash in index:
+            return False
+        index[block_hash] = block_id
+        self.hashes[block_id] = block_hash
+        self.hash_group[block_id] = group_id
+        self.hash_end[block_id] = num_tokens
+        if self.tokens is not None and tokens is not None:
+            self.tokens[block_id] = tuple(tokens)
+        self.num_stored += 1
+        if self.events is not None:
+            self.events.append(CacheEvent(BLOCK_STORED, group_id, block_id, block_hash, num_tokens))
+        return True
+
+    def _evict(self, block_id: BlockId) -> None:
+        block_hash = self.hashes[block_id]
+        assert block_hash is not None
+        group = self.hash_group[block_id]
+        del self.index[group][block_hash]
+        self.hashes[block_id] = None
+        self.hash_group[block_id] = -1
+        if self.tokens is not None:
+            self.tokens[block_id] = None
+        self.num_evictions += 1
+        if self.events is not None:
+            self.events.append(
+                CacheEvent(BLOCK_REMOVED, group, block_id, block_hash, self.hash_end[block_id])
+            )
+
+    # ------------------------------------------------------------------ invariants
+    def check_invariants(self, expected_refs: Counter[int]) -> None:
+        """Free/referenced partition, ref counts, hash index, null block."""
+
+        def fail(msg: str) -> None:
+            raise InvariantError(f"pool {self.pool_id}: {msg}")
+
+        fresh = self.free.fresh_ids()
+        cached = self.free.cached_ids()
+        free = fresh + cached
+        if len(free) != len(set(free)) or len(free) != len(self.free):
+            fail(f"free queue has duplicates or a wrong count ({len(free)} vs {len(self.free)})")
+        if NULL_BLOCK in set(free):
+            fail("the null block is in the free queue")
+        if self.ref_counts[NULL_BLOCK] != 0 or self.hashes[NULL_BLOCK] is not None:
+            fail("the null block is referenced or cached")
+        free_set = set(free)
+        for block in range(1, self.num_blocks):
+            refs = self.ref_counts[block]
+            if refs != expected_refs.get(block, 0):
+                fail(
+                    f"block {block} has ref count {refs} but {expected_refs.get(block, 0)} "
+                    "references from block tables"
+                )
+            if (refs == 0) != (block in free_set):
+                fail(f"block {block} with ref count {refs} is free={block in free_set}")
+        for block in fresh:
+            if self.hashes[block] is not None:
+                fail(f"fresh free block {block} carries a hash")
+        for block in cached:
+            if self.hashes[block] is None:
+                fail(f"cached free block {block} carries no hash")
+        num_indexed = 0
+        for group, index in self.index.items():
+            num_indexed += len(index)
+            for block_hash, block in index.items():
+                if self.hashes[block] != block_hash or self.hash_group[block] != group:
+                    fail(f"index of group {group} maps a hash to block {block} holding another")
+        num_hashed = sum(h is not None for h in self.hashes)
+        if num_hashed != num_indexed:
+            fail(f"{num_hashed} blocks carry hashes but the indexes hold {num_indexed}")

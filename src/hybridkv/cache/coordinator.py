@@ -1,0 +1,157 @@
+"""Across groups: the common prefix hit, and all-or-nothing allocation.
+
+Prefix hit (fixed point). Each group reports the longest hit <= a limit it can serve;
+the limit shrinks until no group lowers it::
+
+    tokens 40, limit 39 (one token must be computed to sample from)
+    full attention, B 4   : blocks cached up to 36          -> 36
+    state, interval 16    : checkpoints at 16 and 32        -> 32
+    sliding W 8, B 4      : at 32 needs blocks 6, 7 cached  -> 32   (fixed point: 32)
+
+Full attention can serve any length up to its scan, but a sliding window or a state
+group can only serve particular lengths, so one pass is not enough in general: a
+window miss can push the limit below a checkpoint, which pushes it below another
+window position, and so on. Every pass either stops or lowers the limit, so it ends.
+
+Allocation is check-then-commit: count new blocks per pool (plus hit blocks that sit in
+the free queue and will leave it), fail with nothing changed if any pool is short, then
+touch every hit block of every group before taking any new block, so that taking a
+block cannot evict another group's hit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from math import gcd
+from typing import Any
+
+from hybridkv.cache.block_pool import BlockPool
+from hybridkv.cache.events import CacheEvent
+from hybridkv.cache.hashing import BlockHasher
+from hybridkv.cache.managers import MANAGER_TABLE, Counters, GroupManager
+from hybridkv.errors import CacheError
+from hybridkv.ids import BlockId
+from hybridkv.plan.types import CachePlan
+
+
+def hash_unit_tokens(plan: CachePlan) -> int:
+    """The finest unit that divides every group's block size (see `hashing`)."""
+    unit = 0
+    for group in plan.groups:
+        unit = gcd(unit, group.block_size)
+    return max(unit, 1)
+
+
+class Coordinator:
+    """Owns the pools and one manager per group; knows nothing about requests."""
+
+    def __init__(
+        self,
+        plan: CachePlan,
+        *,
+        caching: bool,
+        eagle: bool,
+        hash_algo: str,
+        events: list[CacheEvent] | None,
+        counters: Counters,
+    ) -> None:
+        if not plan.groups:
+            raise CacheError("the plan has 0 groups; nothing to manage")
+        self.hasher = BlockHasher(hash_algo, hash_unit_tokens(plan))
+        self.caching = caching
+        self.eagle = eagle
+        store_tokens = caching and not self.hasher.collision_safe
+        self.pools = [BlockPool(pool, events, store_tokens=store_tokens) for pool in plan.pools]
+        self.managers: list[GroupManager] = []
+        for group in plan.groups:
+            manager_cls = MANAGER_TABLE.get(group.kind)
+            if manager_cls is None:
+                raise CacheError(
+                    f"group {group.group_id} has kind {group.kind!r}; known kinds: "
+                    f"{sorted(MANAGER_TABLE)}"
+                )
+            self.managers.append(
+                manager_cls(
+                    group,
+                    self.pools[group.pool_id],
+                    unit_tokens=self.hasher.unit_tokens,
+                    caching=caching,
+                    counters=counters,
+                )
+            )
+
+    def find_hit(self, hashes: Sequence[bytes], tokens: Sequence[int], limit: int) -> int:
+        """Longest prefix (<= ``limit`` tokens) every group can serve."""
+        if not self.caching or limit <= 0:
+            return 0
+        while True:
+            new_limit = limit
+            for manager in self.managers:
+                new_limit = manager.max_hit(hashes, tokens, new_limit, self.eagle)
+                if new_limit == 0:
+                    return 0
+            if new_limit == limit:
+                return limit
+            assert new_limit < limit
+            limit = new_limit
+
+    def hit_states(
+        self, hashes: Sequence[bytes], tokens: Sequence[int], hit: int
+    ) -> list[Any] | None:
+        """Per-group states holding the hit blocks, or None if one was evicted."""
+        states = []
+        for manager in self.managers:
+            state = manager.hit_state(hashes, tokens, hit) if hit else manager.new_state()
+            if state is None:
+                return None
+            states.append(state)
+        return states
+
+    def try_allocate(
+        self, states: list[Any], c: int, n: int, lookahead: int, touch: bool
+    ) -> dict[int, list[BlockId]] | None:
+        """Reserve blocks for positions [0, c + n + lookahead) in every group, or change
+        nothing and return None. ``touch``: the states hold hit blocks not yet referenced."""
+        need = [0] * len(self.pools)
+        counts = []
+        for manager, state in zip(self.managers, states, strict=True):
+            count = manager.num_new_blocks(state, c, n, lookahead)
+            counts.append(count)
+            need[manager.pool.pool_id] += count
+        if touch:
+            for manager, state in zip(self.managers, states, strict=True):
+                pool = manager.pool
+                need[pool.pool_id] += sum(pool.ref_counts[b] == 0 for b in manager.held(state))
+        for pool, num_blocks in zip(self.pools, need, strict=True):
+            if num_blocks > pool.num_free:
+                return None
+        if touch:
+            for manager, state in zip(self.managers, states, strict=True):
+                for block in manager.held(state):
+                    manager.pool.touch(block)
+        new_blocks: dict[int, list[BlockId]] = {}
+        for manager, state, count in zip(self.managers, states, counts, strict=True):
+            new = manager.allocate(state, c, n, lookahead)
+            assert len(new) == count
+            if new:
+                new_blocks[manager.group_id] = new
+        return new_blocks
+
+    def commit(
+        self,
+        states: list[Any],
+        c: int,
+        n: int,
+        lookahead: int,
+        accepted: int,
+        hashes: Sequence[bytes],
+        tokens: Sequence[int],
+    ) -> None:
+        for manager, state in zip(self.managers, states, strict=True):
+            manager.commit(state, c, n, lookahead, accepted, hashes, tokens)
+
+    def release_all(self, states: list[Any]) -> None:
+        # Groups in reverse so that, in a shared pool, the first group's blocks are
+        # freed last and thus evicted last.
+        for manager, state in zip(reversed(self.managers), reversed(states), strict=True):
+            manager.release_all(state)

@@ -1,0 +1,474 @@
+"""`CacheManager`: the facade an engine or a simulator drives (docs/cache_api.md).
+
+Positions of one request, and what each call moves::
+
+    tokens (verified)  |t0 ....................................... t_{T-1}|
+    computed           |<------ c = num_computed ------>|
+    step (allocate)                                     |<- n ->|<- L ->|   n new, L drafts
+    commit(a accepted)                                  |<- n + a ->|       c2 = c + n + a
+
+    prefill chunk: n = chunk, L = 0, commit(0, ()) or commit(0, (sampled,)) at the end
+    decode step  : n = 1 (the last sampled token), L = drafts,
+                   commit(a, accepted drafts + bonus token)   -> c2 = T2 - 1
+
+The fast path: each request caches four limits (see `GroupManager.fast_limits`) so that
+an allocate or commit that needs no block, no hash and no release costs a handful of
+integer comparisons; everything else goes through the coordinator.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any
+
+from hybridkv.cache.block import BlockInfo
+from hybridkv.cache.coordinator import Coordinator
+from hybridkv.cache.events import CacheEvent, CacheStats
+from hybridkv.cache.managers import Counters, StateBlocks, StateManager, StateSlots
+from hybridkv.cache.managers.base import INF
+from hybridkv.errors import CacheError, InvariantError
+from hybridkv.ids import BlockId
+from hybridkv.plan.types import CachePlan
+
+_NO_LIMIT = (-1, -1, -1, -1)
+
+
+class _Request:
+    __slots__ = (
+        "commit_limit",
+        "fast_spec",
+        "fast_total",
+        "fast_verified",
+        "hashes",
+        "num_computed",
+        "pend_lookahead",
+        "pend_n",
+        "pending",
+        "pending_hit",
+        "req_id",
+        "root",
+        "started",
+        "state_objs",
+        "states",
+        "tokens",
+    )
+
+    def __init__(self, req_id: str, tokens: list[int], root: bytes) -> None:
+        self.req_id = req_id
+        self.tokens = tokens
+        self.root = root
+        self.hashes: list[bytes] = []
+        self.num_computed = 0
+        self.started = False  # holds per-group states (first allocate done)
+        self.states: list[Any] = []
+        self.state_objs: list[StateBlocks] = []
+        self.pending = False
+        self.pend_n = 0
+        self.pend_lookahead = 0
+        self.pending_hit: int | None = None
+        self.fast_total, self.fast_verified, self.fast_spec, self.commit_limit = _NO_LIMIT
+
+
+class CacheManager:
+    """Blocks, prefix cache and speculative reservations for every group of a plan."""
+
+    def __init__(
+        self,
+        plan: CachePlan,
+        *,
+        enable_prefix_caching: bool | None = None,
+        eagle: bool = False,
+        hash_algo: str = "sha256",
+        record_events: bool = True,
+    ) -> None:
+        self.plan = plan
+        self.caching = (
+            plan.options.prefix_caching if enable_prefix_caching is None else enable_prefix_caching
+        )
+        self.eagle = eagle
+        self._events: list[CacheEvent] = []
+        self._counters = Counters()
+        self.coordinator = Coordinator(
+            plan,
+            caching=self.caching,
+            eagle=eagle,
+            hash_algo=hash_algo,
+            events=self._events if record_events else None,
+            counters=self._counters,
+        )
+        self._managers = self.coordinator.managers
+        self._state_group_ids = [m.group_id for m in self._managers if isinstance(m, StateManager)]
+        self._max_accept = min(
+            (self.plan.group(g).num_spec_states for g in self._state_group_ids), default=INF
+        )
+        self._requests: dict[str, _Request] = {}
+        self._num_lookups = self._num_lookup_tokens = self._num_hit_tokens = 0
+        self._num_preemptions = self._num_alloc_failures = 0
+
+    # ================================================================== life cycle
+    def add_request(
+        self,
+        req_id: str,
+        prompt_token_ids: Sequence[int],
+        *,
+        cache_salt: str | None = None,
+        lora_id: int | None = None,
+    ) -> None:
+        if req_id in self._requests:
+            raise CacheError(f"request {req_id!r} was already added")
+        if len(prompt_token_ids) == 0:
+            raise CacheError(f"request {req_id!r} has 0 prompt tokens; needs >= 1")
+        root = self.coordinator.hasher.root(cache_salt, lora_id)
+        self._requests[req_id] = _Request(req_id, list(prompt_token_ids), root)
+
+    def lookup(self, req_id: str) -> int:
+        """Prefix hit in tokens; remembers it for the next `allocate`. No other effect."""
+        r = self._get(req_id)
+        if r.started:
+            raise CacheError(
+                f"lookup of request {req_id!r} with {r.num_computed} computed tokens; "
+                "lookup is for requests holding no blocks (new or preempted)"
+            )
+        hit = 0
+        if self.caching:
+            self._ensure_hashes(r, len(r.tokens))
+            hit = self.coordinator.find_hit(r.hashes, r.tokens, len(r.tokens) - 1)
+        r.pending_hit = hit
+        self._num_lookups += 1
+        self._num_lookup_tokens += len(r.tokens)
+        self._num_hit_tokens += hit
+        return hit
+
+    def allocate(
+        self, req_id: str, num_new_tokens: int, num_lookahead_tokens: int = 0
+    ) -> dict[int, list[BlockId]] | None:
+        """Reserve slots for positions [0, c + n + L); new blocks per group, or None."""
+        r = self._requests.get(req_id)
+        if r is not None and not r.pending:
+            top = r.num_computed + num_new_tokens
+            if (
+                top + num_lookahead_tokens <= r.fast_total
+                and top <= r.fast_verified
+                and num_lookahead_tokens <= r.fast_spec
+                and top <= len(r.tokens)
+                and num_new_tokens >= 0
+                and num_lookahead_tokens >= 0
+            ):
+                r.pending = True
+                r.pend_n = num_new_tokens
+                r.pend_lookahead = num_lookahead_tokens
+                return {}
+        return self._allocate_slow(req_id, num_new_tokens, num_lookahead_tokens)
+
+    def commit(
+        self, req_id: str, num_accepted_tokens: int = 0, new_token_ids: Sequence[int] = ()
+    ) -> None:
+        """Settle the allocated step: ``num_accepted_tokens`` drafts were accepted and
+        ``new_token_ids`` (accepted drafts + sampled token) join the verified tokens."""
+        r = self._requests.get(req_id)
+        if r is not None and r.pending:
+            a = num_accepted_tokens
+            c2 = r.num_computed + r.pend_n + a
+            if (
+                0 <= a <= r.pend_lookahead
+                and a <= self._max_accept
+                and c2 < r.commit_limit
+                and c2 <= len(r.tokens) + len(new_token_ids)
+            ):
+                if new_token_ids:
+                    r.tokens.extend(new_token_ids)
+                if a:
+                    for st in r.state_objs:
+                        spares = st.spares
+                        st.running, spares[a - 1] = spares[a - 1], st.running  # type: ignore[assignment]
+                        st.write = st.running
+                r.num_computed = c2
+                r.pending = False
+                return
+        self._commit_slow(req_id, num_accepted_tokens, new_token_ids)
+
+    def allocate_batch(
+        self,
+        req_ids: Sequence[str],
+        num_new_tokens: Sequence[int],
+        num_lookahead_tokens: Sequence[int],
+    ) -> list[dict[int, list[BlockId]] | None]:
+        """`allocate` for each request in order (each independently all-or-nothing)."""
+        out: list[dict[int, list[BlockId]] | None] = []
+        append = out.append
+        requests = self._requests
+        for req_id, n, la in zip(req_ids, num_new_tokens, num_lookahead_tokens, strict=True):
+            r = requests.get(req_id)
+            if r is not None and not r.pending:
+                top = r.num_computed + n
+                if (
+                    top + la <= r.fast_total
+                    and top <= r.fast_verified
+                    and la <= r.fast_spec
+                    and top <= len(r.tokens)
+                    and n >= 0
+                    and la >= 0
+                ):
+                    r.pending = True
+                    r.pend_n = n
+                    r.pend_lookahead = la
+                    append({})
+                    continue
+            append(self._allocate_slow(req_id, n, la))
+        return out
+
+    def commit_batch(
+        self,
+        req_ids: Sequence[str],
+        num_accepted_tokens: Sequence[int],
+        new_token_ids: Sequence[Sequence[int]],
+    ) -> None:
+        """`commit` for each request in order."""
+        requests = self._requests
+        max_accept = self._max_accept
+        for req_id, a, new in zip(req_ids, num_accepted_tokens, new_token_ids, strict=True):
+            r = requests.get(req_id)
+            if r is not None and r.pending:
+                c2 = r.num_computed + r.pend_n + a
+                if (
+                    0 <= a <= r.pend_lookahead
+                    and a <= max_accept
+                    and c2 < r.commit_limit
+                    and c2 <= len(r.tokens) + len(new)
+                ):
+                    if new:
+                        r.tokens.extend(new)
+                    if a:
+                        for st in r.state_objs:
+                            spares = st.spares
+                            st.running, spares[a - 1] = spares[a - 1], st.running  # type: ignore[assignment]
+                            st.write = st.running
+                    r.num_computed = c2
+                    r.pending = False
+                    continue
+            self._commit_slow(req_id, a, new)
+
+    def free(self, req_id: str) -> None:
+        """Release everything; cached blocks stay in the cache as evictable."""
+        r = self._get(req_id)
+        self._release(r)
+        del self._requests[req_id]
+
+    def preempt(self, req_id: str) -> None:
+        """Release everything and forget computed tokens; verified tokens are kept."""
+        r = self._get(req_id)
+        self._release(r)
+        self._num_preemptions += 1
+
+    # ================================================================== queries
+    def has_request(self, req_id: str) -> bool:
+        return req_id in self._requests
+
+    def num_computed_tokens(self, req_id: str) -> int:
+        return self._get(req_id).num_computed
+
+    def token_ids(self, req_id: str) -> list[int]:
+        """The request's verified tokens (a copy)."""
+        return list(self._get(req_id).tokens)
+
+    def block_table(self, req_id: str, group_id: int) -> list[BlockId]:
+        """Attention groups: block j covers tokens [j*B, (j+1)*B), null block for released
+        positions. State groups: the blocks held (running first); use `state_slots`."""
+        r = self._get(req_id)
+        self._check_group(group_id)
+        if not r.started:
+            return []
+        return (
+            self._managers[group_id].held(r.states[group_id])
+            if group_id in self._state_group_ids
+            else list(r.states[group_id].blocks)
+        )
+
+    def block_tables(self, req_id: str) -> dict[int, list[BlockId]]:
+        return {m.group_id: self.block_table(req_id, m.group_id) for m in self._managers}
+
+    def state_slots(self, req_id: str, group_id: int) -> StateSlots:
+        """Blocks a state group reads and writes in the allocated step (see `StateSlots`)."""
+        r = self._get(req_id)
+        self._check_group(group_id)
+        manager = self._managers[group_id]
+        if not isinstance(manager, StateManager):
+            raise CacheError(f"group {group_id} is {manager.group.kind}, not a state group")
+        if not r.pending:
+            raise CacheError(
+                f"state_slots of request {req_id!r}: no step allocated (call allocate first)"
+            )
+        return manager.slots(r.states[group_id], r.num_computed, r.pend_n, r.pend_lookahead)
+
+    def block_info(self, pool_id: int, block_id: BlockId) -> BlockInfo:
+        return self.coordinator.pools[pool_id].info(block_id)
+
+    def num_free_blocks(self, pool_id: int = 0) -> int:
+        return self.coordinator.pools[pool_id].num_free
+
+    def usage(self) -> float:
+        pools = self.coordinator.pools
+        usable = sum(p.num_usable for p in pools)
+        return 1.0 - sum(p.num_free for p in pools) / usable if usable else 0.0
+
+    def stats(self) -> CacheStats:
+        pools = self.coordinator.pools
+        return CacheStats(
+            usage=self.usage(),
+            usage_per_pool=tuple(p.usage() for p in pools),
+            num_requests=len(self._requests),
+            num_lookups=self._num_lookups,
+            num_lookup_tokens=self._num_lookup_tokens,
+            num_hit_tokens=self._num_hit_tokens,
+            num_blocks_stored=sum(p.num_stored for p in pools),
+            num_evictions=sum(p.num_evictions for p in pools),
+            num_checkpoints_stored=self._counters.checkpoints_stored,
+            num_checkpoints_used=self._counters.checkpoints_used,
+            num_preemptions=self._num_preemptions,
+            num_allocate_failures=self._num_alloc_failures,
+        )
+
+    def take_events(self) -> list[CacheEvent]:
+        events = self._events[:]
+        self._events.clear()
+        return events
+
+    def check_invariants(self) -> None:
+        """Pools (partition, ref counts, index, null block) and every request's state."""
+        refs: list[Counter[int]] = [Counter() for _ in self.coordinator.pools]
+        for r in self._requests.values():
+            if r.num_computed > len(r.tokens):
+                raise InvariantError(
+                    f"request {r.req_id!r}: {r.num_computed} computed > {len(r.tokens)} tokens"
+                )
+            if not r.started:
+                if r.num_computed or r.pending:
+                    raise InvariantError(f"request {r.req_id!r} holds no blocks but is running")
+                continue
+            for manager, state in zip(self._managers, r.states, strict=True):
+                manager.check_state(state, r.num_computed)
+                refs[manager.pool.pool_id].update(manager.held(state))
+        for pool, expected in zip(self.coordinator.pools, refs, strict=True):
+            pool.check_invariants(expected)
+
+    # ================================================================== internals
+    def _get(self, req_id: str) -> _Request:
+        r = self._requests.get(req_id)
+        if r is None:
+            raise CacheError(f"unknown request {req_id!r} ({len(self._requests)} known)")
+        return r
+
+    def _check_group(self, group_id: int) -> None:
+        if not 0 <= group_id < len(self._managers):
+            raise CacheError(f"group {group_id} out of range 0..{len(self._managers) - 1}")
+
+    def _ensure_hashes(self, r: _Request, num_tokens: int) -> None:
+        if len(
+            r.hashes
+        ) * self.coordinator.hasher.unit_tokens + self.coordinator.hasher.unit_tokens <= min(
+            num_tokens, len(r.tokens)
+        ):
+            self.coordinator.hasher.extend(r.hashes, r.root, r.tokens, num_tokens)
+
+    def _allocate_slow(
+        self, req_id: str, n: int, lookahead: int
+    ) -> dict[int, list[BlockId]] | None:
+        r = self._get(req_id)
+        if r.pending:
+            raise CacheError(
+                f"allocate of request {req_id!r}: the step allocated before ({r.pend_n} new, "
+                f"{r.pend_lookahead} lookahead) was not committed"
+            )
+        if n < 0 or lookahead < 0:
+            raise CacheError(
+                f"allocate of request {req_id!r}: num_new_tokens={n} and "
+                f"num_lookahead_tokens={lookahead} must be >= 0"
+            )
+        touch = not r.started
+        if touch:
+            c = r.pending_hit or 0
+            hashes_needed = c if c else 0
+            self._ensure_hashes(r, hashes_needed)
+            states = self.coordinator.hit_states(r.hashes, r.tokens, c)
+            if states is None:  # a hit block was evicted since lookup: look up again
+                r.pending_hit = None
+                self._num_alloc_failures += 1
+                return None
+        else:
+            c, states = r.num_computed, r.states
+        if c + n > len(r.tokens):
+            raise CacheError(
+                f"allocate of request {req_id!r}: {c} computed + {n} new tokens exceed its "
+                f"{len(r.tokens)} verified tokens; drafts go in num_lookahead_tokens"
+            )
+        new_blocks = self.coordinator.try_allocate(states, c, n, lookahead, touch)
+        if new_blocks is None:
+            self._num_alloc_failures += 1
+            return None
+        if touch:
+            r.started = True
+            r.states = states
+            r.state_objs = [states[g] for g in self._state_group_ids]
+            r.num_computed = c
+            r.pending_hit = None
+            if c:
+                self._counters.checkpoints_used += len(self._state_group_ids)
+        r.pending = True
+        r.pend_n = n
+        r.pend_lookahead = lookahead
+        self._refresh_limits(r)
+        return new_blocks
+
+    def _commit_slow(self, req_id: str, a: int, new_token_ids: Sequence[int]) -> None:
+        r = self._get(req_id)
+        if not r.pending:
+            raise CacheError(f"commit of request {req_id!r} without an allocated step")
+        if not 0 <= a <= r.pend_lookahead:
+            raise CacheError(
+                f"commit of request {req_id!r}: {a} accepted tokens but {r.pend_lookahead} "
+                "were reserved as lookahead"
+            )
+        if a > self._max_accept:
+            raise CacheError(
+                f"commit of request {req_id!r}: {a} accepted drafts but the plan keeps "
+                f"{self._max_accept} speculative states per request"
+            )
+        c, n, lookahead = r.num_computed, r.pend_n, r.pend_lookahead
+        c2 = c + n + a
+        if c2 > len(r.tokens) + len(new_token_ids):
+            raise CacheError(
+                f"commit of request {req_id!r}: {c2} computed tokens would exceed "
+                f"{len(r.tokens)} + {len(new_token_ids)} verified tokens"
+            )
+        r.tokens.extend(new_token_ids)
+        if self.caching:
+            self._ensure_hashes(r, c2)
+        self.coordinator.commit(r.states, c, n, lookahead, a, r.hashes, r.tokens)
+        r.num_computed = c2
+        r.pending = False
+        self._refresh_limits(r)
+
+    def _refresh_limits(self, r: _Request) -> None:
+        total = verified = spec = limit = INF
+        c = r.num_computed
+        for manager, state in zip(self._managers, r.states, strict=True):
+            t, v, s, cl = manager.fast_limits(state, c)
+            total, verified, spec, limit = (
+                min(total, t),
+                min(verified, v),
+                min(spec, s),
+                min(limit, cl),
+            )
+        r.fast_total, r.fast_verified, r.fast_spec, r.commit_limit = total, verified, spec, limit
+
+    def _release(self, r: _Request) -> None:
+        if r.started:
+            self.coordinator.release_all(r.states)
+        r.states = []
+        r.state_objs = []
+        r.started = False
+        r.pending = False
+        r.pending_hit = None
+        r.num_computed = 0
+        r.fast_total, r.fast_verified, r.fast_spec, r.commit_limit = _NO_LIMIT

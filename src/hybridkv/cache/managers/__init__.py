@@ -1,0 +1,34 @@
+"""Group managers, chosen from a table by the group's spec kind.
+
+Adding a layer kind is one spec class, one manager class and one row here.
+"""
+
+from __future__ import annotations
+
+from hybridkv.cache.managers.base import Counters, GroupManager
+from hybridkv.cache.managers.chunked import ChunkedLocalManager
+from hybridkv.cache.managers.full import BlockTable, FullAttentionManager
+from hybridkv.cache.managers.sliding import SlidingWindowManager
+from hybridkv.cache.managers.state import StateBlocks, StateManager, StateSlots
+from hybridkv.spec.layers import CHUNKED_ATTENTION, FULL_ATTENTION, MLA, SLIDING_ATTENTION, STATE
+
+MANAGER_TABLE: dict[str, type[GroupManager]] = {
+    FULL_ATTENTION: FullAttentionManager,
+    MLA: FullAttentionManager,
+    SLIDING_ATTENTION: SlidingWindowManager,
+    CHUNKED_ATTENTION: ChunkedLocalManager,
+    STATE: StateManager,
+}
+
+__all__ = [
+    "MANAGER_TABLE",
+    "BlockTable",
+    "ChunkedLocalManager",
+    "Counters",
+    "FullAttentionManager",
+    "GroupManager",
+    "SlidingWindowManager",
+    "StateBlocks",
+    "StateManager",
+    "StateSlots",
+]

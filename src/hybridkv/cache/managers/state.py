@@ -1,0 +1,236 @@
+"""State layers (Mamba, Gated DeltaNet, short conv, ...): one state per request, no
+per-token pages. ``block_size`` is the checkpoint interval ``B`` in ``align`` mode.
+
+Blocks a request holds in a state group (S = ``num_spec_states``)::
+
+    running   state after exactly c = num_computed tokens (None while c == 0: zeros)
+    write     where this step's state after c + n tokens goes: the running block itself
+              (updated in place) unless that block is a cached checkpoint, which is never
+              written -> then a private block
+    spec[i]   state after draft i + 1, i.e. after c + n + i + 1 tokens (i < min(L, S))
+    ckpt      align only: the state after the last boundary strictly inside (c, c + n),
+              when the budget of 2 + S blocks leaves room for it
+
+One decode step, B = 8, c = 14, n = 1, L = 3 (drafts at 15, 16, 17)::
+
+    tokens      ... 13 | 14 | 15  16  17
+    read        running (after 14)
+    write              after 15
+    spec[0..2]              after 16 (boundary 16!), 17, 18
+
+    accepted a = 0 -> running = write  (spec[0] held a rejected draft: never cached)
+    accepted a = 2 -> running = spec[1]; spec[0] (after 16, every token accepted) is
+                      cached under the chain hash at 16 and released to the cache;
+                      write becomes a spare
+
+A prefill chunk c = 0, n = 20 (B = 8): read None (zeros), ckpt = (16, block), write gets
+the state after 20. After commit the checkpoint at 16 is cached. A chunk ending exactly
+on a boundary caches its write block, which then becomes a read-only running block.
+
+Checkpoints enter the cache only at commit and only at positions <= c2 = c + n + a:
+every covered token is accepted. ``none`` mode never caches, so its hit is always 0.
+A hit at a checkpoint makes that cached block the running block (read only).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from hybridkv.cache.managers.base import INF, GroupManager
+from hybridkv.errors import InvariantError
+from hybridkv.ids import BlockId
+
+
+@dataclass(frozen=True)
+class StateSlots:
+    """Which blocks of a state group the engine uses in the step just allocated.
+
+    Read the initial state from ``read_block`` (None: start from zeros -- never from a
+    block's old contents), write the state after ``write_num_tokens`` tokens into
+    ``write_block`` (may equal ``read_block``: in place), the state after draft ``i + 1``
+    into ``spec_blocks[i]``, and, when ``checkpoint`` is ``(num_tokens, block)``, the
+    state after exactly ``num_tokens`` tokens into that block.
+    """
+
+    num_computed_tokens: int
+    read_block: BlockId | None
+    write_block: BlockId
+    write_num_tokens: int
+    spec_blocks: tuple[BlockId, ...]
+    checkpoint: tuple[int, BlockId] | None
+
+
+@dataclass
+class StateBlocks:
+    """A request's blocks in one state group (see the module docstring)."""
+
+    running: BlockId | None = None
+    write: BlockId | None = None
+    spares: list[BlockId] = field(default_factory=list)  # spec slots are spares[:min(L, S)]
+    ckpt_pos: int = 0
+    ckpt_block: BlockId | None = None
+
+
+class StateManager(GroupManager):
+    def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(*args, **kwargs)
+        self.num_spec_states = self.group.num_spec_states
+        self.align = self.group.state_mode == "align"
+        self.checkpoints = self.align and self.caching
+        self.budget_blocks = self.group.blocks_for(0, 0)  # 2 + S (align) or 1 + S
+
+    def new_state(self) -> StateBlocks:
+        return StateBlocks()
+
+    def max_hit(
+        self, hashes: Sequence[bytes], tokens: Sequence[int], limit: int, eagle: bool
+    ) -> int:
+        # The state after L tokens does not depend on later tokens, so EAGLE needs no
+        # extra block here: the attention groups' dropped block already moves the hit
+        # strictly before the end of the cached chain.
+        if not self.checkpoints:
+            return 0
+        B = self.block_size
+        pos = min(limit, len(hashes) * self.unit_tokens) // B * B
+        while pos > 0:
+            if self.cached_block(hashes, tokens, pos) is not None:
+                return pos
+            pos -= B
+        return 0
+
+    def hit_state(
+        self, hashes: Sequence[bytes], tokens: Sequence[int], hit: int
+    ) -> StateBlocks | None:
+        if hit == 0:
+            return StateBlocks()
+        block = self.cached_block(hashes, tokens, hit)
+        return None if block is None else StateBlocks(running=block)
+
+    def _running_private(self, state: StateBlocks) -> bool:
+        return state.running is not None and not self.pool.is_cached(state.running)
+
+    def _layout(self, state: StateBlocks, c: int, n: int, lookahead: int) -> tuple[int, int, int]:
+        """(needs a write block, spec slots, checkpoint position or 0)."""
+        need_write = 0 if self._running_private(state) else 1
+        num_spec = min(lookahead, self.num_spec_states)
+        ckpt_pos = 0
+        if self.checkpoints and n > 0:
+            boundary = (c + n - 1) // self.block_size * self.block_size
+            held = (state.running is not None) + max(len(state.spares), need_write + num_spec + 1)
+            if boundary > c and held <= self.budget_blocks:
+                ckpt_pos = boundary
+        return need_write, num_spec, ckpt_pos
+
+    def num_new_blocks(self, state: StateBlocks, c: int, n: int, lookahead: int) -> int:
+        need_write, num_spec, ckpt_pos = self._layout(state, c, n, lookahead)
+        return max(0, need_write + num_spec + (ckpt_pos > 0) - len(state.spares))
+
+    def allocate(self, state: StateBlocks, c: int, n: int, lookahead: int) -> list[BlockId]:
+        need_write, num_spec, ckpt_pos = self._layout(state, c, n, lookahead)
+        num_new = max(0, need_write + num_spec + (ckpt_pos > 0) - len(state.spares))
+        new = [self.pool.take() for _ in range(num_new)]
+        state.spares.extend(new)
+        state.write = state.spares.pop(0) if need_write else state.running
+        if ckpt_pos:
+            state.ckpt_pos, state.ckpt_block = ckpt_pos, state.spares.pop()
+        return new
+
+    def commit(
+        self,
+        state: StateBlocks,
+        c: int,
+        n: int,
+        lookahead: int,
+        accepted: int,
+        hashes: Sequence[bytes],
+        tokens: Sequence[int],
+    ) -> None:
+        c2 = c + n + accepted
+        num_spec = min(lookahead, self.num_spec_states)
+        assert accepted <= num_spec and state.write is not None
+        produced: list[tuple[int, BlockId]] = [(c + n, state.write)]
+        produced += [(c + n + 1 + i, state.spares[i]) for i in range(num_spec)]
+        if state.ckpt_block is not None:
+            produced.append((state.ckpt_pos, state.ckpt_block))
+        new_running = produced[accepted][1]
+        spares: list[BlockId] = []
+        for pos, block in produced:
+            if block == new_running:
+                continue
+            if pos <= c2 and self._store_checkpoint(block, pos, hashes, tokens):
+                self.pool.release(block)  # stays in the cache as evictable
+            else:
+                spares.append(block)
+        old = state.running
+        if old is not None and old != state.write:
+            self.pool.release(old)  # a read-only checkpoint this step started from
+        self._store_checkpoint(new_running, c2, hashes, tokens)
+        state.running = new_running
+        state.write = new_running if not self.pool.is_cached(new_running) else None
+        state.spares = spares + state.spares[num_spec:]
+        state.ckpt_pos, state.ckpt_block = 0, None
+
+    def slots(self, state: StateBlocks, c: int, n: int, lookahead: int) -> StateSlots:
+        assert state.write is not None
+        num_spec = min(lookahead, self.num_spec_states)
+        return StateSlots(
+            num_computed_tokens=c,
+            read_block=state.running,
+            write_block=state.write,
+            write_num_tokens=c + n,
+            spec_blocks=tuple(state.spares[:num_spec]),
+            checkpoint=None if state.ckpt_block is None else (state.ckpt_pos, state.ckpt_block),
+        )
+
+    def _store_checkpoint(
+        self, block: BlockId, pos: int, hashes: Sequence[bytes], tokens: Sequence[int]
+    ) -> bool:
+        if not self.checkpoints or pos <= 0 or pos % self.block_size:
+            return False
+        if not self.try_cache(block, hashes, tokens, pos):
+            return False
+        self.counters.checkpoints_stored += 1
+        return True
+
+    def release_all(self, state: StateBlocks) -> None:
+        for block in self.held(state)[::-1]:
+            self.pool.release(block)
+        state.running = state.write = state.ckpt_block = None
+        state.spares = []
+        state.ckpt_pos = 0
+
+    def held(self, state: StateBlocks) -> list[BlockId]:
+        out = [] if state.running is None else [state.running]
+        if state.write is not None and state.write != state.running:
+            out.append(state.write)
+        out += state.spares
+        if state.ckpt_block is not None:
+            out.append(state.ckpt_block)
+        return out
+
+    def fast_limits(self, state: StateBlocks, c: int) -> tuple[int, int, int, int]:
+        alloc_total = INF if self._running_private(state) else -1
+        spec_slots = INF if len(state.spares) >= self.num_spec_states else len(state.spares)
+        boundary = (c // self.block_size + 1) * self.block_size if self.checkpoints else INF
+        # The fast commit only swaps running and a spec slot: the step must write in place.
+        in_place = state.write == state.running and state.ckpt_block is None
+        return alloc_total, boundary, spec_slots, boundary if in_place else -1
+
+    def check_state(self, state: StateBlocks, c: int) -> None:
+        held = self.held(state)
+        if len(held) != len(set(held)):
+            raise InvariantError(f"group {self.group_id}: a state block is held twice {held}")
+        if len(held) > self.budget_blocks:
+            raise InvariantError(
+                f"group {self.group_id}: {len(held)} state blocks held, budget {self.budget_blocks}"
+            )
+        if (state.running is None) != (c == 0):
+            raise InvariantError(
+                f"group {self.group_id}: running state {state.running} at {c} computed tokens"
+            )
+        for block in held:
+            if block != state.running and self.pool.is_cached(block):
+                raise InvariantError(
+                    f"group {self.group_id}: writable state block {block} is cached"
+                )

@@ -1,0 +1,139 @@
+"""Golden cache scenarios with exact block ids; each docstring names the property.
+
+Pools hand out fresh blocks lowest id first (block 0 is the null block), so the ids
+below follow from the order of allocations.
+"""
+
+from __future__ import annotations
+
+from hybridkv.cache import CacheManager
+from hybridkv.cache.toy import ToyGroup, toy_plan
+
+FULL4, STATE8 = ToyGroup("full", 4), ToyGroup("state", 8)
+
+
+def _prefill(cm: CacheManager, req: str, n: int, sampled: int = 99) -> None:
+    assert cm.allocate(req, n) is not None
+    cm.commit(req, 0, [sampled])
+
+
+def test_align_draft_count_falls_from_16_to_1_across_a_block_boundary():
+    """Draft counts are not monotonic: 16 drafts then 1 is a no-op for the cache, the
+    running state follows the last accepted draft, and a boundary checkpoint is cached
+    only when every token it covers is accepted."""
+    cm = CacheManager(toy_plan([FULL4, STATE8], num_spec_tokens=16, num_blocks=64))
+    cm.add_request("a", list(range(1, 7)))  # 6 prompt tokens
+    assert cm.lookup("a") == 0
+    _prefill(cm, "a", 6)  # c = 6, tokens = 7
+    # decode: token 6 at position 6, 16 drafts at 7..22 (state after 8 = spec[0])
+    new = cm.allocate("a", 1, 16)
+    assert new == {0: [4, 5, 6, 7], 1: list(range(8, 24))}  # positions 0..22: 6 blocks
+    slots = cm.state_slots("a", 1)
+    assert slots.read_block == slots.write_block == 3 and slots.spec_blocks[0] == 8
+    cm.commit("a", 2, [7, 8, 9])  # 2 drafts accepted: c = 9, state after 9 in spec[1]
+    assert cm.num_computed_tokens("a") == 9
+    assert cm.block_info(0, 8).block_hash is not None  # checkpoint after 8 tokens, cached
+    assert cm.block_info(0, 8).ref_count == 0  # ... and released to the cache
+    assert cm.block_table("a", 1)[0] == 9  # running = spec[1]
+    assert cm.stats().num_checkpoints_stored == 1
+    # one draft now: nothing to allocate, never an error
+    assert cm.allocate("a", 1, 1) == {}
+    assert cm.state_slots("a", 1).spec_blocks == (3,)
+    cm.commit("a", 0, [5])  # draft rejected: its state (after 11) is never cached
+    assert cm.block_info(0, 3).block_hash is None
+    assert cm.stats().num_checkpoints_stored == 1
+    cm.check_invariants()
+
+
+def test_attention_hit_with_state_miss_is_clamped_never_an_empty_state():
+    """A prefix hit is the minimum over groups clamped to a stored checkpoint; attention
+    hit + state miss never runs with an empty state."""
+    cm = CacheManager(toy_plan([FULL4, STATE8], num_blocks=64))
+    cm.add_request("a", list(range(1, 15)))  # 14 tokens: checkpoint at 8, blocks 0..2
+    cm.lookup("a")
+    _prefill(cm, "a", 14)
+    cm.add_request("b", [*range(1, 15), 50, 51])
+    assert cm.lookup("b") == 8  # attention could serve 12
+    assert cm.allocate("b", 8) is not None
+    slots = cm.state_slots("b", 1)
+    assert slots.read_block is not None and slots.num_computed_tokens == 8
+    assert cm.block_table("b", 0)[:2] == cm.block_table("a", 0)[:2]
+    # none mode: no checkpoints at all -> no hit, although attention blocks are cached
+    cm2 = CacheManager(toy_plan([FULL4, STATE8], num_blocks=64, state_mode="none"))
+    cm2.add_request("a", list(range(1, 15)))
+    _prefill(cm2, "a", 14)
+    cm2.add_request("b", list(range(1, 15)))
+    assert cm2.lookup("b") == 0
+    assert cm2.allocate("b", 14) is not None
+    assert cm2.state_slots("b", 1).read_block is None  # starts from zeros, knowingly
+    cm.check_invariants()
+    cm2.check_invariants()
+
+
+def test_sliding_window_hit_drops_one_block_for_eagle():
+    """EAGLE drops the last hit block; a sliding window then needs window + 1 blocks
+    cached, and blocks before the window are the null block."""
+    groups = [FULL4, ToyGroup("sliding", 4, 6)]
+    for eagle, hit, sliding_table in ((False, 16, [0, 0, 8, 9]), (True, 12, [0, 7, 8])):
+        cm = CacheManager(toy_plan(groups, num_blocks=64), eagle=eagle)
+        cm.add_request("a", list(range(1, 19)))  # 18 tokens, 4 full blocks
+        cm.lookup("a")
+        _prefill(cm, "a", 18)
+        cm.add_request("b", list(range(1, 19)))
+        assert cm.lookup("b") == hit
+        assert cm.allocate("b", 18 - hit) is not None
+        assert cm.block_table("b", 1)[: hit // 4] == sliding_table
+        cm.check_invariants()
+
+
+def test_blocks_with_unaccepted_drafts_are_never_cached():
+    """Never cache a block that contains unaccepted draft positions."""
+    cm = CacheManager(toy_plan([FULL4], num_spec_tokens=4, num_blocks=16))
+    cm.add_request("a", [1, 2, 3])
+    cm.lookup("a")
+    _prefill(cm, "a", 3, sampled=4)  # c = 3, tokens 1..4
+    cm.take_events()
+    assert cm.allocate("a", 1, 4) == {0: [2]}  # positions 3..7: table [1, 2]
+    cm.commit("a", 0, [9])  # all drafts rejected: c = 4, block 1 (4..7) holds drafts
+    assert [(e.kind, e.block_id, e.num_tokens) for e in cm.take_events()] == [("stored", 1, 4)]
+    assert cm.block_info(0, 2).block_hash is None
+    assert cm.allocate("a", 1, 3) == {}  # positions 4..7: the reserved block is reused
+    cm.commit("a", 3, [9, 9, 9, 9])  # c = 8: block 1 (4..7) now verified
+    assert [(e.kind, e.block_id, e.num_tokens) for e in cm.take_events()] == [("stored", 2, 8)]
+    cm.check_invariants()
+
+
+def test_shrinking_lookahead_is_a_no_op():
+    """Needing fewer blocks than held is normal: nothing is allocated or released."""
+    cm = CacheManager(
+        toy_plan([FULL4, ToyGroup("sliding", 4, 6), STATE8], num_spec_tokens=5, num_blocks=64)
+    )
+    cm.add_request("a", [1, 2, 3, 4, 5])
+    cm.lookup("a")
+    _prefill(cm, "a", 5)
+    assert cm.allocate("a", 1, 5) is not None
+    tables = cm.block_tables("a")
+    cm.commit("a", 0, [6])
+    for lookahead in (3, 0, 1):
+        assert cm.allocate("a", 1, lookahead) == {}
+        assert cm.block_tables("a") == tables
+        cm.commit("a", 0, [7])
+        tables = cm.block_tables("a")
+    cm.check_invariants()
+
+
+def test_failed_allocate_changes_nothing_and_hits_are_touched_first():
+    """Check, then commit: a too-large allocate returns None with nothing changed; a
+    successful one takes hit blocks out of the free queue before taking new blocks."""
+    cm = CacheManager(toy_plan([FULL4], num_blocks=6))  # 5 usable blocks
+    cm.add_request("a", list(range(1, 10)))
+    cm.lookup("a")
+    _prefill(cm, "a", 9)  # blocks 1, 2 cached, 3 private
+    cm.free("a")  # 3 -> fresh, then 2, 1 -> cached LRU (tail evicted first)
+    cm.add_request("b", list(range(1, 10)) + [7] * 12)
+    assert cm.lookup("b") == 8
+    assert cm.allocate("b", 13) is None  # needs 6 blocks, 5 usable
+    assert cm.num_free_blocks() == 5 and cm.block_info(0, 1).block_hash is not None
+    assert cm.allocate("b", 12) == {0: [3, 4, 5]}
+    assert cm.block_table("b", 0) == [1, 2, 3, 4, 5]
+    cm.check_invariants()

@@ -1,0 +1,211 @@
+"""Unit tests of the cache building blocks and the facade's contract."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+
+from hybridkv.cache import CacheManager
+from hybridkv.cache.block_pool import BlockPool
+from hybridkv.cache.free_queue import FreeQueue
+from hybridkv.cache.hashing import BlockHasher
+from hybridkv.cache.toy import ToyGroup, toy_plan
+from hybridkv.errors import CacheError
+from hybridkv.ids import BlockId
+from hybridkv.plan.planner import plan
+from hybridkv.plan.types import PlanOptions, PoolPlan
+from hybridkv.spec import AttentionSpec, GatedDeltaNetSpec, ModelSpec, SlidingWindowSpec
+
+ATTN = AttentionSpec(num_kv_heads=2, head_dim=64)
+GDN = GatedDeltaNetSpec(num_k_heads=2, num_v_heads=4, head_k_dim=32, head_v_dim=32, conv_kernel=4)
+SWA = SlidingWindowSpec(num_kv_heads=2, head_dim=64, sliding_window=128)
+HYBRID = ModelSpec(
+    name="toy-hybrid",
+    model_type="toy",
+    layers=(GDN, GDN, GDN, ATTN) * 2,
+    max_position_embeddings=4096,
+)
+HYBRID_SWA = ModelSpec(
+    name="toy-swa", model_type="toy", layers=(GDN, SWA, ATTN) * 2, max_position_embeddings=4096
+)
+
+
+def test_free_queue_fresh_first_then_lru_with_o1_removal():
+    q = FreeQueue(10, [1, 2, 3])
+    assert [q.pop() for _ in range(3)] == [(1, False), (2, False), (3, False)]
+    for b in (7, 3, 9):
+        q.push_cached(BlockId(b))
+    q.push_fresh(BlockId(5))
+    q.remove_cached(BlockId(3))
+    assert q.cached_ids() == [7, 9]
+    assert [q.pop() for _ in range(3)] == [(5, False), (7, True), (9, True)]
+    assert len(q) == 0
+
+
+def test_block_pool_evicts_lazily_and_emits_events():
+    events: list = []
+    pool = BlockPool(
+        PoolPlan(pool_id=0, page_bytes=1, num_pages=3, num_tensors=1, group_ids=(0,)), events
+    )
+    a = pool.take()
+    assert pool.cache(a, 0, b"h", 4)
+    pool.release(a)
+    assert pool.lookup(0, b"h") == a  # still cached while free
+    b = pool.take()  # the fresh block goes first
+    assert b != a and pool.lookup(0, b"h") == a
+    c = pool.take()  # now the cached one is evicted
+    assert c == a and pool.lookup(0, b"h") is None
+    assert [e.kind for e in events] == ["stored", "removed"]
+
+
+def test_hashes_are_deterministic_across_processes():
+    code = (
+        "from hybridkv.cache.hashing import BlockHasher;"
+        "h=BlockHasher('sha256',4);out=[];h.extend(out,h.root('s',3),list(range(12)),12);"
+        "print(out[-1].hex())"
+    )
+    runs = {
+        subprocess.run(
+            [sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            check=True,
+            env={"PYTHONHASHSEED": str(seed)},
+        ).stdout
+        for seed in (1, 2)
+    }
+    assert len(runs) == 1
+    hasher = BlockHasher("sha256", 4)
+    out: list[bytes] = []
+    hasher.extend(out, hasher.root("s", 3), list(range(12)), 12)
+    assert runs == {out[-1].hex() + "\n"}
+
+
+def test_extra_keys_separate_chains():
+    hasher = BlockHasher("xxhash", 4)
+    chains = set()
+    for salt, lora in ((None, None), ("a", None), (None, 1), ("a", 1)):
+        out: list[bytes] = []
+        hasher.extend(out, hasher.root(salt, lora), [1, 2, 3, 4], 4)
+        chains.add(out[0])
+    assert len(chains) == 4
+
+
+def test_misuse_raises_cache_error_with_numbers():
+    cm = CacheManager(toy_plan([ToyGroup("full", 4), ToyGroup("state", 8)], num_spec_tokens=2))
+    with pytest.raises(CacheError, match="unknown request"):
+        cm.allocate("x", 1)
+    cm.add_request("r", [1, 2, 3])
+    with pytest.raises(CacheError, match="already added"):
+        cm.add_request("r", [1])
+    with pytest.raises(CacheError, match="without an allocated step"):
+        cm.commit("r")
+    with pytest.raises(CacheError, match="exceed its 3 verified"):
+        cm.allocate("r", 4)
+    assert cm.allocate("r", 3, 2) is not None
+    with pytest.raises(CacheError, match="not committed"):
+        cm.allocate("r", 0)
+    with pytest.raises(CacheError, match="3 accepted tokens but 2"):
+        cm.commit("r", 3, [1, 1, 1, 1])
+    cm.check_invariants()
+
+
+@pytest.mark.parametrize("layout", ["shared", "split", "vllm"])
+@pytest.mark.parametrize("state_mode", ["align", "none"])
+def test_planner_concurrency_fills_and_one_more_does_not(layout, state_mode):
+    """The planner's max_concurrency requests at target_len fit; one more does not."""
+    k = 3
+    p = plan(
+        HYBRID,
+        None,
+        PlanOptions(
+            layout=layout,
+            memory_bytes=24 << 20,
+            max_model_len=1024,
+            target_len=513,
+            spec_method="ngram",
+            num_spec_tokens=k,
+            state_mode=state_mode,
+            max_num_seqs=8,
+        ),
+    )
+    _fill_to_capacity(p, k, target=513)
+
+
+def test_planner_concurrency_with_sliding_window_and_hybrid_draft():
+    k = 2
+    p = plan(
+        HYBRID_SWA,
+        HYBRID,
+        PlanOptions(
+            layout="shared",
+            memory_bytes=24 << 20,
+            max_model_len=1024,
+            target_len=513,
+            spec_method="draft",
+            num_spec_tokens=k,
+            max_num_seqs=8,
+        ),
+    )
+    # The window's unaligned +1 block and align mode's +1 state block never peak at the
+    # same position, so the planner is conservative here: check only that all fit.
+    _fill_to_capacity(p, k, target=513, chunk=1 + k, exact=False)
+
+
+def _fill_to_capacity(p, k, target, chunk=None, exact=True):
+    cm = CacheManager(p)
+    n_max = p.capacity.max_concurrency
+    assert 0 < n_max < 64
+
+    def bring_to_target(req: str) -> bool:
+        cm.add_request(req, [hash((req, i)) % 50000 for i in range(target - 1)])
+        assert cm.lookup(req) == 0
+        c, size = 0, chunk or target - 1
+        while c < target - 1:
+            n = min(size, target - 1 - c)
+            if cm.allocate(req, n) is None:
+                return False
+            c += n
+            cm.commit(req, 0, [7] if c == target - 1 else ())
+        return cm.allocate(req, 1, k) is not None  # the decode step at target tokens
+
+    for i in range(n_max):
+        assert bring_to_target(f"r{i}"), f"request {i} of {n_max} did not fit"
+        cm.check_invariants()
+    for g in p.groups:
+        held = len(cm.block_table("r0", g.group_id)) - cm.block_table("r0", g.group_id).count(0)
+        assert held <= g.blocks_for(target, k)
+    if exact:
+        assert not bring_to_target("one-more")
+    cm.check_invariants()
+
+
+def test_fast_path_decode_step_256_requests():
+    """256 requests, drafts 0..7, full + sliding + state: the no-new-block step is cheap."""
+    k = 7
+    p = toy_plan(
+        [ToyGroup("full", 16), ToyGroup("sliding", 16, 64), ToyGroup("state", 64)],
+        num_spec_tokens=k,
+        num_blocks=256 * 16,
+    )
+    cm = CacheManager(p, record_events=False)
+    reqs = [f"r{i}" for i in range(256)]
+    for i, r in enumerate(reqs):
+        cm.add_request(r, [i] * 40)
+        cm.lookup(r)
+        assert cm.allocate(r, 40) is not None
+        cm.commit(r, 0, [1])
+    drafts = [i % 8 for i in range(256)]
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        res = cm.allocate_batch(reqs, [1] * 256, drafts)
+        cm.commit_batch(reqs, [0] * 256, [[5]] * 256)
+        best = min(best, time.perf_counter() - t0)
+        assert all(r is not None for r in res)
+    cm.check_invariants()
+    # < 5 us per request on a slow CI core, allocate + commit together
+    assert best < 256 * 5e-6 * 2, f"{best * 1e6:.0f} us for 256 requests"
