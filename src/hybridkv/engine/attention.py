@@ -37,6 +37,16 @@ def slot_mapping(block_ids: torch.Tensor, block_size: int, positions: torch.Tens
     return block_ids.long()[logical_blocks] * block_size + positions % block_size
 
 
+def page_index(
+    block_ids: torch.Tensor, block_size: int, positions: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(block id, offset in block)`` of ``positions``: indexes ``[num_blocks, block_size,
+    ...]`` pages directly, so the pages may be strided views into a pool (a layer's pages
+    are not contiguous there: K and V of one page sit side by side)."""
+    flat = slot_mapping(block_ids, block_size, positions)
+    return flat // block_size, flat % block_size
+
+
 def paged_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -61,8 +71,6 @@ def paged_attention(
     num_tokens, num_heads, _ = q.shape
     num_kv_heads = k.shape[1]
     group_size = num_heads // num_kv_heads
-    flat_k = cache.key.view(-1, num_kv_heads, cache.key.shape[-1])
-    flat_v = cache.value.view(-1, num_kv_heads, cache.value.shape[-1])
     out = q.new_empty(num_tokens, num_heads, v.shape[-1])
 
     for r, (start, end, computed) in enumerate(batch.query_ranges()):
@@ -70,15 +78,15 @@ def paged_attention(
             continue
         row = table.block_ids[r]
         new_pos = batch.positions[start:end]
-        new_slots = slot_mapping(row, block_size, new_pos)
-        flat_k[new_slots] = k[start:end].to(flat_k.dtype)
-        flat_v[new_slots] = v[start:end].to(flat_v.dtype)
+        new_slots = page_index(row, block_size, new_pos)
+        cache.key[new_slots] = k[start:end].to(cache.key.dtype)
+        cache.value[new_slots] = v[start:end].to(cache.value.dtype)
 
         first_key = 0 if sliding_window is None else max(0, computed - sliding_window + 1)
         key_pos = torch.arange(first_key, computed + (end - start), device=new_pos.device)
-        key_slots = slot_mapping(row, block_size, key_pos)
-        keys = flat_k[key_slots].to(q.dtype)  # [K, Hkv, D]
-        values = flat_v[key_slots].to(q.dtype)
+        key_slots = page_index(row, block_size, key_pos)
+        keys = cache.key[key_slots].to(q.dtype)  # [K, Hkv, D]
+        values = cache.value[key_slots].to(q.dtype)
 
         # [Hkv, G, Q, D] x [Hkv, D, K] -> [Hkv, G, Q, K]
         queries = q[start:end].view(end - start, num_kv_heads, group_size, -1).permute(1, 2, 0, 3)

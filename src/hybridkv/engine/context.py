@@ -43,18 +43,53 @@ class BlockTable:
     block_size: int
 
 
+# (k, slot): after the request's first k new tokens of this step, store the state in slot.
+WritePoint = tuple[int, int]
+
+
 @dataclass(frozen=True)
 class StateSlots:
-    """State slots of one state group, one per request.
+    """State slots of one state group, one read slot and a list of write points per request.
 
     ``has_initial_state[r]`` is False when request ``r`` starts from an empty state (a
-    fresh prefill, or a preempted request being recomputed): the slot's old contents are
-    then ignored, never read. After the step the slot holds the state after the last
-    new token of the request.
+    fresh prefill, or a preempted request being recomputed): ``slot_ids[r]`` is then
+    ignored, never read. ``write_points[r]`` lists ``(k, slot)``: the state after the
+    request's first ``k`` new tokens of this step goes to ``slot`` (``0 <= k <= n``).
+    Without ``write_points`` the only point is ``(n, slot_ids[r])``: update in place.
+
+    One request with c = 14 computed, n = 4 new tokens (positions 14..17), checkpoint
+    interval 16, and 2 drafts among the new tokens (n = 2 verified + 2 drafts)::
+
+        position        14   15 | 16   17
+        k (after)        1    2 |  3    4
+        write points         (2, write)  (3, spec0)  (4, spec1)   align: (2, ckpt@16)
+
+    Points may share a slot with the read slot (in place): every read happens before
+    any write of the same request.
     """
 
-    slot_ids: torch.Tensor  # [num_reqs], integer
+    slot_ids: torch.Tensor  # [num_reqs], integer: the read slot
     has_initial_state: torch.Tensor  # [num_reqs], bool
+    write_points: tuple[tuple[WritePoint, ...], ...] | None = None
+
+    @classmethod
+    def from_points(
+        cls, reads: Sequence[int | None], writes: Sequence[Sequence[WritePoint]]
+    ) -> StateSlots:
+        """Build from a read slot (None: start from zeros) and write points per request."""
+        if len(reads) != len(writes):
+            raise EngineError(f"{len(reads)} read slots but {len(writes)} write-point lists")
+        return cls(
+            slot_ids=torch.tensor([0 if r is None else r for r in reads], dtype=torch.long),
+            has_initial_state=torch.tensor([r is not None for r in reads], dtype=torch.bool),
+            write_points=tuple(tuple((int(k), int(s)) for k, s in w) for w in writes),
+        )
+
+    def points(self, r: int, num_new_tokens: int) -> tuple[WritePoint, ...]:
+        """Write points of request ``r`` (default: in place after all its new tokens)."""
+        if self.write_points is None:
+            return ((num_new_tokens, int(self.slot_ids[r])),)
+        return self.write_points[r]
 
 
 @dataclass(frozen=True)
@@ -140,6 +175,18 @@ class ForwardBatch:
         for group, slots in self.state_slots.items():
             if slots.slot_ids.shape != (n,) or slots.has_initial_state.shape != (n,):
                 raise EngineError(f"state slots of group {group!r} must have shape ({n},)")
+            if slots.write_points is not None and len(slots.write_points) != n:
+                raise EngineError(
+                    f"state slots of group {group!r} have {len(slots.write_points)} "
+                    f"write-point lists for {n} requests"
+                )
+            for r, (start, end, _) in enumerate(self.query_ranges()):
+                for k, _slot in slots.points(r, end - start):
+                    if not 0 <= k <= end - start:
+                        raise EngineError(
+                            f"request {r} of state group {group!r}: write point after {k} "
+                            f"tokens but the step has {end - start} new tokens"
+                        )
 
 
 @dataclass(frozen=True)

@@ -39,8 +39,9 @@ def _groups(draft: LayoutDraft, options: PlanOptions) -> tuple[GroupPlan, ...]:
             page_bytes=g.page_bytes,
             padded_page_bytes=g.padded_page_bytes,
             pool_id=g.pool,
-            num_spec_states=options.num_spec_states,
-            state_mode=mode,
+            # only state groups keep speculative states and checkpoints
+            num_spec_states=options.num_spec_states if g.cls.is_state else 0,
+            state_mode=mode if g.cls.is_state else "none",
         )
         for gid, g in enumerate(draft.groups)
     )

@@ -21,7 +21,13 @@ import torch.nn.functional as F
 from hybridkv.engine.context import ForwardBatch, LayerCache, StateCache
 from hybridkv.engine.loader import Checkpoint, cfg_get, cfg_require
 from hybridkv.engine.models.common import STATE, LayerDesc
-from hybridkv.engine.state_ops import causal_conv1d, gated_delta_rule, initial_state, request_slots
+from hybridkv.engine.state_ops import (
+    causal_conv1d_history,
+    gated_delta_rule_capture,
+    read_state,
+    request_slots,
+    write_states,
+)
 from hybridkv.errors import EngineError
 
 
@@ -142,7 +148,9 @@ class GatedDeltaNet:
             family="gated_delta_net",
             shapes={
                 "conv": (s.conv_dim, s.conv_kernel - 1),
-                "ssm": (s.num_v_heads, s.head_k_dim, s.head_v_dim),
+                # Stored [Hv, dv, dk] as the planner's spec lays it out; the scan works
+                # on the transpose [Hv, dk, dv].
+                "ssm": (s.num_v_heads, s.head_v_dim, s.head_k_dim),
             },
         )
 
@@ -155,10 +163,10 @@ class GatedDeltaNet:
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
         core = x.new_empty(x.shape[0], s.num_v_heads, s.head_v_dim)
         ratio = s.num_v_heads // s.num_k_heads
-        for start, end, slot, has_initial in request_slots(batch, cache):
-            conv_state = initial_state(cache.conv, slot, has_initial)
-            conv_out, conv_state = causal_conv1d(
-                mixed[start:end], conv_state, self.conv_weight, None
+        for req in request_slots(batch, cache):
+            start, end = req.start, req.end
+            conv_out, history = causal_conv1d_history(
+                mixed[start:end], read_state(cache.conv, req.read_slot), self.conv_weight, None
             )
             conv_out = F.silu(conv_out)
             q, k, v = torch.split(conv_out, [s.key_dim, s.key_dim, s.value_dim], dim=-1)
@@ -166,11 +174,13 @@ class GatedDeltaNet:
             q = q.reshape(n, s.num_k_heads, s.head_k_dim).repeat_interleave(ratio, dim=1)
             k = k.reshape(n, s.num_k_heads, s.head_k_dim).repeat_interleave(ratio, dim=1)
             v = v.reshape(n, s.num_v_heads, s.head_v_dim)
-            state = initial_state(cache.ssm, slot, has_initial)
-            out, state = gated_delta_rule(q, k, v, g[start:end], beta[start:end], state)
+            state = read_state(cache.ssm, req.read_slot).transpose(-1, -2)
+            out, states = gated_delta_rule_capture(
+                q, k, v, g[start:end], beta[start:end], state, req.capture_at
+            )
             core[start:end] = out
-            cache.conv[slot] = conv_state.to(cache.conv.dtype)
-            cache.ssm[slot] = state.to(cache.ssm.dtype)
+            stored = {at: st.transpose(-1, -2) for at, st in states.items()}
+            write_states(cache.conv, cache.ssm, req, history, stored)
         gate = z.view(-1, s.num_v_heads, s.head_v_dim)
         normed = self._gated_norm(core, gate).reshape(x.shape[0], s.value_dim)
         return F.linear(normed, self.out_proj)

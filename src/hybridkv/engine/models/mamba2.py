@@ -22,7 +22,13 @@ import torch.nn.functional as F
 from hybridkv.engine.context import ForwardBatch, LayerCache, StateCache
 from hybridkv.engine.loader import Checkpoint, cfg_get, cfg_require
 from hybridkv.engine.models.common import STATE, LayerDesc
-from hybridkv.engine.state_ops import causal_conv1d, initial_state, mamba2_scan, request_slots
+from hybridkv.engine.state_ops import (
+    causal_conv1d_history,
+    mamba2_scan_capture,
+    read_state,
+    request_slots,
+    write_states,
+)
 from hybridkv.errors import EngineError
 
 
@@ -129,10 +135,13 @@ class Mamba2:
         A = -torch.exp(self.A_log.float())
         heads_per_group = s.num_heads // s.n_groups
         y = x.new_empty(x.shape[0], s.inner)
-        for start, end, slot, has_initial in request_slots(batch, cache):
-            conv_state = initial_state(cache.conv, slot, has_initial)
-            conv_out, conv_state = causal_conv1d(
-                xbc[start:end], conv_state, self.conv_weight, self.conv_bias
+        for req in request_slots(batch, cache):
+            start, end = req.start, req.end
+            conv_out, history = causal_conv1d_history(
+                xbc[start:end],
+                read_state(cache.conv, req.read_slot),
+                self.conv_weight,
+                self.conv_bias,
             )
             hs, B, C = torch.split(
                 F.silu(conv_out),
@@ -142,13 +151,18 @@ class Mamba2:
             n = end - start
             B = B.reshape(n, s.n_groups, s.state_size).repeat_interleave(heads_per_group, dim=1)
             C = C.reshape(n, s.n_groups, s.state_size).repeat_interleave(heads_per_group, dim=1)
-            state = initial_state(cache.ssm, slot, has_initial)
-            out, state = mamba2_scan(
-                hs.reshape(n, s.num_heads, s.head_dim), dt[start:end], A, B, C, self.D, state
+            out, states = mamba2_scan_capture(
+                hs.reshape(n, s.num_heads, s.head_dim),
+                dt[start:end],
+                A,
+                B,
+                C,
+                self.D,
+                read_state(cache.ssm, req.read_slot),
+                req.capture_at,
             )
             y[start:end] = out.reshape(n, s.inner)
-            cache.conv[slot] = conv_state.to(cache.conv.dtype)
-            cache.ssm[slot] = state.to(cache.ssm.dtype)
+            write_states(cache.conv, cache.ssm, req, history, states)
         return F.linear(self._gated_norm(y, z), self.out_proj, self.out_bias)
 
     def _gated_norm(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
