@@ -1,0 +1,44 @@
+"""Token sampling: greedy (temperature 0) or temperature sampling with a per-request seed.
+
+Each request owns its random generator, seeded from ``(seed, request index)``, so its
+tokens do not depend on which other requests share its steps, on chunking or on
+preemption (a recomputed request does not draw: only the final position samples).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from hybridkv.errors import EngineError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int
+    temperature: float = 0.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise EngineError(f"max_new_tokens={self.max_new_tokens}: needs >= 1")
+        if self.temperature < 0:
+            raise EngineError(f"temperature={self.temperature}: needs >= 0")
+
+
+def make_generator(seed: int, index: int) -> torch.Generator:
+    """The random stream of request ``index`` of a ``generate`` call with ``seed``."""
+    gen = torch.Generator()
+    gen.manual_seed((seed * 1_000_003 + index) % (1 << 63))
+    return gen
+
+
+def sample(logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> int:
+    """One token from ``logits [vocab]``: argmax at temperature 0, else softmax(l / T)."""
+    if temperature == 0.0:
+        return int(torch.argmax(logits))
+    if generator is None:
+        raise EngineError(f"temperature {temperature} needs a random generator")
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    return int(torch.multinomial(probs.cpu(), 1, generator=generator))
