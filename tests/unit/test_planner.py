@@ -124,3 +124,40 @@ def test_prefix_caching_off_uses_none_mode_and_no_granularity() -> None:
     assert p.hit_granularity_tokens == 0
     assert all(g.state_mode == "none" for g in p.groups)
     assert PlanOptions(prefix_caching=True).resolved_state_mode == "align"
+
+
+def test_slab_packing_keeps_blocks_small_without_padding() -> None:
+    """A slab of whole state pages lets the attention group take more layers per block,
+    so its block shrinks (Coder-Next + dense draft: 560 tokens, vLLM's rule: 2240)."""
+    p = plan(qwen3_coder_next(), qwen3_4b(), spec_method="draft", num_spec_tokens=3,
+             kv_dtype=DType.FP8_E4M3, memory_bytes=60 * GiB, max_model_len=32768,
+             layout="shared")
+    p.check_invariants()
+    assert p.pools[0].packing == "slab"
+    assert max(g.block_size for g in p.groups if g.kind != "state") <= 560
+    assert p.waste_fraction <= 0.02
+    # layers of one group lie side by side inside the slab, never past it
+    slab = p.pools[0].page_bytes
+    for t in p.tensors:
+        assert t.page_stride_bytes == slab and t.offset_bytes + t.used_bytes <= slab
+
+
+def test_max_block_size_is_honoured_or_refused() -> None:
+    p = plan(qwen3_coder_next(), qwen3_4b(), spec_method="draft", num_spec_tokens=3,
+             kv_dtype=DType.FP8_E4M3, memory_bytes=60 * GiB, max_model_len=32768,
+             layout="shared", max_block_size=512)
+    p.check_invariants()
+    assert max(g.block_size for g in p.groups if g.kind != "state") <= 512
+    # a 2 MiB state page in one slab leaves the 8 attention layers >= 64-token blocks
+    with pytest.raises(PlanError, match="--max-block-size 32"):
+        plan(qwen35_9b(), layout="shared", max_block_size=32, memory_bytes=40 * GiB)
+
+
+def test_vllm_rule_merges_an_mtp_head_into_the_main_attention_type() -> None:
+    main = qwen35_9b()
+    p = plan(main, main.draft_head(), spec_method="mtp", num_spec_tokens=2, layout="vllm",
+             memory_bytes=40 * GiB, max_model_len=32768)
+    merged = [g for g in p.groups if g.model == "main+draft"]
+    assert len(merged) == 1 and len(merged[0].layers) == 9  # 8 attention + 1 MTP layer
+    # K=2 adds 2 conv rows per GDN page: 2146304 + 2 * 8192 * 2 B -> 532 -> 544 tokens
+    assert {g.block_size for g in p.groups if g.kind != "state"} == {544}

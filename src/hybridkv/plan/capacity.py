@@ -123,12 +123,16 @@ def _placements(
     for g in groups:
         pool = pools[g.pool_id]
         for tensor_index, ref in enumerate(g.layers):
+            if pool.packing == "slab":  # side by side inside each slab
+                offset = tensor_index * g.padded_page_bytes
+            else:  # one tensor slot (num_pages pages) per layer
+                offset = tensor_index * pool.num_pages * pool.page_bytes
             placed.append(TensorPlacement(
                 layer=ref,
                 group_id=g.group_id,
                 pool_id=pool.pool_id,
                 tensor_index=tensor_index,
-                offset_bytes=tensor_index * pool.num_pages * pool.page_bytes,
+                offset_bytes=offset,
                 page_stride_bytes=pool.page_bytes,
                 used_bytes=g.page_bytes,
             ))
@@ -180,6 +184,7 @@ def build_plan(
             num_pages=pages[pid],
             num_tensors=draft.pool_num_tensors[pid],
             group_ids=tuple(g.group_id for g in groups if g.pool_id == pid),
+            packing=draft.packing,
         )
         for pid in range(len(draft.pool_page_bytes))
     )

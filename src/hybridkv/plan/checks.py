@@ -9,7 +9,8 @@ from hybridkv.plan.types import CachePlan
 def check_plan_invariants(plan: CachePlan) -> None:
     """Raise `InvariantError` when the plan contradicts itself.
 
-    * one page size per pool, and every group's padded page is that size;
+    * one page size per pool: every group's padded page is that size (tensor packing)
+      or its layers' pages fill at most one slab (slab packing);
     * padded page >= raw page, and a group never has more layers than tensor slots;
     * total pool bytes within the budget;
     * every layer of both models placed exactly once, at a distinct (pool, tensor);
@@ -21,12 +22,13 @@ def check_plan_invariants(plan: CachePlan) -> None:
 
     for g in plan.groups:
         pool = plan.pools[g.pool_id]
-        if g.padded_page_bytes != pool.page_bytes:
+        if pool.packing == "tensor" and g.padded_page_bytes != pool.page_bytes:
             raise fail(f"group {g.group_id} page {g.padded_page_bytes} != pool {pool.page_bytes}")
         if g.padded_page_bytes < g.page_bytes:
             raise fail(f"group {g.group_id} padded {g.padded_page_bytes} < raw {g.page_bytes}")
-        if len(g.layers) > pool.num_tensors:
-            raise fail(f"group {g.group_id} has {len(g.layers)} layers > {pool.num_tensors} slots")
+        if len(g.layers) * g.padded_page_bytes > pool.slab_bytes:
+            raise fail(f"group {g.group_id}: {len(g.layers)} layers x {g.padded_page_bytes} B "
+                       f"exceed the pool's {pool.slab_bytes} B slab")
         if g.block_size < 1:
             raise fail(f"group {g.group_id} block size {g.block_size}")
         if g.group_id not in pool.group_ids:

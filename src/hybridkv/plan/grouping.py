@@ -27,6 +27,11 @@ class LayerClass:
     layers: tuple[LayerRef, ...]
 
     @property
+    def has_main(self) -> bool:
+        """Holds main-model layers (``main`` or a merged ``main+draft`` class)."""
+        return self.model.startswith("main")
+
+    @property
     def is_state(self) -> bool:
         return isinstance(self.spec, StateSpec)
 
@@ -56,7 +61,8 @@ def _prepare(model: ModelSpec, role: str, options: PlanOptions) -> ModelSpec:
 def layer_classes(
     main: ModelSpec, draft: ModelSpec | None, options: PlanOptions
 ) -> list[LayerClass]:
-    """Classes of main then draft layers, in order of first appearance."""
+    """Classes of main then draft layers, in order of first appearance; a draft model
+    keeps its own classes even where its specs equal the main model's."""
     classes: list[LayerClass] = []
     for role, model in (("main", main), ("draft", draft)):
         if model is None:
@@ -67,6 +73,20 @@ def layer_classes(
             by_spec.setdefault(spec, []).append(LayerRef(model=role, index=index))
         classes.extend(LayerClass(role, spec, tuple(refs)) for spec, refs in by_spec.items())
     return classes
+
+
+def merge_equal_specs(classes: list[LayerClass]) -> list[LayerClass]:
+    """One class per distinct spec across both models, as vLLM groups layers (an MTP
+    head shaped like the main attention layers joins them); model ``main+draft``."""
+    merged: dict[LayerSpec, LayerClass] = {}
+    for cls in classes:
+        if cls.spec in merged:
+            first = merged[cls.spec]
+            model = first.model if first.model == cls.model else "main+draft"
+            merged[cls.spec] = LayerClass(model, cls.spec, first.layers + cls.layers)
+        else:
+            merged[cls.spec] = cls
+    return list(merged.values())
 
 
 def group_size_candidates(classes: list[LayerClass]) -> list[int]:

@@ -22,6 +22,7 @@ from hybridkv.ids import cdiv, round_up
 from hybridkv.plan.grouping import (
     LayerClass,
     group_size_candidates,
+    merge_equal_specs,
     vllm_group_size,
 )
 from hybridkv.plan.types import LayerRef, PlanOptions
@@ -30,6 +31,8 @@ from hybridkv.spec.layers import MLASpec
 BLOCK_ALIGN_TOKENS = 16  # attention kernels (FlashAttention, FlashInfer) want multiples of 16
 SPLIT_STATE_INTERVAL_NO_ATTENTION = 256  # checkpoint interval of attention-free models
 MAX_HIT_GRANULARITY_FACTOR = 8  # cap: lcm of block sizes <= 8 x the largest block
+SLAB_ALIGN_BYTES = 16  # layer pages inside a slab start 16-byte aligned (any dtype view)
+MAX_GROUPS = 32  # each group is one more block table per request and step
 
 
 @dataclass
@@ -50,6 +53,7 @@ class LayoutDraft:
     pool_num_tensors: list[int]
     pool_num_pages: list[int] | None = None  # None: one pool takes the whole budget
     notes: list[str] = field(default_factory=list)
+    packing: str = "tensor"
 
 
 def _attention(classes: list[LayerClass]) -> list[LayerClass]:
@@ -63,7 +67,7 @@ def _states(classes: list[LayerClass]) -> list[LayerClass]:
 def _main_attention(classes: list[LayerClass]) -> LayerClass | None:
     """The class whose block size defines the layout: main model's full attention first."""
     attn = _attention(classes)
-    ranked = sorted(attn, key=lambda c: (c.model != "main", c.spec.kind != "full_attention"))
+    ranked = sorted(attn, key=lambda c: (not c.has_main, c.spec.kind != "full_attention"))
     return ranked[0] if ranked else None
 
 
@@ -150,6 +154,20 @@ def shared_layout_candidates(
                 if main_blocks != {options.block_size}:
                     continue  # user block not a multiple of 16: cannot be honoured exactly
             drafts.append(draft)
+    if options.block_size is None:
+        drafts += slab_layout_candidates(classes, options)
+    if options.max_block_size is not None:
+        drafts = [d for d in drafts if max(
+            (g.block_size for g in d.groups if not g.cls.is_state), default=0
+        ) <= options.max_block_size]
+        if not drafts:
+            raise PlanError(
+                f"layout shared: no page or slab size keeps attention blocks within "
+                f"--max-block-size {options.max_block_size} (largest state page "
+                f"{max_state} bytes); raise it, or use --layout split (16-token blocks)"
+            )
+    few = [d for d in drafts if len(d.groups) <= MAX_GROUPS]
+    drafts = few or sorted(drafts, key=lambda d: len(d.groups))[:1]
     if not drafts:
         raise PlanError(
             "layout shared: no page size fits every layer class "
@@ -158,6 +176,73 @@ def shared_layout_candidates(
             "use a block size that is a multiple of 16, or --layout split"
         )
     return drafts
+
+
+def _divisors(count: int) -> list[int]:
+    return [n for n in range(1, count + 1) if count % n == 0]
+
+
+def _best_attention_fit(
+    per_token: int, count: int, slab: int, max_block: int | None
+) -> tuple[int, int] | None:
+    """(layers per group, block size) filling ``slab`` best; on equal fill, the
+    smallest block. None when no divisor of ``count`` leaves a 16-token block (within
+    ``max_block`` when given)."""
+    best: tuple[float, int, int] | None = None
+    for n in _divisors(count):
+        block = (slab // (n * per_token)) // BLOCK_ALIGN_TOKENS * BLOCK_ALIGN_TOKENS
+        if block == 0 or (max_block is not None and block > max_block):
+            continue
+        fill = n * block * per_token / slab
+        if best is None or (fill, -block) > (best[0], -best[2]):
+            best = (fill, n, block)
+    return None if best is None else (best[1], best[2])
+
+
+def _slab_for(classes: list[LayerClass], options: PlanOptions, slab: int) -> LayoutDraft | None:
+    """Pack every class into slabs of ``slab`` bytes, layers side by side; None when an
+    attention class cannot get a 16-token block or a state class does not fit."""
+    attention: dict[int, tuple[int, int]] = {}
+    for index, cls in enumerate(classes):
+        if not cls.is_state:
+            fit = _best_attention_fit(cls.bytes_per_token(), len(cls.layers), slab,
+                                      options.max_block_size)
+            if fit is None:
+                return None
+            attention[index] = fit
+    blocks = [block for _, block in attention.values()]
+    interval = _state_interval(blocks, fallback=options.block_size or 256)
+    if blocks and interval > MAX_HIT_GRANULARITY_FACTOR * max(blocks):
+        return None
+    groups: list[GroupDraft] = []
+    for index, cls in enumerate(classes):
+        if cls.is_state:
+            raw = cls.state_page_bytes(options.num_spec_states)
+            page = round_up(raw, SLAB_ALIGN_BYTES)
+            fitting = [n for n in _divisors(len(cls.layers)) if n * page <= slab]
+            if not fitting:
+                return None
+            per_group, block = max(fitting), interval
+            padded = slab // per_group // SLAB_ALIGN_BYTES * SLAB_ALIGN_BYTES
+        else:
+            per_group, block = attention[index]
+            raw = padded = block * cls.bytes_per_token()
+        groups.extend(GroupDraft(cls, chunk, block, raw, padded, 0)
+                      for chunk in cls.chunks(per_group))
+    return LayoutDraft("shared", groups, [slab], [1], packing="slab")
+
+
+def slab_layout_candidates(classes: list[LayerClass], options: PlanOptions) -> list[LayoutDraft]:
+    """Shared pools whose slab is a whole number of one state class's pages: attention
+    groups take as many layers as fill the slab best, which keeps their blocks small
+    (hundreds of tokens instead of thousands) at a little padding."""
+    slabs = {
+        n * round_up(cls.state_page_bytes(options.num_spec_states), SLAB_ALIGN_BYTES)
+        for cls in _states(classes)
+        for n in _divisors(len(cls.layers))
+    }
+    drafts = [_slab_for(classes, options, slab) for slab in sorted(slabs)]
+    return [d for d in drafts if d is not None]
 
 
 # --------------------------------------------------------------------------- split
@@ -204,15 +289,17 @@ def vllm_layout(classes: list[LayerClass], options: PlanOptions) -> LayoutDraft:
        page is padded; an attention page that divides the largest has its block size
        multiplied; any other attention page is padded; an MLA page that does not divide
        is refused (vLLM raises).
-    3. Layers with one spec form a type; group size is `vllm_group_size`; one pool,
-       ``num_blocks = memory // (page * group_size)``.
+    3. Layers with one spec form a type, across main and draft (an MTP head shaped
+       like the main attention layers joins them); group size is `vllm_group_size`; one
+       pool, ``num_blocks = memory // (page * group_size)``.
     """
+    classes = merge_equal_specs(classes)
     main_state = max(
         (c.state_page_bytes(options.num_spec_states) for c in _states(classes)
-         if c.model == "main"),
+         if c.has_main),
         default=0,
     )
-    main_attn = _main_attention([c for c in classes if c.model == "main"])
+    main_attn = _main_attention([c for c in classes if c.has_main])
     block = options.block_size or BLOCK_ALIGN_TOKENS
     if main_state and main_attn is not None:
         need = round_up(cdiv(main_state, main_attn.bytes_per_token()), BLOCK_ALIGN_TOKENS)

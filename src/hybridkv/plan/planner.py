@@ -22,6 +22,8 @@ DEFAULT_TYPICAL_LEN = 8192
 PADDING_WARN_FRACTION = 0.02
 GRANULARITY_WARN_TOKENS = 64
 TIE_TOLERANCE = 0.05  # concurrency at the target within 5% of the best counts as a tie
+TYPICAL_TOLERANCE = 0.02
+WASTE_TOLERANCE = 0.005  # of the budget
 LAYOUT_PREFERENCE = ("shared", "split", "vllm")  # on equal scores: dynamic pools first
 
 
@@ -54,16 +56,6 @@ def _validate(options: PlanOptions, draft: ModelSpec | None) -> None:
         value = getattr(options, field)
         if value is not None and (not isinstance(value, int) or value < 1):
             raise bad(field, value, "must be a positive integer")
-
-
-def _score(plan: CachePlan) -> tuple[int, int, float, int]:
-    biggest_block = max((g.block_size for g in plan.groups if g.kind != "state"), default=0)
-    return (
-        plan.capacity.max_concurrency,
-        plan.capacity.concurrency_at_typical,
-        -plan.waste_bytes,
-        -max(biggest_block, plan.hit_granularity_tokens),
-    )
 
 
 def _warnings(plan: CachePlan, main: ModelSpec, draft: ModelSpec | None) -> tuple[str, ...]:
@@ -115,7 +107,7 @@ def _plan_layout(
         "vllm": lambda: [vllm_layout(classes, options)],
     }
     plans = [_finish(d, options, main, draft, lengths) for d in builders[name]()]
-    return max(plans, key=_score)
+    return _pick(plans)
 
 
 def plan(
@@ -159,15 +151,30 @@ def plan(
 
 
 def _pick(plans: list[CachePlan]) -> CachePlan:
-    """Highest concurrency at the target length; layouts within `TIE_TOLERANCE` of the
-    best (and never below vLLM's rule) count as tied and are ranked by concurrency at
-    the typical length, so a one-request win at the target cannot cost 3x at 8K."""
+    """The best plan, by stages; each stage keeps the plans within its tolerance:
+
+    1. concurrency at the target length within `TIE_TOLERANCE` of the best, and never
+       below vLLM's rule (so a one-request win at the target cannot cost 3x at 8K);
+    2. concurrency at the typical length within `TYPICAL_TOLERANCE` of the best;
+    3. padding within `WASTE_TOLERANCE` of the budget of the least;
+    then the smallest largest attention block (prefix-hit granularity), the fewest
+    groups (block tables per request), and shared > split > vllm.
+    """
     top = max(p.capacity.max_concurrency for p in plans)
     floor = max([top * (1 - TIE_TOLERANCE)]
                 + [p.capacity.max_concurrency for p in plans if p.layout == "vllm"])
-    tied = [p for p in plans if p.capacity.max_concurrency >= floor]
-    return max(tied, key=lambda p: (
-        p.capacity.concurrency_at_typical, _score(p), -LAYOUT_PREFERENCE.index(p.layout)))
+    kept = [p for p in plans if p.capacity.max_concurrency >= floor]
+    best_typical = max(p.capacity.concurrency_at_typical for p in kept)
+    kept = [p for p in kept
+            if p.capacity.concurrency_at_typical >= best_typical * (1 - TYPICAL_TOLERANCE)]
+    least_waste = min(p.waste_fraction for p in kept)
+    kept = [p for p in kept if p.waste_fraction <= least_waste + WASTE_TOLERANCE]
+    return min(kept, key=lambda p: (
+        max((g.block_size for g in p.groups if g.kind != "state"), default=0),
+        len(p.groups),
+        -p.capacity.max_concurrency,
+        LAYOUT_PREFERENCE.index(p.layout),
+    ))
 
 
 def _reason(best: CachePlan, others: tuple[CachePlan, ...], errors: list[str]) -> str:
@@ -182,8 +189,9 @@ def _reason(best: CachePlan, others: tuple[CachePlan, ...], errors: list[str]) -
         for p in others
     ]
     parts += [f"not possible: {e}" for e in errors]
-    return ("highest concurrency at the target length (within 5%, then at the typical "
-            "length); " + "; ".join(parts))
+    rule = ("highest concurrency at the target length (within 5%), then at the typical "
+            "length (within 2%), then least padding, smallest blocks, fewest groups; ")
+    return rule + "; ".join(parts)
 
 
 def _no_room(plan: CachePlan, main: ModelSpec) -> PlanError:

@@ -15,6 +15,14 @@ Pool byte layout (one buffer per pool)::
 
 A block id ``p`` of group ``g`` names page ``p`` in each of the group's layers' tensors:
 its *slab* is ``len(g.layers) * page_bytes``. Page 0 of every pool is the null block.
+
+A ``slab``-packed pool (``num_tensors == 1``, ``page_bytes`` = the slab) instead lays a
+block's layers side by side inside one slab, so groups may have different layer counts
+and per-layer pages as long as their slabs are equal::
+
+    slab p:  | layer a page | layer b page | layer c page |   (group of 3, pages S/3)
+    slab p:  | layer x page ...  x6 ...                  |   (group of 6, pages S/6)
+    offset of (layer i, block p) = p * slab + i * group's padded page
 """
 
 from __future__ import annotations
@@ -59,6 +67,7 @@ class PlanOptions:
     layout: str = "auto"
     target_len: int | None = None  # None: max_model_len
     typical_len: int | None = None  # None: min(8192, max_model_len)
+    max_block_size: int | None = None  # cap on attention blocks (prefix-hit granularity)
 
     @property
     def resolved_state_mode(self) -> str:
@@ -168,6 +177,7 @@ class PoolPlan:
     num_pages: int
     num_tensors: int
     group_ids: tuple[int, ...]
+    packing: str = "tensor"  # "tensor": a tensor slot per layer; "slab": layers side by side
 
     @property
     def num_usable_blocks(self) -> int:
@@ -189,6 +199,7 @@ class PoolPlan:
             "num_tensors": self.num_tensors,
             "total_bytes": self.total_bytes,
             "groups": list(self.group_ids),
+            "packing": self.packing,
         }
 
 
