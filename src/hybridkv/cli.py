@@ -81,6 +81,7 @@ def plan_command(
     state_mode: o.StateMode = None,
     layout: o.Layout = "auto",
     block_size: o.BlockSize = None,
+    max_block_size: o.MaxBlockSize = None,
     target_len: o.TargetLen = None,
     typical_len: o.TypicalLen = None,
     as_json: o.Json = False,

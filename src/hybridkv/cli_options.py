@@ -62,6 +62,8 @@ PrefixCaching = Annotated[bool, typer.Option(
 StateMode = Annotated[str | None, typer.Option("--state-mode", help="align | none")]
 Layout = Annotated[str, typer.Option("--layout", help="auto | shared | split | vllm")]
 BlockSize = Annotated[int | None, typer.Option("--block-size")]
+MaxBlockSize = Annotated[int | None, typer.Option(
+    "--max-block-size", help="cap on attention blocks (tokens): prefix-hit granularity")]
 TargetLen = Annotated[int | None, typer.Option("--target-len", help="default max_model_len")]
 TypicalLen = Annotated[int | None, typer.Option("--typical-len")]
 Json = Annotated[bool, typer.Option("--json", help="machine-readable output on stdout")]
@@ -104,6 +106,7 @@ class PlanArgs:
     state_mode: str | None = None
     layout: str = "auto"
     block_size: int | None = None
+    max_block_size: int | None = None
     target_len: int | None = None
     typical_len: int | None = None
 
@@ -161,6 +164,7 @@ class PlanArgs:
             state_mode=self.state_mode,
             memory_bytes=self._memory_bytes(),
             block_size=self.block_size,
+            max_block_size=self.max_block_size,
             layout=self.layout,
             target_len=self.target_len,
             typical_len=self.typical_len,

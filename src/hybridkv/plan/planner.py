@@ -52,7 +52,7 @@ def _validate(options: PlanOptions, draft: ModelSpec | None) -> None:
         value = getattr(options, field)
         if not isinstance(value, int) or value < 1:
             raise bad(field, value, "must be a positive integer")
-    for field in ("max_model_len", "block_size", "target_len", "typical_len"):
+    for field in ("max_model_len", "block_size", "max_block_size", "target_len", "typical_len"):
         value = getattr(options, field)
         if value is not None and (not isinstance(value, int) or value < 1):
             raise bad(field, value, "must be a positive integer")
