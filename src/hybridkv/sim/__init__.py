@@ -1,0 +1,31 @@
+"""Simulator: traces, workload generators, a scheduler model and `simulate`.
+
+``simulate(trace, plan)`` replays a JSONL trace (`hybridkv.sim.trace`) through a
+continuous-batching scheduler model (`hybridkv.sim.scheduler`) and the real
+`hybridkv.cache.CacheManager`, with a linear step-time clock (`hybridkv.sim.cost`),
+and returns a `SimResult` (`hybridkv.sim.metrics`). Workloads come from
+`hybridkv.sim.workloads`; the CLI commands live in `hybridkv.sim.cli`.
+"""
+
+from hybridkv.sim.cost import StepCost
+from hybridkv.sim.metrics import SimResult
+from hybridkv.sim.scheduler import SchedulerConfig, SimulationError
+from hybridkv.sim.simulator import simulate
+from hybridkv.sim.trace import TraceRequest, parse_trace, read_trace, write_trace
+from hybridkv.sim.workloads import WORKLOADS, WorkloadOptions, generate_workload, workload_options
+
+__all__ = [
+    "WORKLOADS",
+    "SchedulerConfig",
+    "SimResult",
+    "SimulationError",
+    "StepCost",
+    "TraceRequest",
+    "WorkloadOptions",
+    "generate_workload",
+    "parse_trace",
+    "read_trace",
+    "simulate",
+    "workload_options",
+    "write_trace",
+]

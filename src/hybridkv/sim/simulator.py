@@ -1,0 +1,99 @@
+"""`simulate(trace, plan)`: replay a trace through the scheduler model and a real
+`CacheManager`, then check that the run left nothing behind.
+
+After the last request finishes every block must be free (cached free blocks count as
+free: they are evictable); ``leaked_blocks`` reports the referenced blocks left over,
+summed over pools, and `check_invariants()` runs once more at the end.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from pathlib import Path
+from time import perf_counter
+from typing import Any
+
+from hybridkv.plan.types import CachePlan
+from hybridkv.sim.cost import StepCost
+from hybridkv.sim.metrics import MetricsRecorder, SimResult, finalize
+from hybridkv.sim.scheduler import Scheduler, SchedulerConfig
+from hybridkv.sim.trace import TraceRequest, read_trace
+
+EAGLE_METHODS = ("eagle", "mtp")  # drafters that read their own KV at the hit position
+
+
+def build_manager(plan: CachePlan, *, enable_prefix_caching: bool | None = None) -> Any:
+    """The plan's `CacheManager` as the simulator uses it (no event log: runs are long)."""
+    from hybridkv.cache import CacheManager
+
+    eagle = plan.options.spec_method in EAGLE_METHODS
+    return CacheManager(plan, enable_prefix_caching=enable_prefix_caching, eagle=eagle,
+                        record_events=False)
+
+
+def leaked_blocks(manager: Any, plan: CachePlan) -> int:
+    """Blocks still referenced (usable minus free), summed over the plan's pools."""
+    return sum(pool.num_usable_blocks - manager.num_free_blocks(pool.pool_id)
+               for pool in plan.pools)
+
+
+def scheduler_config(plan: CachePlan, **overrides: Any) -> SchedulerConfig:
+    """Limits from the plan's options: max_num_seqs, the token budget, K drafts, and
+    chunk alignment to the hit granularity when state groups checkpoint (``align``)."""
+    opts = plan.options
+    align = any(g.kind == "state" and g.state_mode == "align" for g in plan.groups)
+    base = SchedulerConfig(
+        max_num_seqs=opts.max_num_seqs,
+        max_num_batched_tokens=opts.max_num_batched_tokens,
+        # Without a speculative method the plan reserves no draft slots or states.
+        max_spec_tokens=opts.num_spec_tokens if opts.spec_method else 0,
+        chunk_align_tokens=plan.hit_granularity_tokens if align and opts.prefix_caching else 0,
+    )
+    return dataclasses.replace(base, **overrides)
+
+
+def simulate(
+    trace: Sequence[TraceRequest] | str | Path,
+    plan: CachePlan,
+    *,
+    check_every: int = 0,
+    batched: bool = True,
+    cost: StepCost | None = None,
+    max_steps: int | None = None,
+    enable_prefix_caching: bool | None = None,
+    config: SchedulerConfig | None = None,
+    manager: Any = None,
+) -> SimResult:
+    """Replay ``trace`` (requests or a JSONL path) under ``plan``; returns the metrics.
+
+    ``check_every=N`` calls the manager's `check_invariants()` every N steps (always
+    once at the end). ``batched`` drives the running requests through
+    `allocate_batch` / `commit_batch`. ``config`` overrides the scheduler limits that
+    otherwise come from ``plan.options``; ``manager`` lets a caller pass its own.
+    Raises `TraceError` for a bad trace file and `SimulationError` when a request
+    cannot fit alone.
+    """
+    requests = read_trace(trace) if isinstance(trace, str | Path) else list(trace)
+    if config is None:
+        config = scheduler_config(plan, check_every=check_every, batched=batched,
+                                  max_steps=max_steps)
+    if manager is None:
+        manager = build_manager(plan, enable_prefix_caching=enable_prefix_caching)
+    recorder = MetricsRecorder()
+    scheduler = Scheduler(manager, requests, config, cost or StepCost(), recorder)
+    start = perf_counter()
+    scheduler.run()
+    wall_s = perf_counter() - start
+    scheduler.check_invariants()
+    stats = manager.stats()
+    stats_dict = dataclasses.asdict(stats) if dataclasses.is_dataclass(stats) else dict(stats)
+    return finalize(
+        recorder,
+        num_requests=len(requests),
+        cache_stats={k: v for k, v in stats_dict.items() if not isinstance(v, tuple)},
+        leaked_blocks=leaked_blocks(manager, plan) if scheduler.done() else -1,
+        sim_time_s=scheduler.clock_s,
+        wall_s=wall_s,
+        layout=plan.layout,
+    )

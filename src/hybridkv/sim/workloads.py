@@ -1,0 +1,210 @@
+"""Seeded workload generators producing `TraceRequest` lists (deterministic per seed).
+
+Kinds (``WORKLOADS``):
+
+* ``chat``: multi-turn conversations that open with one of a few shared system
+  prompts; turn t's prompt is the whole conversation so far plus a new user message,
+  so it shares its prefix with turn t-1 (including turn t-1's output).
+* ``agentic``: long sessions that grow turn by turn with large tool outputs; the
+  context reaches tens of thousands of tokens.
+* ``suffix``: coding requests over a few shared repository contexts, with suffix-decoding
+  draft patterns: runs of "copying" steps proposing up to K drafts and mostly accepting
+  them, alternating with "novel" steps proposing 0..2, so the draft count jumps between
+  0 and K from one step to the next.
+* ``documents``: many users asking short questions about a few long shared documents.
+
+With ``max_drafts > 0`` every request gets a ``spec`` list (one ``[proposed, accepted]``
+per decode step; see `hybridkv.sim.trace`). ``chat``, ``agentic`` and ``documents`` use
+an n-gram-like pattern (uniform 0..K proposals, geometric acceptance); ``suffix`` uses
+the bursty pattern above.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from hybridkv.sim.trace import SpecStep, TraceRequest
+
+VOCAB_SIZE = 32000
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkloadOptions:
+    """Knobs shared by every generator; lengths are (low, high) token ranges, inclusive."""
+
+    num_requests: int = 100
+    seed: int = 0
+    max_drafts: int = 0
+    rate_per_s: float = 8.0  # Poisson arrivals of new conversations / requests
+    output_len: tuple[int, int] = (32, 256)
+    prefix_len: tuple[int, int] = (1024, 4096)  # system prompt / repository / document
+    suffix_len: tuple[int, int] = (32, 512)  # user message / task / question / tool output
+    num_prefixes: int = 4  # distinct shared prefixes
+    max_turns: int = 6  # chat and agentic: turns per conversation
+
+
+class _Gen:
+    """Random helpers over one numpy Generator (the only source of randomness)."""
+
+    def __init__(self, seed: int) -> None:
+        self.rng = np.random.default_rng(seed)
+
+    def length(self, bounds: tuple[int, int]) -> int:
+        low, high = bounds
+        return int(self.rng.integers(low, high + 1))
+
+    def tokens(self, num_tokens: int) -> list[int]:
+        return self.rng.integers(0, VOCAB_SIZE, size=num_tokens).tolist()
+
+    def gap_s(self, rate_per_s: float) -> float:
+        return float(self.rng.exponential(1.0 / rate_per_s)) if rate_per_s > 0 else 0.0
+
+
+def ngram_spec(gen: _Gen, num_output: int, max_drafts: int) -> tuple[SpecStep, ...]:
+    """Uniform 0..K proposals; each draft accepted with p=0.6 until the first reject."""
+    steps: list[SpecStep] = []
+    emitted = 1
+    while emitted < num_output:
+        proposed = int(gen.rng.integers(0, max_drafts + 1))
+        accepted = 0
+        while accepted < proposed and gen.rng.random() < 0.6:
+            accepted += 1
+        steps.append((proposed, accepted))
+        emitted += accepted + 1
+    return tuple(steps)
+
+
+def suffix_spec(gen: _Gen, num_output: int, max_drafts: int) -> tuple[SpecStep, ...]:
+    """Bursty suffix-decoding pattern: copy runs (up to K drafts, p=0.9) and novel runs."""
+    steps: list[SpecStep] = []
+    emitted = 1
+    copying = bool(gen.rng.random() < 0.5)
+    while emitted < num_output:
+        if gen.rng.random() < 0.3:  # switch mode often so counts jump between 0 and K
+            copying = not copying
+        if copying:
+            proposed = int(gen.rng.integers(max(1, max_drafts // 2), max_drafts + 1))
+            p_accept = 0.9
+        else:
+            proposed = int(gen.rng.integers(0, min(2, max_drafts) + 1))
+            p_accept = 0.3
+        accepted = 0
+        while accepted < proposed and gen.rng.random() < p_accept:
+            accepted += 1
+        steps.append((proposed, accepted))
+        emitted += accepted + 1
+    return tuple(steps)
+
+
+def _request(
+    gen: _Gen, opts: WorkloadOptions, req_id: str, arrival_s: float, prompt: list[int],
+    spec_fn: Callable[[_Gen, int, int], tuple[SpecStep, ...]],
+) -> TraceRequest:
+    output = gen.tokens(gen.length(opts.output_len))
+    spec = spec_fn(gen, len(output), opts.max_drafts) if opts.max_drafts > 0 else None
+    return TraceRequest(id=req_id, arrival_s=round(arrival_s, 6), prompt=tuple(prompt),
+                        output=tuple(output), spec=spec)
+
+
+def _conversations(opts: WorkloadOptions, *, think_s: float, prefix: str) -> list[TraceRequest]:
+    """Shared engine of ``chat`` and ``agentic``: conversations that grow turn by turn."""
+    gen = _Gen(opts.seed)
+    prefixes = [gen.tokens(gen.length(opts.prefix_len)) for _ in range(opts.num_prefixes)]
+    requests: list[TraceRequest] = []
+    start_s = 0.0
+    conv = 0
+    while len(requests) < opts.num_requests:
+        start_s += gen.gap_s(opts.rate_per_s)
+        context = list(prefixes[int(gen.rng.integers(0, len(prefixes)))])
+        arrival_s = start_s
+        for turn in range(int(gen.rng.integers(1, opts.max_turns + 1))):
+            if len(requests) >= opts.num_requests:
+                break
+            context += gen.tokens(gen.length(opts.suffix_len))
+            req = _request(gen, opts, f"{prefix}{conv}-t{turn}", arrival_s, context, ngram_spec)
+            requests.append(req)
+            context += list(req.output)
+            arrival_s += think_s + 0.02 * len(req.output)  # time to read and reply
+        conv += 1
+    return sorted(requests, key=lambda r: (r.arrival_s, r.id))
+
+
+def chat_workload(opts: WorkloadOptions) -> list[TraceRequest]:
+    return _conversations(opts, think_s=5.0, prefix="chat")
+
+
+def agentic_workload(opts: WorkloadOptions) -> list[TraceRequest]:
+    return _conversations(opts, think_s=0.5, prefix="agent")
+
+
+def _shared_prefix_requests(
+    opts: WorkloadOptions, prefix: str,
+    spec_fn: Callable[[_Gen, int, int], tuple[SpecStep, ...]],
+) -> list[TraceRequest]:
+    gen = _Gen(opts.seed)
+    prefixes = [gen.tokens(gen.length(opts.prefix_len)) for _ in range(opts.num_prefixes)]
+    requests: list[TraceRequest] = []
+    arrival_s = 0.0
+    for index in range(opts.num_requests):
+        arrival_s += gen.gap_s(opts.rate_per_s)
+        shared = prefixes[int(gen.rng.integers(0, len(prefixes)))]
+        prompt = shared + gen.tokens(gen.length(opts.suffix_len))
+        requests.append(_request(gen, opts, f"{prefix}{index}", arrival_s, prompt, spec_fn))
+    return requests
+
+
+def suffix_workload(opts: WorkloadOptions) -> list[TraceRequest]:
+    return _shared_prefix_requests(opts, "code", suffix_spec)
+
+
+def documents_workload(opts: WorkloadOptions) -> list[TraceRequest]:
+    return _shared_prefix_requests(opts, "doc", ngram_spec)
+
+
+WORKLOADS: dict[str, Callable[[WorkloadOptions], list[TraceRequest]]] = {
+    "chat": chat_workload,
+    "agentic": agentic_workload,
+    "suffix": suffix_workload,
+    "documents": documents_workload,
+}
+
+
+# Per-kind defaults on top of `WorkloadOptions`' own: agentic tool outputs are long and
+# sessions run ~10 turns (contexts reach ~30K tokens); documents are long and few.
+KIND_DEFAULTS: dict[str, dict[str, Any]] = {
+    "chat": {},
+    "agentic": {"suffix_len": (512, 4096), "max_turns": 10, "prefix_len": (2048, 4096)},
+    "suffix": {"prefix_len": (2048, 8192), "output_len": (64, 512)},
+    "documents": {"prefix_len": (8192, 16384), "num_prefixes": 3, "suffix_len": (16, 128)},
+}
+
+
+def workload_options(kind: str, **overrides: Any) -> WorkloadOptions:
+    """`WorkloadOptions` with ``kind``'s defaults, then every non-None override."""
+    if kind not in WORKLOADS:
+        raise ValueError(f"unknown workload kind {kind!r}; use one of {', '.join(WORKLOADS)}")
+    values = dict(KIND_DEFAULTS[kind])
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    return dataclasses.replace(WorkloadOptions(), **values)
+
+
+def generate_workload(kind: str, opts: WorkloadOptions) -> list[TraceRequest]:
+    """Requests of workload ``kind`` (one of `WORKLOADS`), deterministic in ``opts.seed``."""
+    try:
+        generator = WORKLOADS[kind]
+    except KeyError:
+        raise ValueError(
+            f"unknown workload kind {kind!r}; use one of {', '.join(WORKLOADS)}") from None
+    if opts.num_requests < 0 or opts.max_drafts < 0:
+        raise ValueError(f"num_requests={opts.num_requests} and max_drafts={opts.max_drafts} "
+                         "must be >= 0")
+    for name in ("output_len", "prefix_len", "suffix_len"):
+        low, high = getattr(opts, name)
+        if not 1 <= low <= high:
+            raise ValueError(f"{name}=({low}, {high}) needs 1 <= low <= high")
+    return generator(opts)
