@@ -12,8 +12,8 @@ from hybridkv.spec.base import (
     MLA,
     SLIDING_ATTENTION,
     LayerSpec,
-    require_positive,
     divide_over_ranks,
+    require_positive,
 )
 from hybridkv.spec.dtypes import DType
 
@@ -129,7 +129,9 @@ class MLASpec(LayerSpec):
     dtype: DType = DType.BFLOAT16
 
     def __post_init__(self) -> None:
-        require_positive(self, kv_lora_rank=self.kv_lora_rank, qk_rope_head_dim=self.qk_rope_head_dim)
+        require_positive(
+            self, kv_lora_rank=self.kv_lora_rank, qk_rope_head_dim=self.qk_rope_head_dim
+        )
 
     def bytes_per_token(self) -> int:
         return (self.kv_lora_rank + self.qk_rope_head_dim) * self.dtype.num_bytes
@@ -147,5 +149,3 @@ class MLASpec(LayerSpec):
 
     def describe(self) -> str:
         return f"mla {self.kv_lora_rank}+{self.qk_rope_head_dim} {self.dtype}"
-
-

@@ -53,5 +53,3 @@ class LayerSpec:
 
     def describe(self) -> str:
         return self.family
-
-

@@ -56,6 +56,4 @@ def parse_dtype(value: str | DType, *, what: str = "dtype") -> DType:
     key = str(value).strip().lower().removeprefix("torch.")
     if key in _ALIASES:
         return _ALIASES[key]
-    raise SpecError(
-        f"unknown {what} {value!r}; use one of {', '.join(d.value for d in DType)}"
-    )
+    raise SpecError(f"unknown {what} {value!r}; use one of {', '.join(d.value for d in DType)}")

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from hybridkv.errors import SpecError
-from hybridkv.spec.base import STATE, LayerSpec, require_positive, divide_over_ranks
+from hybridkv.spec.base import STATE, LayerSpec, divide_over_ranks, require_positive
 from hybridkv.spec.dtypes import DType
 
 
@@ -141,8 +141,10 @@ class Mamba2Spec(StateSpec):
 
     @property
     def inner(self) -> int:
-        return self.num_heads * self.head_dim if self.intermediate_size is None else (
-            self.intermediate_size
+        return (
+            self.num_heads * self.head_dim
+            if self.intermediate_size is None
+            else (self.intermediate_size)
         )
 
     def conv_channels(self) -> int:
@@ -166,8 +168,10 @@ class Mamba2Spec(StateSpec):
                 f"Mamba2 n_groups={self.n_groups} and tensor parallel size {tp} do not divide "
                 "either way; use a TP size that divides n_groups or a multiple of it"
             )
-        inner = None if self.intermediate_size is None else divide_over_ranks(
-            self, "intermediate_size", self.intermediate_size, tp
+        inner = (
+            None
+            if self.intermediate_size is None
+            else divide_over_ranks(self, "intermediate_size", self.intermediate_size, tp)
         )
         return dataclasses.replace(
             self,
@@ -207,7 +211,9 @@ class Mamba1Spec(StateSpec):
     def shard(self, tp: int) -> Mamba1Spec:
         return dataclasses.replace(
             self,
-            intermediate_size=divide_over_ranks(self, "intermediate_size", self.intermediate_size, tp),
+            intermediate_size=divide_over_ranks(
+                self, "intermediate_size", self.intermediate_size, tp
+            ),
         )
 
 
@@ -247,8 +253,9 @@ class KDASpec(StateSpec):
     conv_kernel: int
 
     def __post_init__(self) -> None:
-        require_positive(self, num_heads=self.num_heads, head_dim=self.head_dim,
-                  conv_kernel=self.conv_kernel)
+        require_positive(
+            self, num_heads=self.num_heads, head_dim=self.head_dim, conv_kernel=self.conv_kernel
+        )
 
     def conv_channels(self) -> int:
         return 3 * self.num_heads * self.head_dim
@@ -260,7 +267,9 @@ class KDASpec(StateSpec):
         return (self.num_heads, self.head_dim, self.head_dim)
 
     def shard(self, tp: int) -> KDASpec:
-        return dataclasses.replace(self, num_heads=divide_over_ranks(self, "num_heads", self.num_heads, tp))
+        return dataclasses.replace(
+            self, num_heads=divide_over_ranks(self, "num_heads", self.num_heads, tp)
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -279,7 +288,9 @@ class LightningSpec(StateSpec):
         return (self.num_heads, self.head_dim, self.head_dim)
 
     def shard(self, tp: int) -> LightningSpec:
-        return dataclasses.replace(self, num_heads=divide_over_ranks(self, "num_heads", self.num_heads, tp))
+        return dataclasses.replace(
+            self, num_heads=divide_over_ranks(self, "num_heads", self.num_heads, tp)
+        )
 
 
 STATE_FAMILIES = ("gated_delta_net", "mamba2", "mamba1", "short_conv", "kda", "lightning")
