@@ -1,4 +1,5 @@
-"""`hybridkv generate`: registered on `hybridkv.cli.app` when the engine is installed.
+"""`hybridkv generate` and `hybridkv demo`: registered on `hybridkv.cli.app` when the
+engine is installed.
 
 torch is imported inside the command, so `hybridkv plan` never pays for it.
 """
@@ -26,7 +27,9 @@ def parse_prompt_ids(text: str) -> list[int]:
 
 @app.command("generate")
 def generate_command(
-    model: Annotated[str, typer.Argument(help="checkpoint folder (config.json + safetensors)")],
+    model: Annotated[str, typer.Argument(
+        help="checkpoint folder (config.json + safetensors), or demo / demo-draft"
+    )],
     prompt: Annotated[
         list[str] | None, typer.Option("--prompt", help="text prompt; repeat for a batch")
     ] = None,
@@ -39,6 +42,15 @@ def generate_command(
     seed: Annotated[int, typer.Option("--seed")] = 0,
     memory: Annotated[str | None, typer.Option("--memory", help="cache budget, e.g. 64MiB")] = None,
     dtype: Annotated[str, typer.Option("--dtype")] = "float32",
+    draft: Annotated[str | None, typer.Option(
+        "--draft", help="draft model folder (or demo-draft): speculative decoding"
+    )] = None,
+    spec_method: Annotated[str | None, typer.Option(
+        "--spec-method", help="draft (needs --draft), ngram or suffix"
+    )] = None,
+    num_spec: Annotated[int | None, typer.Option(
+        "--num-spec", "--num-speculative-tokens", help="K: drafts per step at most"
+    )] = None,
     as_json: Annotated[bool, typer.Option("--json", help="machine-readable output")] = False,
 ) -> None:
     """Generate tokens with the reference engine (planned cache, real cache manager)."""
@@ -46,10 +58,17 @@ def generate_command(
     def body() -> None:
         if bool(prompt) == bool(prompt_ids):
             raise ValueError("give --prompt TEXT or --prompt-ids 1,2,3 (one of them, repeatable)")
+        from hybridkv.demo import resolve_model
         from hybridkv.engine.llm import DEFAULT_MEMORY_BYTES, LLM
 
         budget = DEFAULT_MEMORY_BYTES if memory is None else parse_bytes(memory)
-        llm = LLM(model, dtype=dtype, memory_bytes=budget)
+        speculative = draft is not None or spec_method is not None
+        num_spec_tokens = (4 if speculative else 0) if num_spec is None else num_spec
+        llm = LLM(
+            resolve_model(model), dtype=dtype, memory_bytes=budget,
+            draft=None if draft is None else resolve_model(draft),
+            spec_method=spec_method, num_spec_tokens=num_spec_tokens,
+        )
         prompts: list[list[int] | str] = (
             list(prompt) if prompt else [parse_prompt_ids(p) for p in prompt_ids or []]
         )
@@ -74,5 +93,43 @@ def generate_command(
             f"steps {s.num_steps}, preemptions {s.num_preemptions}, prefix hit tokens "
             f"{s.prefix_hit_tokens}", err=True
         )
+        if s.spec_method is not None:
+            typer.echo(
+                f"speculative ({s.spec_method}, K={s.num_spec_tokens}): proposed "
+                f"{s.num_proposed_tokens}, accepted {s.num_accepted_tokens} "
+                f"({s.acceptance_rate:.1%}), mean accepted length "
+                f"{s.mean_accepted_length:.2f}, tokens per step {s.tokens_per_step:.2f}",
+                err=True,
+            )
+            for i, r in enumerate(results):
+                typer.echo(
+                    f"  [{i}] proposed {r.stats.num_proposed_tokens}, accepted "
+                    f"{r.stats.num_accepted_tokens}, mean accepted length "
+                    f"{r.stats.mean_accepted_length:.2f}", err=True
+                )
+
+    run_guarded(as_json, body)
+
+
+@app.command("demo")
+def demo_command(
+    num_requests: Annotated[int, typer.Option("--num-requests")] = 8,
+    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens")] = 64,
+    num_spec: Annotated[int, typer.Option("--num-spec", help="K: drafts per step")] = 4,
+    threads: Annotated[int | None, typer.Option("--threads", help="torch CPU threads")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="machine-readable output")] = False,
+) -> None:
+    """The whole system on the built-in demo models: plan, serve a batch sharing a
+    prefix with speculative decoding (demo draft), report acceptance, hits and memory."""
+
+    def body() -> None:
+        from hybridkv.demo import DemoOptions, print_report, run_demo
+
+        options = DemoOptions(num_requests, max_new_tokens, num_spec, threads)
+        llm, report = run_demo(options, progress=not as_json)
+        if as_json:
+            emit_json(report)
+        else:
+            print_report(llm, report)
 
     run_guarded(as_json, body)

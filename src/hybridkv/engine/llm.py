@@ -5,6 +5,12 @@ caching and preemption, all through the real `CacheManager`.
     LLM(folder) -> load_model_spec + plan(...) -> CacheManager(plan) + build_cache_tensors
     generate(prompts) -> add requests -> step()* -> GenerationResult per prompt
     step():  Scheduler.schedule -> ModelRunner.execute -> sample -> CacheManager.commit
+
+Speculative decoding (`hybridkv.engine.speculative`): ``draft=FOLDER`` (a draft model
+planned with its own groups), ``spec_method="ngram" | "suffix"`` or any `Proposer`
+(``proposer=``); ``num_spec_tokens=K`` drafts at most per step. Then
+    step():  schedule (reserve L drafts) -> draft model passes -> main verifies 1 + L
+             tokens -> verify (greedy / speculative sampling) -> commit(a, a + 1 tokens)
 """
 
 from __future__ import annotations
@@ -19,10 +25,18 @@ import torch
 
 from hybridkv.cache import CacheManager
 from hybridkv.engine.models import load_model
+from hybridkv.engine.proposers import Proposer
 from hybridkv.engine.runner import ModelRunner, StepInput
 from hybridkv.engine.sampler import SamplingParams, make_generator, sample
 from hybridkv.engine.scheduler import Request, ScheduledChunk, Scheduler, Status
+from hybridkv.engine.speculative import (
+    DraftModelDrafter,
+    Drafts,
+    SpecCounters,
+    make_proposer,
+)
 from hybridkv.engine.tensors import build_cache_tensors, torch_dtype
+from hybridkv.engine.verify import Verdict, verify_greedy, verify_sampling
 from hybridkv.errors import EngineError
 from hybridkv.models.registry import load_model_spec
 from hybridkv.plan.planner import plan as make_plan
@@ -36,10 +50,20 @@ DEFAULT_MAX_MODEL_LEN = 4096
 
 @dataclass(frozen=True)
 class RequestStats:
+    """Per request. Speculative counters: drafts proposed / accepted, main-model steps
+    that emitted tokens (``num_verify_steps``), ``mean_accepted_length`` = tokens emitted
+    per verify step (accepted + 1), ``tokens_per_step`` = output tokens per main-model
+    step the request took part in (prefill chunks included)."""
+
     num_prompt_tokens: int
     prefix_hit_tokens: int
     num_preemptions: int
     num_steps: int
+    num_proposed_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_verify_steps: int = 0
+    mean_accepted_length: float = 0.0
+    tokens_per_step: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -68,6 +92,15 @@ class EngineStats:
     num_checkpoints_stored: int
     num_checkpoints_used: int
     num_evictions: int
+    spec_method: str | None = None
+    num_spec_tokens: int = 0
+    num_output_tokens: int = 0
+    num_proposed_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_verify_steps: int = 0
+    acceptance_rate: float = 0.0  # accepted / proposed
+    mean_accepted_length: float = 0.0  # (accepted + verify steps) / verify steps
+    tokens_per_step: float = 0.0  # output tokens / main-model steps
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -87,6 +120,10 @@ class LLM:
         max_num_batched_tokens: int = 512,
         chunk_size: int | None = None,
         max_model_len: int | None = None,
+        draft: str | Path | None = None,
+        spec_method: str | None = None,
+        num_spec_tokens: int = 0,
+        proposer: Proposer | None = None,
         **plan_options: Any,
     ) -> None:
         self.model_path = Path(model_path)
@@ -94,6 +131,19 @@ class LLM:
         self.torch_dtype = torch_dtype(cache_dtype)
         self.model = load_model(self.model_path, self.torch_dtype)
         spec = load_model_spec(self.model_path)
+        spec_method, num_spec_tokens = self._spec_setup(
+            draft, spec_method, num_spec_tokens, proposer
+        )
+        self.draft_model = None
+        draft_spec = None
+        if draft is not None:
+            self.draft_model = load_model(Path(draft), self.torch_dtype)
+            draft_spec = load_model_spec(Path(draft))
+            if self.draft_model.vocab_size != self.model.vocab_size:
+                raise EngineError(
+                    f"draft vocabulary {self.draft_model.vocab_size} != main vocabulary "
+                    f"{self.model.vocab_size}; a draft model must share the tokenizer"
+                )
         if max_model_len is None:
             max_model_len = min(spec.max_position_embeddings or DEFAULT_MAX_MODEL_LEN,
                                 DEFAULT_MAX_MODEL_LEN)
@@ -108,32 +158,79 @@ class LLM:
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=max_model_len,
+            spec_method=spec_method,
+            num_spec_tokens=num_spec_tokens,
             **plan_options,
         )
-        self.plan: CachePlan = make_plan(spec, None, options)
+        self.plan: CachePlan = make_plan(spec, draft_spec, options)
         self.manager = CacheManager(self.plan, enable_prefix_caching=prefix_caching)
-        self.tensors = build_cache_tensors(self.plan, self.model.layers, self.torch_dtype)
+        self.tensors = build_cache_tensors(
+            self.plan, self.model.layers, self.torch_dtype,
+            draft_layers=None if self.draft_model is None else self.draft_model.layers,
+        )
         self.runner = ModelRunner(self.model, self.plan, self.manager, self.tensors)
+        self.spec_method = spec_method
+        self.num_spec_tokens = num_spec_tokens
+        self.drafter: DraftModelDrafter | None = None
+        if self.draft_model is not None:
+            self.drafter = DraftModelDrafter(
+                ModelRunner(self.draft_model, self.plan, self.manager, self.tensors, "draft")
+            )
+        self.proposer: Proposer | None = proposer
+        if proposer is None and spec_method is not None and draft is None:
+            self.proposer = make_proposer(spec_method)
         self.scheduler = Scheduler(
             self.manager,
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             chunk_size=chunk_size,
+            lookahead=self._lookahead if spec_method is not None else None,
         )
+        self._drafts: dict[str, Drafts] = {}
+        self._spec = SpecCounters()
+        self._req_spec: dict[str, SpecCounters] = {}
         self._tokenizer: Any = None
         self._tokenizer_loaded = False
         self._ids = itertools.count()
         self._generators: dict[str, torch.Generator] = {}
-        self._num_steps = self._num_tokens = 0
+        self._num_steps = self._num_tokens = self._num_output = 0
         self._hits = {"attention": 0, "state": 0}
         self._has_kind = {
             "attention": any(g.kind != STATE for g in self.plan.groups),
             "state": any(g.kind == STATE for g in self.plan.groups),
         }
 
+    @staticmethod
+    def _spec_setup(
+        draft: str | Path | None,
+        spec_method: str | None,
+        num_spec_tokens: int,
+        proposer: Proposer | None,
+    ) -> tuple[str | None, int]:
+        """(spec method, K) for planning; a custom proposer plans like n-gram."""
+        if draft is not None and spec_method not in (None, "draft"):
+            raise EngineError(f"a draft model needs spec_method 'draft', not {spec_method!r}")
+        if draft is None and spec_method == "draft":
+            raise EngineError("spec_method 'draft' needs a draft model (draft=FOLDER)")
+        if draft is not None:
+            spec_method = "draft"
+        elif proposer is not None and spec_method is None:
+            spec_method = "ngram"
+        if spec_method is not None and num_spec_tokens < 1:
+            raise EngineError(
+                f"speculative decoding ({spec_method}) needs num_spec_tokens >= 1, got "
+                f"{num_spec_tokens}"
+            )
+        if spec_method is None and num_spec_tokens:
+            raise EngineError(f"num_spec_tokens={num_spec_tokens} needs a spec method or draft")
+        return spec_method, num_spec_tokens
+
     def _ssm_dtype(self, cache_dtype: DType) -> DType:
         """The model's ssm state dtype (a config may pin it, e.g. float32), else ours."""
-        pinned = {d.ssm_dtype for d in self.model.layers if d.ssm_dtype is not None}
+        layers = list(self.model.layers)
+        if self.draft_model is not None:
+            layers += list(self.draft_model.layers)
+        pinned = {d.ssm_dtype for d in layers if d.ssm_dtype is not None}
         if len(pinned) > 1:
             raise EngineError(f"state layers disagree on the ssm dtype: {sorted(map(str, pinned))}")
         return parse_dtype(str(pinned.pop())) if pinned else cache_dtype
@@ -174,37 +271,89 @@ class LLM:
 
     def cancel(self, req: Request) -> None:
         self.scheduler.cancel(req)
+        self._forget(req)
+
+    def _forget(self, req: Request) -> None:
         self._generators.pop(req.req_id, None)
+        self._drafts.pop(req.req_id, None)
+        if self.proposer is not None:
+            self.proposer.forget(req.req_id)
+
+    def _lookahead(self, req: Request, budget: int) -> int:
+        """Drafts to reserve for ``req``'s decode step (called by the scheduler)."""
+        left = req.params.max_new_tokens - len(req.output) - 1  # the bonus token is extra
+        limit = max(0, min(self.num_spec_tokens, left, budget))
+        if self.proposer is None:  # draft model: it drafts after the allocation
+            return limit
+        drafts = self.proposer.propose(req.req_id, req.tokens, limit)[:limit] if limit else []
+        self._drafts[req.req_id] = Drafts([int(t) for t in drafts])
+        return len(drafts)
 
     def step(self) -> list[Request]:
         """Run one scheduler step; returns the requests that finished in it."""
         chunks = self.scheduler.schedule()
-        logits = self.runner.execute([self._step_input(c) for c in chunks])
+        drafts: dict[str, Drafts] = {}
+        if self.drafter is not None:
+            temps = {c.request.req_id: c.request.params.temperature for c in chunks}
+            drafts = self.drafter.run(chunks, temps, self._generators)
+        else:
+            for c in chunks:
+                if c.num_lookahead:
+                    drafts[c.request.req_id] = self._drafts.pop(c.request.req_id)
+        logits = self.runner.execute([self._step_input(c, drafts) for c in chunks])
         self._num_steps += 1
         finished = []
-        for row, chunk in enumerate(chunks):
+        for chunk, rows in zip(chunks, logits, strict=True):
             req = chunk.request
             req.num_steps += 1
-            self._num_tokens += chunk.num_new_tokens
-            req.num_computed = chunk.num_computed + chunk.num_new_tokens
+            self._num_tokens += chunk.num_new_tokens + chunk.num_lookahead
             if not chunk.samples:
+                req.num_computed = chunk.num_computed + chunk.num_new_tokens
                 self.manager.commit(req.req_id)
                 continue
-            token = sample(logits[row], req.params.temperature, self._generators.get(req.req_id))
-            req.output.append(token)
-            self.manager.commit(req.req_id, 0, (token,))
+            verdict = self._verify(req, rows, drafts.get(req.req_id))
+            req.num_computed = chunk.num_computed + chunk.num_new_tokens + verdict.num_accepted
+            req.output.extend(verdict.token_ids)
+            self._num_output += len(verdict.token_ids)
+            self.manager.commit(req.req_id, verdict.num_accepted, verdict.token_ids)
+            if self.spec_method is not None:
+                num_proposed = chunk.num_lookahead
+                self._spec.add(num_proposed, verdict.num_accepted)
+                self._req_spec.setdefault(req.req_id, SpecCounters()).add(
+                    num_proposed, verdict.num_accepted
+                )
             if req.done:
                 self.scheduler.finish(req)
-                self._generators.pop(req.req_id, None)
+                self._forget(req)
                 finished.append(req)
         return finished
 
-    def _step_input(self, chunk: ScheduledChunk) -> StepInput:
+    def _verify(self, req: Request, logits: torch.Tensor, drafts: Drafts | None) -> Verdict:
+        """Accepted drafts + one sampled token from the main model's ``[1 + L, vocab]``."""
+        temperature = req.params.temperature
+        generator = self._generators.get(req.req_id)
+        if drafts is None or not drafts.token_ids:
+            return Verdict(0, [sample(logits[-1], temperature, generator)])
+        if temperature <= 0:
+            return verify_greedy(logits, drafts.token_ids)
+        assert generator is not None
+        return verify_sampling(logits, drafts.token_ids, temperature, generator, drafts.probs)
+
+    def _step_input(self, chunk: ScheduledChunk, drafts: dict[str, Drafts]) -> StepInput:
         req = chunk.request
         start = chunk.num_computed
         if chunk.prefix_hit:
             self._count_hit(req, chunk.prefix_hit)
-        return StepInput(req.req_id, req.tokens[start : start + chunk.num_new_tokens], start)
+        tokens = req.tokens[start : start + chunk.num_new_tokens]
+        if not chunk.num_lookahead:
+            return StepInput(req.req_id, tokens, start)
+        draft_ids = drafts[req.req_id].token_ids
+        if len(draft_ids) != chunk.num_lookahead:
+            raise EngineError(
+                f"request {req.req_id!r}: {len(draft_ids)} drafts for {chunk.num_lookahead} "
+                "reserved positions"
+            )
+        return StepInput(req.req_id, [*tokens, *draft_ids], start, len(draft_ids))
 
     def _count_hit(self, req: Request, hit: int) -> None:
         if self._has_kind["attention"]:
@@ -233,6 +382,7 @@ class LLM:
         return [self.result(r) for r in requests]
 
     def result(self, req: Request) -> GenerationResult:
+        spec = self._req_spec.get(req.req_id, SpecCounters())
         text = None
         if self.tokenizer is not None:
             text = self.tokenizer.decode(req.output)
@@ -246,6 +396,11 @@ class LLM:
                 prefix_hit_tokens=req.prefix_hit_tokens,
                 num_preemptions=req.num_preemptions,
                 num_steps=req.num_steps,
+                num_proposed_tokens=spec.num_proposed,
+                num_accepted_tokens=spec.num_accepted,
+                num_verify_steps=spec.num_verify_steps,
+                mean_accepted_length=spec.mean_accepted_length,
+                tokens_per_step=len(req.output) / req.num_steps if req.num_steps else 0.0,
             ),
             cancelled=req.status is Status.CANCELLED,
         )
@@ -260,4 +415,13 @@ class LLM:
             num_checkpoints_stored=cache.num_checkpoints_stored,
             num_checkpoints_used=cache.num_checkpoints_used,
             num_evictions=cache.num_evictions,
+            spec_method=self.spec_method,
+            num_spec_tokens=self.num_spec_tokens,
+            num_output_tokens=self._num_output,
+            num_proposed_tokens=self._spec.num_proposed,
+            num_accepted_tokens=self._spec.num_accepted,
+            num_verify_steps=self._spec.num_verify_steps,
+            acceptance_rate=self._spec.acceptance_rate,
+            mean_accepted_length=self._spec.mean_accepted_length,
+            tokens_per_step=self._num_output / self._num_steps if self._num_steps else 0.0,
         )

@@ -38,12 +38,16 @@ NULL_BLOCK = 0
 @dataclass(frozen=True)
 class StepInput:
     """One request's tokens in a step: ``token_ids`` start at position ``num_computed``;
-    the last ``num_draft_tokens`` of them are unverified drafts."""
+    the last ``num_draft_tokens`` of them are unverified drafts (their logits are
+    returned too, for verification). ``draft_pass`` j >= 1 marks the j-th single-token
+    pass of a draft model over the step allocated for ``c`` computed tokens: its token
+    sits at ``c + j - 1`` (see `draft_pass_points`)."""
 
     req_id: str
     token_ids: Sequence[int]
     num_computed: int
     num_draft_tokens: int = 0
+    draft_pass: int = 0
 
 
 def state_write_points(
@@ -53,27 +57,64 @@ def state_write_points(
     spec_blocks: Sequence[int],
     checkpoint: tuple[int, int] | None,
     num_computed: int,
+    num_draft_tokens: int | None = None,
 ) -> tuple[int | None, list[WritePoint]]:
-    """A manager `StateSlots` as (read slot, write points in new tokens of the step)."""
+    """A manager `StateSlots` as (read slot, write points in new tokens of the step).
+    ``num_draft_tokens`` (default: all spec blocks) limits the spec points to the drafts
+    this pass actually carries."""
     base = write_num_tokens - num_computed
     points: list[WritePoint] = [(base, int(write_block))]
-    points += [(base + i + 1, int(block)) for i, block in enumerate(spec_blocks)]
+    used = spec_blocks if num_draft_tokens is None else spec_blocks[:num_draft_tokens]
+    points += [(base + i + 1, int(block)) for i, block in enumerate(used)]
     if checkpoint is not None:
         points.append((checkpoint[0] - num_computed, int(checkpoint[1])))
     return (None if read_block is None else int(read_block)), points
 
 
+def draft_pass_points(
+    read_block: int | None, write_block: int, spec_blocks: Sequence[int], draft_pass: int
+) -> tuple[int | None, list[WritePoint]]:
+    """Read slot and write point of single-token draft pass ``j`` (step: c computed,
+    n = 1 verified, L drafts; pass j runs the token at position c + j - 1)::
+
+        pass j     1            2              3              ..  L + 1
+        input      T[-1] @ c    d1 @ c+1       d2 @ c+2           dL @ c+L
+        reads      read_block   write_block    spec_blocks[0]     spec_blocks[L-2]
+        writes     write_block  spec_blocks[0] spec_blocks[1]     spec_blocks[L-1]
+
+    so after commit(a) the running state (spec slot a - 1, or write for a = 0) is the
+    state after c + 1 + a tokens, exactly as for the main model.
+    """
+    chain = [int(write_block), *map(int, spec_blocks)]
+    if not 1 <= draft_pass <= len(chain):
+        raise EngineError(f"draft pass {draft_pass} outside 1..{len(chain)} (spec slots held)")
+    read = (None if read_block is None else int(read_block)) if draft_pass == 1 else (
+        chain[draft_pass - 2]
+    )
+    return read, [(1, chain[draft_pass - 1])]
+
+
 class ModelRunner:
+    """Runs one model (``model_name`` "main" or "draft") over the groups the plan gives
+    it, with the cache views of that model."""
+
     def __init__(
-        self, model: CausalLM, plan: CachePlan, manager: CacheManager, tensors: CacheTensors
+        self,
+        model: CausalLM,
+        plan: CachePlan,
+        manager: CacheManager,
+        tensors: CacheTensors,
+        model_name: str = "main",
     ) -> None:
         self.model = model
         self.plan = plan
         self.manager = manager
         self.tensors = tensors
-        main = [g for g in plan.groups if g.model == "main"]
-        self.attention_groups = [g for g in main if g.kind != STATE]
-        self.state_groups = [g for g in main if g.kind == STATE]
+        self.caches = tensors.caches if model_name == "main" else tensors.draft_caches
+        # A group may hold layers of both models ("main+draft"): same table, own pages.
+        mine = [g for g in plan.groups if any(ref.model == model_name for ref in g.layers)]
+        self.attention_groups = [g for g in mine if g.kind != STATE]
+        self.state_groups = [g for g in mine if g.kind == STATE]
 
     def build_batch(self, steps: Sequence[StepInput]) -> ForwardBatch:
         tables: dict[str, BlockTable] = {}
@@ -89,25 +130,39 @@ class ModelRunner:
             reads: list[int | None] = []
             writes: list[list[WritePoint]] = []
             for s in steps:
-                st = self.manager.state_slots(s.req_id, group.group_id)
-                if st.num_computed_tokens != s.num_computed:
-                    raise EngineError(
-                        f"request {s.req_id!r}: the manager has {st.num_computed_tokens} "
-                        f"computed tokens, the step starts at {s.num_computed}"
-                    )
-                read, points = state_write_points(
-                    st.read_block, st.write_block, st.write_num_tokens, st.spec_blocks,
-                    st.checkpoint, s.num_computed,
-                )
+                read, points = self._state_points(s, group.group_id)
                 reads.append(read)
                 writes.append(points)
             slots[group_key(group.group_id)] = StateSlots.from_points(reads, writes)
+        indices: list[int] = []
+        end = 0
+        for s in steps:
+            end += len(s.token_ids)
+            indices.extend(range(end - 1 - s.num_draft_tokens, end))
         return make_batch(
-            [(list(s.token_ids), s.num_computed) for s in steps], tables, slots
+            [(list(s.token_ids), s.num_computed) for s in steps], tables, slots,
+            torch.tensor(indices, dtype=torch.long),
         )
 
-    def execute(self, steps: Sequence[StepInput]) -> torch.Tensor:
-        """Run one step; logits ``[len(steps), vocab]`` at each request's last token."""
+    def _state_points(self, s: StepInput, group_id: int) -> tuple[int | None, list[WritePoint]]:
+        st = self.manager.state_slots(s.req_id, group_id)
+        step_start = s.num_computed - max(0, s.draft_pass - 1)
+        if st.num_computed_tokens != step_start:
+            raise EngineError(
+                f"request {s.req_id!r}: the manager has {st.num_computed_tokens} "
+                f"computed tokens, the step starts at {step_start}"
+            )
+        if s.draft_pass:
+            return draft_pass_points(st.read_block, st.write_block, st.spec_blocks, s.draft_pass)
+        return state_write_points(
+            st.read_block, st.write_block, st.write_num_tokens, st.spec_blocks,
+            st.checkpoint, s.num_computed, s.num_draft_tokens,
+        )
+
+    def execute(self, steps: Sequence[StepInput]) -> list[torch.Tensor]:
+        """Run one step; per request, logits ``[1 + num_draft_tokens, vocab]`` at its
+        last ``1 + num_draft_tokens`` tokens."""
         batch = self.build_batch(steps)
         batch.check()
-        return self.model.forward(batch, self.tensors.caches)
+        logits = self.model.forward(batch, self.caches)
+        return list(torch.split(logits, [1 + s.num_draft_tokens for s in steps]))

@@ -11,13 +11,16 @@ A running request whose `allocate` fails preempts the newest running request (ma
 itself) and retries; a preempted request goes back to the front of the waiting queue,
 keeps its verified tokens, and later recomputes them from its prefix hit (a clean or a
 restored state, never its old slot). A waiting request that does not fit stops
-admission for this step. Prefix hits come from `CacheManager.lookup` in tokens;
-computing resumes at the hit.
+admission for this step. With speculative decoding, a running request at a decode step
+(one verified token left to compute) also reserves ``lookahead(req, budget)`` draft
+positions (allocate(req, 1, L)); the drafts count against the token budget. Prefix hits
+come from `CacheManager.lookup` in tokens; computing resumes at the hit.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -61,12 +64,14 @@ class Request:
 
 @dataclass(frozen=True)
 class ScheduledChunk:
-    """``num_new_tokens`` tokens of ``request`` from position ``num_computed``."""
+    """``num_new_tokens`` tokens of ``request`` from position ``num_computed``, and
+    ``num_lookahead`` draft positions reserved after them (decode steps only)."""
 
     request: Request
     num_computed: int
     num_new_tokens: int
     prefix_hit: int | None  # set when the request was (re)admitted this step
+    num_lookahead: int = 0
 
     @property
     def samples(self) -> bool:
@@ -82,6 +87,7 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         chunk_size: int | None = None,
+        lookahead: Callable[[Request, int], int] | None = None,
     ) -> None:
         for name, value in (
             ("max_num_seqs", max_num_seqs),
@@ -94,6 +100,7 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.chunk_size = chunk_size
+        self.lookahead = lookahead  # (request, token budget left) -> drafts to reserve
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order: the last is the newest
         self.num_preemptions = 0
@@ -132,15 +139,18 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = self._num_new(req, req.num_computed, budget)
-            while self.manager.allocate(req.req_id, n) is None:
+            la = 0
+            if self.lookahead is not None and req.num_computed + n == req.num_tokens and n == 1:
+                la = max(0, self.lookahead(req, budget - n))
+            while self.manager.allocate(req.req_id, n, la) is None:
                 victim = self.running[-1]
                 self._preempt(victim)
                 preempted = True
                 if victim is req:
                     break
             if req.status is Status.RUNNING:
-                out.append(ScheduledChunk(req, req.num_computed, n, None))
-                budget -= n
+                out.append(ScheduledChunk(req, req.num_computed, n, None, la))
+                budget -= n + la
                 i += 1
         # vLLM's rule too: no admissions in a step that had to preempt.
         while (

@@ -25,7 +25,7 @@ the layer must agree on every state shape and dtype, or nothing runs.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -52,10 +52,12 @@ def group_key(group_id: int) -> str:
 
 @dataclass
 class CacheTensors:
-    """The pool buffers and one cache view per model layer (by transformers index)."""
+    """The pool buffers and one cache view per model layer (by transformers index);
+    ``draft_caches`` likewise for a separate draft model's layers (same pools)."""
 
     pools: list[torch.Tensor]  # uint8, one per plan pool
     caches: dict[int, LayerCache]
+    draft_caches: dict[int, LayerCache] = field(default_factory=dict)
 
     @property
     def num_bytes(self) -> int:
@@ -209,25 +211,41 @@ def build_cache_tensors(
     *,
     device: str = "cpu",
     fill: float | None = None,
+    draft_layers: Sequence[LayerDesc] | None = None,
 ) -> CacheTensors:
-    """Allocate every pool and view each main-model layer into it.
+    """Allocate every pool and view each main-model layer (and draft layer) into it.
 
     ``layers`` are the model's cache-holding layers in model order; plan layer
-    ``main.i`` is ``layers[i]``. ``fill`` (e.g. NaN) initialises every page so a read of
-    a page nobody wrote shows up as a wrong token in tests.
+    ``main.i`` is ``layers[i]`` and ``draft.i`` is ``draft_layers[i]``. ``fill`` (e.g.
+    NaN) initialises every page so a read of a page nobody wrote shows up as a wrong
+    token in tests.
     """
     pools = [torch.zeros(p.total_bytes, dtype=torch.uint8, device=device) for p in plan.pools]
     if fill is not None:
         for pool in pools:
             pool.view(torch.float32 if pool.numel() % 4 == 0 else torch.uint8).fill_(fill)
-    main = [t for t in plan.tensors if t.layer.model == "main"]
-    if len(main) != len(layers):
+    caches = _model_views(plan, pools, "main", layers, model_dtype)
+    draft_caches: dict[int, LayerCache] = {}
+    if draft_layers is not None:
+        draft_caches = _model_views(plan, pools, "draft", draft_layers, model_dtype)
+    return CacheTensors(pools=pools, caches=caches, draft_caches=draft_caches)
+
+
+def _model_views(
+    plan: CachePlan,
+    pools: list[torch.Tensor],
+    model: str,
+    layers: Sequence[LayerDesc],
+    model_dtype: torch.dtype,
+) -> dict[int, LayerCache]:
+    placed = [t for t in plan.tensors if t.layer.model == model]
+    if len(placed) != len(layers):
         raise EngineError(
-            f"the plan places {len(main)} main-model layers but the model has {len(layers)} "
-            "cache-holding layers"
+            f"the plan places {len(placed)} {model}-model layers but the model has "
+            f"{len(layers)} cache-holding layers"
         )
     caches: dict[int, LayerCache] = {}
-    for place in main:
+    for place in placed:
         if not 0 <= place.layer.index < len(layers):
             raise EngineError(f"plan layer {place.layer.name} is not among {len(layers)} layers")
         desc = layers[place.layer.index]
@@ -242,4 +260,4 @@ def build_cache_tensors(
             raise EngineError(
                 f"layer {place.layer.name}: group kind {group.kind!r} has no engine layout"
             )
-    return CacheTensors(pools=pools, caches=caches)
+    return caches

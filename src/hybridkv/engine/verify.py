@@ -38,7 +38,8 @@ def verify_greedy(logits: torch.Tensor, draft_ids: list[int]) -> Verdict:
     return Verdict(accepted, [*draft_ids[:accepted], best[accepted]])
 
 
-def _probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+def token_probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """softmax(logits / temperature) in float64 (the distribution verification uses)."""
     return torch.softmax(logits.double() / temperature, dim=-1)
 
 
@@ -51,7 +52,7 @@ def verify_sampling(
 ) -> Verdict:
     """Speculative sampling. ``draft_probs``: [K, vocab] proposal distributions, or
     None for deterministic proposers (one-hot proposals)."""
-    p = _probs(logits, temperature)
+    p = token_probs(logits, temperature)
     for i, token in enumerate(draft_ids):
         q_token = 1.0 if draft_probs is None else float(draft_probs[i, token])
         accept_prob = min(1.0, float(p[i, token]) / q_token) if q_token > 0 else 0.0
@@ -74,4 +75,4 @@ def sample(logits: torch.Tensor, temperature: float, generator: torch.Generator 
     """One token from [vocab] logits: argmax at temperature 0, else a sample."""
     if temperature <= 0:
         return int(logits.argmax())
-    return int(torch.multinomial(_probs(logits, temperature), 1, generator=generator))
+    return int(torch.multinomial(token_probs(logits, temperature), 1, generator=generator))

@@ -1,0 +1,41 @@
+"""`hybridkv demo --json`: plan, speculative serving of a shared-prefix batch, report."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+torch = pytest.importorskip("torch")
+from typer.testing import CliRunner  # noqa: E402
+
+import hybridkv.engine.cli  # noqa: E402,F401  (registers the commands)
+from hybridkv.cli import app  # noqa: E402
+
+
+def test_demo_json_reports_acceptance_hits_and_memory():
+    result = CliRunner().invoke(app, [
+        "demo", "--num-requests", "4", "--max-new-tokens", "32", "--num-spec", "4",
+        "--threads", "1",
+        "--json",
+    ])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    for key in ("plan", "vllm_layout", "outputs", "spec", "prefix_cache", "memory", "wall_s"):
+        assert key in report
+    assert len(report["outputs"]) == 4
+    assert all(o["num_tokens"] == 32 and o["text"] for o in report["outputs"])
+    assert report["spec"]["method"] == "draft"
+    assert report["spec"]["mean_accepted_length"] > 1.5
+    assert report["spec"]["tokens_per_step"] > 1.0
+    assert report["prefix_cache"]["hit_rate"] > 0.0
+    assert all(o["prefix_hit_tokens"] > 0 for o in report["outputs"][1:])
+    assert {g["model"] for g in report["plan"]["groups"]} >= {"main", "draft"}
+    assert report["vllm_layout"]["max_concurrency"] >= 1
+    assert 0.0 < report["memory"]["peak_usage"] <= 1.0
+
+
+def test_demo_rejects_bad_options():
+    result = CliRunner().invoke(app, ["demo", "--num-requests", "0", "--json"])
+    assert result.exit_code == 2
+    assert "num-requests" in json.loads(result.stdout)["error"]["message"]
