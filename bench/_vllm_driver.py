@@ -35,16 +35,28 @@ from vllm.v1.request import Request
 def group_spec(group: dict) -> object:
     kind, block = group["kind"], group["block_size"]
     if kind == "full_attention":
-        return FullAttentionSpec(block_size=block, num_kv_heads=group["num_kv_heads"],
-                                 head_size=group["head_dim"], dtype=torch.bfloat16)
+        return FullAttentionSpec(
+            block_size=block,
+            num_kv_heads=group["num_kv_heads"],
+            head_size=group["head_dim"],
+            dtype=torch.bfloat16,
+        )
     if kind == "sliding_attention":
-        return SlidingWindowSpec(block_size=block, num_kv_heads=group["num_kv_heads"],
-                                 head_size=group["head_dim"], dtype=torch.bfloat16,
-                                 sliding_window=group["sliding_window"])
+        return SlidingWindowSpec(
+            block_size=block,
+            num_kv_heads=group["num_kv_heads"],
+            head_size=group["head_dim"],
+            dtype=torch.bfloat16,
+            sliding_window=group["sliding_window"],
+        )
     if kind == "state":
-        return MambaSpec(block_size=block, shapes=((4, 64), (8, 64, 64)),
-                         dtypes=(torch.bfloat16, torch.float32), mamba_cache_mode="align",
-                         num_speculative_blocks=group["num_spec"])
+        return MambaSpec(
+            block_size=block,
+            shapes=((4, 64), (8, 64, 64)),
+            dtypes=(torch.bfloat16, torch.float32),
+            mamba_cache_mode="align",
+            num_speculative_blocks=group["num_spec"],
+        )
     raise SystemExit(f"unsupported group kind {kind!r}")
 
 
@@ -52,13 +64,18 @@ def main(path: str) -> None:
     with open(path) as handle:
         spec = json.load(handle)
     groups = [KVCacheGroupSpec([f"layer{i}"], group_spec(g)) for i, g in enumerate(spec["groups"])]
-    config = KVCacheConfig(num_blocks=spec["num_blocks"], kv_cache_tensors=[],
-                           kv_cache_groups=groups)
+    config = KVCacheConfig(
+        num_blocks=spec["num_blocks"], kv_cache_tensors=[], kv_cache_groups=groups
+    )
     block_sizes = [g["block_size"] for g in spec["groups"]]
     hash_block = min(block_sizes)
-    manager = KVCacheManager(config, max_model_len=spec["max_model_len"],
-                             scheduler_block_size=max(block_sizes), hash_block_size=hash_block,
-                             enable_caching=True)
+    manager = KVCacheManager(
+        config,
+        max_model_len=spec["max_model_len"],
+        scheduler_block_size=max(block_sizes),
+        hash_block_size=hash_block,
+        enable_caching=True,
+    )
     hash_fn = get_hash_fn_by_name("sha256")
     init_none_hash(hash_fn)
     hasher = get_request_block_hasher(hash_block, hash_fn)
@@ -86,13 +103,20 @@ def main(path: str) -> None:
             req.spec_token_ids = []
             req.num_computed_tokens += 1 + accepted
             out = spec["outputs"][i]
-            req.append_output_token_ids(out[cursor[i]: cursor[i] + accepted + 1])
+            req.append_output_token_ids(out[cursor[i] : cursor[i] + accepted + 1])
             cursor[i] += accepted + 1
         total_s += time.perf_counter() - start
     for req in requests:
         manager.free(req)
-    print(json.dumps({"us_per_step": total_s * 1e6 / len(spec["steps"]),
-                      "hit_tokens": hit_tokens, "num_steps": len(spec["steps"])}))
+    print(
+        json.dumps(
+            {
+                "us_per_step": total_s * 1e6 / len(spec["steps"]),
+                "hit_tokens": hit_tokens,
+                "num_steps": len(spec["steps"]),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

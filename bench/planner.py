@@ -41,31 +41,42 @@ def run(memory_bytes: int, repeats: int) -> list[dict]:
     rows = []
     for main_name, draft_name, method, k, kv, max_len in PAIRS:
         main = load_model_spec(main_name)
-        draft = load_model_spec(draft_name) if draft_name else (
-            main.draft_head(method=method) if method in ("mtp", "eagle") else None)
-        options = PlanOptions(spec_method=method, num_spec_tokens=k, kv_dtype=kv,
-                              memory_bytes=memory_bytes, max_model_len=max_len)
+        draft = (
+            load_model_spec(draft_name)
+            if draft_name
+            else (main.draft_head(method=method) if method in ("mtp", "eagle") else None)
+        )
+        options = PlanOptions(
+            spec_method=method,
+            num_spec_tokens=k,
+            kv_dtype=kv,
+            memory_bytes=memory_bytes,
+            max_model_len=max_len,
+        )
         start = time.perf_counter()
         for _ in range(repeats):
             best = plan(main, draft, options)
         elapsed_ms = (time.perf_counter() - start) / repeats * 1e3
         vllm = next((p for p in (best, *best.alternatives) if p.layout == "vllm"), None)
-        rows.append({
-            "pair": f"{main_name}" + (f" + {draft_name or method} K={k}" if method else ""),
-            "kv": str(kv or "auto"),
-            "max_model_len": max_len,
-            "layout": best.layout,
-            "ours_at_max_len": best.capacity.max_concurrency,
-            "vllm_at_max_len": vllm.capacity.max_concurrency if vllm else None,
-            "ours_at_8k": best.capacity.concurrency_at_typical,
-            "vllm_at_8k": vllm.capacity.concurrency_at_typical if vllm else None,
-            "ours_padding": best.waste_fraction,
-            "vllm_padding": vllm.waste_fraction if vllm else None,
-            "ours_blocks": sorted({g.block_size for g in best.groups if g.kind != "state"}),
-            "vllm_blocks": sorted({g.block_size for g in vllm.groups if g.kind != "state"})
-            if vllm else None,
-            "plan_ms": elapsed_ms,
-        })
+        rows.append(
+            {
+                "pair": f"{main_name}" + (f" + {draft_name or method} K={k}" if method else ""),
+                "kv": str(kv or "auto"),
+                "max_model_len": max_len,
+                "layout": best.layout,
+                "ours_at_max_len": best.capacity.max_concurrency,
+                "vllm_at_max_len": vllm.capacity.max_concurrency if vllm else None,
+                "ours_at_8k": best.capacity.concurrency_at_typical,
+                "vllm_at_8k": vllm.capacity.concurrency_at_typical if vllm else None,
+                "ours_padding": best.waste_fraction,
+                "vllm_padding": vllm.waste_fraction if vllm else None,
+                "ours_blocks": sorted({g.block_size for g in best.groups if g.kind != "state"}),
+                "vllm_blocks": sorted({g.block_size for g in vllm.groups if g.kind != "state"})
+                if vllm
+                else None,
+                "plan_ms": elapsed_ms,
+            }
+        )
     return rows
 
 
@@ -86,19 +97,34 @@ def main() -> None:
         print(json.dumps(rows, indent=2))
         return
     table = Table(title=f"planner: hybridkv auto vs vLLM rule, {args.memory} cache budget")
-    for col in ("pair", "kv", "max len", "layout", "req @max ours/vllm", "ratio",
-                "req @8k ours/vllm", "ratio", "padding ours/vllm", "attn blocks ours | vllm",
-                "plan ms"):
+    for col in (
+        "pair",
+        "kv",
+        "max len",
+        "layout",
+        "req @max ours/vllm",
+        "ratio",
+        "req @8k ours/vllm",
+        "ratio",
+        "padding ours/vllm",
+        "attn blocks ours | vllm",
+        "plan ms",
+    ):
         table.add_column(col)
     for r in rows:
         vpad = "-" if r["vllm_padding"] is None else f"{r['vllm_padding']:.2%}"
         table.add_row(
-            r["pair"], r["kv"], str(r["max_model_len"]), r["layout"],
+            r["pair"],
+            r["kv"],
+            str(r["max_model_len"]),
+            r["layout"],
             f"{r['ours_at_max_len']}/{r['vllm_at_max_len']}",
             _ratio(r["ours_at_max_len"], r["vllm_at_max_len"]),
-            f"{r['ours_at_8k']}/{r['vllm_at_8k']}", _ratio(r["ours_at_8k"], r["vllm_at_8k"]),
+            f"{r['ours_at_8k']}/{r['vllm_at_8k']}",
+            _ratio(r["ours_at_8k"], r["vllm_at_8k"]),
             f"{r['ours_padding']:.2%}/{vpad}",
-            f"{r['ours_blocks']} | {r['vllm_blocks']}", f"{r['plan_ms']:.1f}",
+            f"{r['ours_blocks']} | {r['vllm_blocks']}",
+            f"{r['plan_ms']:.1f}",
         )
     Console(width=200).print(table)
 

@@ -7,7 +7,9 @@ import os
 from hypothesis import HealthCheck, settings
 
 settings.register_profile(
-    "default", max_examples=60, deadline=None,
+    "default",
+    max_examples=60,
+    deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 settings.register_profile("thorough", max_examples=1000, deadline=None)

@@ -56,7 +56,9 @@ def run_guarded(as_json: bool, body: Callable[[], None]) -> None:
             emit_json({"error": {"type": "InternalError", "message": repr(err)}})
         Console(stderr=True).print(
             f"[red]internal error:[/red] {err!r} (rerun with HYBRIDKV_DEBUG=1 for a traceback "
-            "and please report it)", highlight=False)
+            "and please report it)",
+            highlight=False,
+        )
         raise typer.Exit(EXIT_USAGE) from None
 
 
@@ -112,11 +114,19 @@ def models_command(as_json: o.Json = False) -> None:
 
         presets = list_presets()
         if as_json:
-            emit_json([
-                {"name": p.name, "family": p.family, "model_type": p.model_type,
-                 "hf_id": p.hf_id, "layer_mix": p.layer_mix, "source": p.source}
-                for p in presets
-            ])
+            emit_json(
+                [
+                    {
+                        "name": p.name,
+                        "family": p.family,
+                        "model_type": p.model_type,
+                        "hf_id": p.hf_id,
+                        "layer_mix": p.layer_mix,
+                        "source": p.source,
+                    }
+                    for p in presets
+                ]
+            )
             return
         table = Table(title=f"{len(presets)} presets")
         for col in ("name", "family", "layer mix", "hf id"):
@@ -128,9 +138,7 @@ def models_command(as_json: o.Json = False) -> None:
     run_guarded(as_json, body)
 
 
-@app.command(
-    "bench", context_settings={"allow_extra_args": True, "ignore_unknown_options": True}
-)
+@app.command("bench", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def bench_command(
     ctx: typer.Context,
     name: str = typer.Argument(help="a script in bench/ without .py, e.g. planner"),

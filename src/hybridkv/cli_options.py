@@ -20,8 +20,18 @@ from hybridkv.plan.types import PlanOptions
 from hybridkv.spec.dtypes import DType, parse_dtype
 from hybridkv.spec.model import ModelSpec
 
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 1 << 10,
+    "mib": 1 << 20,
+    "gib": 1 << 30,
+    "tib": 1 << 40,
+}
 
 
 def parse_bytes(text: str, *, what: str = "--memory") -> int:
@@ -40,30 +50,46 @@ def _dtype(value: str | None, what: str) -> DType | None:
 
 Model = Annotated[str, typer.Argument(help="preset name, config.json, or a folder holding one")]
 Draft = Annotated[str | None, typer.Option("--draft", help="draft model (preset or config)")]
-SpecMethod = Annotated[str | None, typer.Option(
-    "--spec-method", help="draft | eagle | mtp | ngram | suffix")]
-NumSpec = Annotated[int, typer.Option(
-    "--num-spec", "--num-speculative-tokens", help="K: draft tokens per step")]
-SpecConfig = Annotated[str | None, typer.Option(
-    "--speculative-config", help='vLLM style JSON: {"method","model","num_speculative_tokens"}')]
+SpecMethod = Annotated[
+    str | None, typer.Option("--spec-method", help="draft | eagle | mtp | ngram | suffix")
+]
+NumSpec = Annotated[
+    int, typer.Option("--num-spec", "--num-speculative-tokens", help="K: draft tokens per step")
+]
+SpecConfig = Annotated[
+    str | None,
+    typer.Option(
+        "--speculative-config", help='vLLM style JSON: {"method","model","num_speculative_tokens"}'
+    ),
+]
 KvDtype = Annotated[str, typer.Option("--kv-dtype", "--kv-cache-dtype", help="auto or a dtype")]
 ConvDtype = Annotated[str, typer.Option("--conv-dtype", "--mamba-cache-dtype")]
 SsmDtype = Annotated[str, typer.Option("--ssm-dtype", "--mamba-ssm-cache-dtype")]
 Memory = Annotated[str | None, typer.Option("--memory", help="cache budget, e.g. 60GiB")]
-GpuMemory = Annotated[str | None, typer.Option(
-    "--gpu-memory", help="device bytes; budget = this x --gpu-memory-utilization")]
+GpuMemory = Annotated[
+    str | None,
+    typer.Option("--gpu-memory", help="device bytes; budget = this x --gpu-memory-utilization"),
+]
 GpuUtil = Annotated[float, typer.Option("--gpu-memory-utilization")]
 Tp = Annotated[int, typer.Option("--tp", "--tensor-parallel-size")]
 MaxLen = Annotated[int | None, typer.Option("--max-model-len")]
 MaxSeqs = Annotated[int, typer.Option("--max-num-seqs")]
 MaxBatched = Annotated[int, typer.Option("--max-num-batched-tokens")]
-PrefixCaching = Annotated[bool, typer.Option(
-    "--prefix-caching/--no-prefix-caching", "--enable-prefix-caching/--no-enable-prefix-caching")]
+PrefixCaching = Annotated[
+    bool,
+    typer.Option(
+        "--prefix-caching/--no-prefix-caching", "--enable-prefix-caching/--no-enable-prefix-caching"
+    ),
+]
 StateMode = Annotated[str | None, typer.Option("--state-mode", help="align | none")]
 Layout = Annotated[str, typer.Option("--layout", help="auto | shared | split | vllm")]
 BlockSize = Annotated[int | None, typer.Option("--block-size")]
-MaxBlockSize = Annotated[int | None, typer.Option(
-    "--max-block-size", help="cap on attention blocks (tokens): prefix-hit granularity")]
+MaxBlockSize = Annotated[
+    int | None,
+    typer.Option(
+        "--max-block-size", help="cap on attention blocks (tokens): prefix-hit granularity"
+    ),
+]
 TargetLen = Annotated[int | None, typer.Option("--target-len", help="default max_model_len")]
 TypicalLen = Annotated[int | None, typer.Option("--typical-len")]
 Json = Annotated[bool, typer.Option("--json", help="machine-readable output on stdout")]
@@ -126,16 +152,17 @@ class PlanArgs:
             method = "draft"
         return _normalize_method(method), draft, k
 
-
     def _memory_bytes(self) -> int:
         if self.memory is not None:
             return parse_bytes(self.memory)
         if self.gpu_memory is not None:
             if not 0 < self.gpu_memory_utilization <= 1:
                 raise PlanError(
-                    f"--gpu-memory-utilization={self.gpu_memory_utilization} must be in (0, 1]")
-            return int(parse_bytes(self.gpu_memory, what="--gpu-memory")
-                       * self.gpu_memory_utilization)
+                    f"--gpu-memory-utilization={self.gpu_memory_utilization} must be in (0, 1]"
+                )
+            return int(
+                parse_bytes(self.gpu_memory, what="--gpu-memory") * self.gpu_memory_utilization
+            )
         return PlanOptions().memory_bytes
 
     def resolve(self) -> tuple[ModelSpec, ModelSpec | None, PlanOptions]:

@@ -74,9 +74,13 @@ def run_demo(options: DemoOptions, progress: bool = True) -> tuple[Any, dict[str
         torch.set_num_threads(options.threads)
     start = time.perf_counter()
     llm = LLM(
-        DEMO_MAIN, draft=DEMO_DRAFT, num_spec_tokens=options.num_spec_tokens,
-        memory_bytes=DEMO_MEMORY_BYTES, max_model_len=DEMO_MAX_MODEL_LEN,
-        max_num_seqs=max(8, options.num_requests), max_num_batched_tokens=1024,
+        DEMO_MAIN,
+        draft=DEMO_DRAFT,
+        num_spec_tokens=options.num_spec_tokens,
+        memory_bytes=DEMO_MEMORY_BYTES,
+        max_model_len=DEMO_MAX_MODEL_LEN,
+        max_num_seqs=max(8, options.num_requests),
+        max_num_batched_tokens=1024,
     )
     prompts = demo_prompts(options.num_requests)
     params = SamplingParams(options.max_new_tokens)
@@ -93,8 +97,9 @@ def run_demo(options: DemoOptions, progress: bool = True) -> tuple[Any, dict[str
             peak_usage = max(peak_usage, llm.manager.usage())
             if len(requests) == 1 and first.num_computed >= len(first.prompt):
                 # request 0's prompt is cached now: the others hit it
-                requests.extend(llm.add_request(p, params, i) for i, p in
-                                enumerate(prompts[1:], start=1))
+                requests.extend(
+                    llm.add_request(p, params, i) for i, p in enumerate(prompts[1:], start=1)
+                )
             now = sum(len(r.output) for r in requests)
             advance(now - done)
             done = now
@@ -124,19 +129,29 @@ def _report(llm: Any, results: list[Any], peak_usage: float, wall_s: float) -> d
             "waste_bytes": plan.waste_bytes,
             "max_concurrency": plan.capacity.max_concurrency,
             "groups": [
-                {"kind": g.kind, "model": g.model, "block_size": g.block_size,
-                 "num_layers": len(g.layers)} for g in plan.groups
+                {
+                    "kind": g.kind,
+                    "model": g.model,
+                    "block_size": g.block_size,
+                    "num_layers": len(g.layers),
+                }
+                for g in plan.groups
             ],
         },
-        "vllm_layout": None if vllm is None else {
+        "vllm_layout": None
+        if vllm is None
+        else {
             "max_concurrency": vllm.capacity.max_concurrency,
             "waste_bytes": vllm.waste_bytes,
         },
         "outputs": [
-            {"prompt": llm.tokenizer.decode(r.prompt_token_ids),
-             "text": r.text, "num_tokens": len(r.token_ids),
-             "prefix_hit_tokens": r.stats.prefix_hit_tokens,
-             "mean_accepted_length": r.stats.mean_accepted_length}
+            {
+                "prompt": llm.tokenizer.decode(r.prompt_token_ids),
+                "text": r.text,
+                "num_tokens": len(r.token_ids),
+                "prefix_hit_tokens": r.stats.prefix_hit_tokens,
+                "mean_accepted_length": r.stats.mean_accepted_length,
+            }
             for r in results
         ],
         "spec": {

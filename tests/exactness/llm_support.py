@@ -23,9 +23,7 @@ COMMON = dict(
 
 
 def _qwen3():
-    return transformers.Qwen3ForCausalLM, transformers.Qwen3Config(
-        **COMMON, num_hidden_layers=3
-    )
+    return transformers.Qwen3ForCausalLM, transformers.Qwen3Config(**COMMON, num_hidden_layers=3)
 
 
 def _qwen3_5():
@@ -46,8 +44,12 @@ def _gemma3():
         num_hidden_layers=4,
         query_pre_attn_scalar=16,
         sliding_window=8,
-        layer_types=["sliding_attention", "sliding_attention", "full_attention",
-                     "sliding_attention"],
+        layer_types=[
+            "sliding_attention",
+            "sliding_attention",
+            "full_attention",
+            "sliding_attention",
+        ],
         final_logit_softcapping=30.0,
     )
 
@@ -56,8 +58,7 @@ def _nemotron_h():
     return transformers.NemotronHForCausalLM, transformers.NemotronHConfig(
         **COMMON,
         num_hidden_layers=5,
-        layers_block_type=["linear_attention", "mlp", "full_attention", "linear_attention",
-                           "mlp"],
+        layers_block_type=["linear_attention", "mlp", "full_attention", "linear_attention", "mlp"],
         mamba_num_heads=8,
         mamba_head_dim=8,
         ssm_state_size=16,

@@ -18,8 +18,7 @@ from hybridkv.engine import LLM  # noqa: E402
 
 MODELS = sorted(BUILDERS)
 # Tight budgets (bytes) at max_model_len 128, measured to thrash with 8 requests.
-TIGHT_MEMORY = {"qwen3": 120 << 10, "qwen3_5": 98 << 10, "gemma3": 98 << 10,
-                "nemotron_h": 98 << 10}
+TIGHT_MEMORY = {"qwen3": 120 << 10, "qwen3_5": 98 << 10, "gemma3": 98 << 10, "nemotron_h": 98 << 10}
 LONG_NEW = 64  # preemption runs generate longer so requests keep growing
 
 

@@ -43,8 +43,10 @@ def _mixer_and_cache(model, rows_extra=2, num_slots=12):
 
 
 def _run(mixer, cache, x, computed, read, points):
-    batch = make_batch([(list(range(x.shape[0])), computed)],
-                       state_slots={"s": StateSlots.from_points([read], [points])})
+    batch = make_batch(
+        [(list(range(x.shape[0])), computed)],
+        state_slots={"s": StateSlots.from_points([read], [points])},
+    )
     batch.check()
     return mixer(x, batch, cache)
 
@@ -103,8 +105,9 @@ def test_write_point_past_the_step_is_rejected():
 
 
 def _plan(folder, **kw):
-    options = PlanOptions(kv_dtype=F32, conv_dtype=F32, ssm_dtype=F32, memory_bytes=1 << 20,
-                          max_model_len=128, **kw)
+    options = PlanOptions(
+        kv_dtype=F32, conv_dtype=F32, ssm_dtype=F32, memory_bytes=1 << 20, max_model_len=128, **kw
+    )
     return plan(load_model_spec(folder), None, options)
 
 
@@ -136,8 +139,7 @@ def test_state_shape_mismatch_names_the_layer(llm_case):
     state = next(g for g in p.groups if g.kind == "state")
     bad = dataclasses.replace(state.spec, conv_kernel=state.spec.conv_kernel + 1)
     groups = tuple(
-        dataclasses.replace(g, spec=bad) if g.group_id == state.group_id else g
-        for g in p.groups
+        dataclasses.replace(g, spec=bad) if g.group_id == state.group_id else g for g in p.groups
     )
     with pytest.raises(EngineError, match=r"layer main\.0 .*conv"):
         build_cache_tensors(dataclasses.replace(p, groups=groups), model.layers, torch.float32)

@@ -58,8 +58,21 @@ class OracleProposer:
 
 
 # K drafts all right -> 0 drafts; falling K..1 and back, some with rejections.
-SCRIPT = [(K, K), (0, 0), (K, K), (3, 3), (2, 2), (1, 1), (0, 0), (1, 1), (K, 2), (K, K),
-          (2, 0), (K, K), (0, 0)]
+SCRIPT = [
+    (K, K),
+    (0, 0),
+    (K, K),
+    (3, 3),
+    (2, 2),
+    (1, 1),
+    (0, 0),
+    (1, 1),
+    (K, 2),
+    (K, K),
+    (2, 0),
+    (K, K),
+    (0, 0),
+]
 
 
 @pytest.fixture(scope="module")
@@ -70,8 +83,9 @@ def qwen3_draft(llm_case):
 
 def test_dense_draft_on_gated_deltanet_main_matches_transformers(llm_case, qwen3_draft):
     case = llm_case("qwen3_5")
-    llm = LLM(case.folder, draft=qwen3_draft, num_spec_tokens=K, chunk_size=7,
-              max_num_batched_tokens=64)
+    llm = LLM(
+        case.folder, draft=qwen3_draft, num_spec_tokens=K, chunk_size=7, max_num_batched_tokens=64
+    )
     assert {g.model for g in llm.plan.groups} == {"main", "draft"}
     assert tokens(llm, case.prompts) == case.expected
     s = llm.stats()
@@ -104,15 +118,18 @@ def test_copy_proposers_match_transformers(llm_case, name, method):
     case = llm_case(name)
     llm = LLM(case.folder, spec_method=method, num_spec_tokens=K, chunk_size=6)
     assert tokens(llm, case.prompts) == case.expected
-    assert llm.stats().num_verify_steps == len(case.prompts) * NUM_NEW - llm.stats(
-    ).num_accepted_tokens
+    assert (
+        llm.stats().num_verify_steps
+        == len(case.prompts) * NUM_NEW - llm.stats().num_accepted_tokens
+    )
 
 
 @pytest.mark.parametrize("name", ["qwen3_5", "nemotron_h"])
 def test_suffix_with_warm_prefix_cache_in_align_mode(llm_case, name):
     case = llm_case(name)
-    llm = LLM(case.folder, spec_method="suffix", num_spec_tokens=K, chunk_size=8,
-              state_mode="align")
+    llm = LLM(
+        case.folder, spec_method="suffix", num_spec_tokens=K, chunk_size=8, state_mode="align"
+    )
     assert all(g.state_mode == "align" for g in llm.plan.groups if g.kind == "state")
     assert tokens(llm, case.prompts) == case.expected
     before = llm.stats()
@@ -172,8 +189,14 @@ TIGHT = {"qwen3": 130 << 10, "qwen3_5": 150 << 10, "gemma3": 90 << 10, "nemotron
 def test_preemption_mid_speculation_gives_the_same_tokens(llm_case, name):
     case = llm_case(name)
     oracle = OracleProposer(case.prompts, case.expected, SCRIPT, 128)
-    tight = LLM(case.folder, proposer=oracle, num_spec_tokens=K, memory_bytes=TIGHT[name],
-                chunk_size=3, max_model_len=128)
+    tight = LLM(
+        case.folder,
+        proposer=oracle,
+        num_spec_tokens=K,
+        memory_bytes=TIGHT[name],
+        chunk_size=3,
+        max_model_len=128,
+    )
     assert tokens(tight, case.prompts) == case.expected
     assert tight.stats().num_preemptions >= 5
     assert tight.stats().num_accepted_tokens > 0
@@ -182,8 +205,14 @@ def test_preemption_mid_speculation_gives_the_same_tokens(llm_case, name):
 
 def test_preemption_with_a_draft_model(llm_case):
     case = llm_case("qwen3_5")
-    tight = LLM(case.folder, draft=case.folder, num_spec_tokens=K, memory_bytes=290 << 10,
-                chunk_size=3, max_model_len=128)
+    tight = LLM(
+        case.folder,
+        draft=case.folder,
+        num_spec_tokens=K,
+        memory_bytes=290 << 10,
+        chunk_size=3,
+        max_model_len=128,
+    )
     assert tokens(tight, case.prompts) == case.expected
     assert tight.stats().num_preemptions >= 1
     tight.manager.check_invariants()
@@ -196,14 +225,21 @@ def test_rejection_sampling_through_the_engine_keeps_the_main_distribution(tmp_p
     from exactness_harness import save_tiny
 
     def tiny(seed, folder):
-        config = transformers.Qwen3Config(vocab_size=6, hidden_size=32, intermediate_size=64,
-                                          num_hidden_layers=1, num_attention_heads=2,
-                                          num_key_value_heads=1, head_dim=16)
+        config = transformers.Qwen3Config(
+            vocab_size=6,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=16,
+        )
         return save_tiny(transformers.Qwen3ForCausalLM, config, folder, seed=seed)
 
     main = tiny(0, tmp_path / "main")
     tiny(1, tmp_path / "draft")
     prompt = [1, 2, 3, 1, 2]  # n-gram lookup proposes "3 1"
+
     def probs(tokens):
         with torch.no_grad():
             return torch.softmax(main(torch.tensor([tokens])).logits[0, -1].double(), -1)
@@ -211,14 +247,20 @@ def test_rejection_sampling_through_the_engine_keeps_the_main_distribution(tmp_p
     # The first token comes from the prefill; tokens 2 and 3 from speculative steps.
     p1 = probs(prompt)
     p2 = torch.stack([probs([*prompt, a]) for a in range(6)])  # [t1, t2]
-    p3 = torch.stack([torch.stack([probs([*prompt, a, b]) for b in range(6)])
-                      for a in range(6)])  # [t1, t2, t3]
+    p3 = torch.stack(
+        [torch.stack([probs([*prompt, a, b]) for b in range(6)]) for a in range(6)]
+    )  # [t1, t2, t3]
     joint12 = p1[:, None] * p2
     want = {1: joint12.sum(0), 2: (joint12[:, :, None] * p3).sum((0, 1))}
     n = 1500
     for spec in ({"draft": tmp_path / "draft"}, {"spec_method": "ngram"}):
-        llm = LLM(tmp_path / "main", num_spec_tokens=2, max_num_seqs=256,
-                  max_num_batched_tokens=2048, **spec)
+        llm = LLM(
+            tmp_path / "main",
+            num_spec_tokens=2,
+            max_num_seqs=256,
+            max_num_batched_tokens=2048,
+            **spec,
+        )
         out = llm.generate([prompt] * n, 3, temperature=1.0, seed=5)
         assert llm.stats().num_proposed_tokens > 0
         assert 0 < llm.stats().num_accepted_tokens < llm.stats().num_proposed_tokens

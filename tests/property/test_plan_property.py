@@ -31,40 +31,69 @@ dims = st.sampled_from([16, 64, 96, 128, 192, 256])
 
 @st.composite
 def layer_specs(draw: st.DrawFn) -> LayerSpec:
-    kind = draw(st.sampled_from(["full", "swa", "chunk", "mla", "gdn", "mamba2", "mamba1",
-                                 "conv", "kda", "lightning"]))
+    kind = draw(
+        st.sampled_from(
+            ["full", "swa", "chunk", "mla", "gdn", "mamba2", "mamba1", "conv", "kda", "lightning"]
+        )
+    )
     kv = draw(dtypes)
     conv, ssm = draw(dtypes), draw(dtypes)
     if kind == "full":
         return AttentionSpec(num_kv_heads=draw(heads), head_dim=draw(dims), dtype=kv)
     if kind == "swa":
-        return SlidingWindowSpec(num_kv_heads=draw(heads), head_dim=draw(dims), dtype=kv,
-                                 sliding_window=draw(st.integers(1, 8192)))
+        return SlidingWindowSpec(
+            num_kv_heads=draw(heads),
+            head_dim=draw(dims),
+            dtype=kv,
+            sliding_window=draw(st.integers(1, 8192)),
+        )
     if kind == "chunk":
-        return ChunkedLocalSpec(num_kv_heads=draw(heads), head_dim=draw(dims), dtype=kv,
-                                attention_chunk_size=draw(st.integers(16, 8192)))
+        return ChunkedLocalSpec(
+            num_kv_heads=draw(heads),
+            head_dim=draw(dims),
+            dtype=kv,
+            attention_chunk_size=draw(st.integers(16, 8192)),
+        )
     if kind == "mla":
-        return MLASpec(kv_lora_rank=draw(st.sampled_from([64, 256, 512])),
-                       qk_rope_head_dim=draw(st.sampled_from([16, 64])), dtype=kv)
+        return MLASpec(
+            kv_lora_rank=draw(st.sampled_from([64, 256, 512])),
+            qk_rope_head_dim=draw(st.sampled_from([16, 64])),
+            dtype=kv,
+        )
     if kind == "gdn":
-        return GatedDeltaNetSpec(num_k_heads=draw(heads), num_v_heads=draw(heads),
-                                 head_k_dim=draw(dims), head_v_dim=draw(dims),
-                                 conv_kernel=draw(st.integers(2, 4)), conv_dtype=conv,
-                                 ssm_dtype=ssm)
+        return GatedDeltaNetSpec(
+            num_k_heads=draw(heads),
+            num_v_heads=draw(heads),
+            head_k_dim=draw(dims),
+            head_v_dim=draw(dims),
+            conv_kernel=draw(st.integers(2, 4)),
+            conv_dtype=conv,
+            ssm_dtype=ssm,
+        )
     if kind == "mamba2":
-        return Mamba2Spec(num_heads=draw(heads), head_dim=draw(dims),
-                          d_state=draw(st.sampled_from([16, 64, 128])),
-                          n_groups=draw(st.sampled_from([1, 2, 8])),
-                          conv_kernel=4, conv_dtype=conv, ssm_dtype=ssm)
+        return Mamba2Spec(
+            num_heads=draw(heads),
+            head_dim=draw(dims),
+            d_state=draw(st.sampled_from([16, 64, 128])),
+            n_groups=draw(st.sampled_from([1, 2, 8])),
+            conv_kernel=4,
+            conv_dtype=conv,
+            ssm_dtype=ssm,
+        )
     if kind == "mamba1":
-        return Mamba1Spec(intermediate_size=draw(st.sampled_from([256, 1024, 8192])),
-                          d_state=16, conv_kernel=4, conv_dtype=conv, ssm_dtype=ssm)
+        return Mamba1Spec(
+            intermediate_size=draw(st.sampled_from([256, 1024, 8192])),
+            d_state=16,
+            conv_kernel=4,
+            conv_dtype=conv,
+            ssm_dtype=ssm,
+        )
     if kind == "conv":
-        return ShortConvSpec(hidden_size=draw(st.sampled_from([256, 1024])), conv_l_cache=3,
-                             conv_dtype=conv)
+        return ShortConvSpec(
+            hidden_size=draw(st.sampled_from([256, 1024])), conv_l_cache=3, conv_dtype=conv
+        )
     if kind == "kda":
-        return KDASpec(num_heads=draw(heads), head_dim=draw(dims), conv_kernel=4,
-                       conv_dtype=conv)
+        return KDASpec(num_heads=draw(heads), head_dim=draw(dims), conv_kernel=4, conv_dtype=conv)
     return LightningSpec(num_heads=draw(heads), head_dim=draw(dims), ssm_dtype=ssm)
 
 
@@ -72,8 +101,12 @@ def layer_specs(draw: st.DrawFn) -> LayerSpec:
 def models(draw: st.DrawFn, name: str) -> ModelSpec:
     palette = draw(st.lists(layer_specs(), min_size=1, max_size=3))
     layers = draw(st.lists(st.sampled_from(palette), min_size=1, max_size=24))
-    return ModelSpec(name=name, model_type="random", layers=tuple(layers),
-                     max_position_embeddings=draw(st.sampled_from([2048, 32768, 131072])))
+    return ModelSpec(
+        name=name,
+        model_type="random",
+        layers=tuple(layers),
+        max_position_embeddings=draw(st.sampled_from([2048, 32768, 131072])),
+    )
 
 
 @st.composite

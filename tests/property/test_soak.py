@@ -17,11 +17,27 @@ MIX = [ToyGroup("sliding", 4, 16), ToyGroup("full", 4), ToyGroup("state", 8)]
 def _soak(num_requests: int, *, seed: int, check_every: int):
     """Small pool (preemptions), few shared prefixes (hits and evictions), K = 6."""
     plan = toy_plan(MIX, num_blocks=120, num_spec_tokens=6)
-    trace = generate_workload("suffix", workload_options(
-        "suffix", num_requests=num_requests, seed=seed, max_drafts=6, num_prefixes=6,
-        prefix_len=(16, 96), suffix_len=(1, 40), output_len=(16, 160), rate_per_s=400.0))
-    config = scheduler_config(plan, max_num_seqs=6, max_num_batched_tokens=256,
-                              check_every=check_every, record_usage=False)
+    trace = generate_workload(
+        "suffix",
+        workload_options(
+            "suffix",
+            num_requests=num_requests,
+            seed=seed,
+            max_drafts=6,
+            num_prefixes=6,
+            prefix_len=(16, 96),
+            suffix_len=(1, 40),
+            output_len=(16, 160),
+            rate_per_s=400.0,
+        ),
+    )
+    config = scheduler_config(
+        plan,
+        max_num_seqs=6,
+        max_num_batched_tokens=256,
+        check_every=check_every,
+        record_usage=False,
+    )
     return simulate(trace, plan, config=config)
 
 
@@ -49,20 +65,38 @@ def test_soak_100k_steps() -> None:
     num_blocks=st.integers(120, 400),  # the longest request (~170 tokens) fits alone
     layout=st.sampled_from(["shared", "split"]),
     k=st.integers(1, 5),
-    mix=st.sampled_from([
-        (ToyGroup("full", 4),),
-        (ToyGroup("full", 2), ToyGroup("state", 8)),
-        (ToyGroup("sliding", 4, 12), ToyGroup("state", 4)),
-        (ToyGroup("chunked", 4, 16), ToyGroup("mla", 4), ToyGroup("state", 8)),
-    ]),
+    mix=st.sampled_from(
+        [
+            (ToyGroup("full", 4),),
+            (ToyGroup("full", 2), ToyGroup("state", 8)),
+            (ToyGroup("sliding", 4, 12), ToyGroup("state", 4)),
+            (ToyGroup("chunked", 4, 16), ToyGroup("mla", 4), ToyGroup("state", 8)),
+        ]
+    ),
     budget=st.integers(8, 128),
 )
 def test_random_plans_and_traces_finish_clean(seed, num_blocks, layout, k, mix, budget) -> None:
     plan = toy_plan(list(mix), num_blocks=num_blocks, num_spec_tokens=k, layout=layout)
-    trace = generate_workload("chat", workload_options(
-        "chat", num_requests=12, seed=seed, max_drafts=k + 2, prefix_len=(8, 48),
-        suffix_len=(1, 16), output_len=(1, 24), max_turns=3, rate_per_s=100.0))
-    config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=budget, max_spec_tokens=k,
-                             check_every=1, chunk_align_tokens=plan.hit_granularity_tokens)
+    trace = generate_workload(
+        "chat",
+        workload_options(
+            "chat",
+            num_requests=12,
+            seed=seed,
+            max_drafts=k + 2,
+            prefix_len=(8, 48),
+            suffix_len=(1, 16),
+            output_len=(1, 24),
+            max_turns=3,
+            rate_per_s=100.0,
+        ),
+    )
+    config = SchedulerConfig(
+        max_num_seqs=4,
+        max_num_batched_tokens=budget,
+        max_spec_tokens=k,
+        check_every=1,
+        chunk_align_tokens=plan.hit_granularity_tokens,
+    )
     result = simulate(trace, plan, config=config)
     assert result.num_finished == 12 and result.leaked_blocks == 0

@@ -11,8 +11,20 @@ from hybridkv.cli import app
 
 runner = CliRunner()
 
-ACCEPTANCE = ["plan", "qwen3-coder-next-80b-a3b", "--draft", "qwen3-4b", "--spec-method",
-              "draft", "--num-spec", "3", "--kv-dtype", "fp8_e4m3", "--memory", "60GiB"]
+ACCEPTANCE = [
+    "plan",
+    "qwen3-coder-next-80b-a3b",
+    "--draft",
+    "qwen3-4b",
+    "--spec-method",
+    "draft",
+    "--num-spec",
+    "3",
+    "--kv-dtype",
+    "fp8_e4m3",
+    "--memory",
+    "60GiB",
+]
 
 
 def run_json(args: list[str]) -> dict:
@@ -23,29 +35,56 @@ def run_json(args: list[str]) -> dict:
 
 def test_acceptance_pair_padding_and_blocks_vs_vllm() -> None:
     out = run_json(ACCEPTANCE)
-    for key in ("layout", "groups", "pools", "memory_bytes", "waste_bytes", "capacity",
-                "alternatives", "warnings"):
+    for key in (
+        "layout",
+        "groups",
+        "pools",
+        "memory_bytes",
+        "waste_bytes",
+        "capacity",
+        "alternatives",
+        "warnings",
+    ):
         assert key in out
     assert out["waste_bytes"] <= 0.02 * out["memory_bytes"]
     vllm = run_json([*ACCEPTANCE, "--layout", "vllm"])
     for model in ("main", "draft"):
-        ours = max(g["block_size"] for g in out["groups"]
-                   if g["model"] == model and g["kind"] != "state")
-        theirs = max(g["block_size"] for g in vllm["groups"]
-                     if g["model"] == model and g["kind"] != "state")
+        ours = max(
+            g["block_size"] for g in out["groups"] if g["model"] == model and g["kind"] != "state"
+        )
+        theirs = max(
+            g["block_size"] for g in vllm["groups"] if g["model"] == model and g["kind"] != "state"
+        )
         assert ours <= theirs
     # vLLM's rule pads each DeltaNet page to the draft's page: 50%
     state = next(g for g in vllm["groups"] if g["kind"] == "state")
     assert state["padded_page_bytes"] == 2 * state["page_bytes"]
-    group_keys = {"kind", "model", "layers", "block_size", "page_bytes", "padded_page_bytes",
-                  "pool"}
+    group_keys = {
+        "kind",
+        "model",
+        "layers",
+        "block_size",
+        "page_bytes",
+        "padded_page_bytes",
+        "pool",
+    }
     assert group_keys <= set(out["groups"][0])
     assert {"max_concurrency", "tokens_per_group", "state_slots"} <= set(out["capacity"])
 
 
 def test_vllm_layout_qwen35_9b_528_tokens() -> None:
-    out = run_json(["plan", "qwen3.5-9b", "--layout", "vllm", "--kv-dtype", "bfloat16",
-                    "--ssm-dtype", "float32"])
+    out = run_json(
+        [
+            "plan",
+            "qwen3.5-9b",
+            "--layout",
+            "vllm",
+            "--kv-dtype",
+            "bfloat16",
+            "--ssm-dtype",
+            "float32",
+        ]
+    )
     attn = [g for g in out["groups"] if g["kind"] == "full_attention"]
     state = next(g for g in out["groups"] if g["kind"] == "state")
     assert {g["block_size"] for g in attn} == {528}
@@ -55,20 +94,42 @@ def test_vllm_layout_qwen35_9b_528_tokens() -> None:
 
 def test_vllm_flag_names_carry_over() -> None:
     ours = run_json(ACCEPTANCE)
-    theirs = run_json([
-        "plan", "qwen3-coder-next-80b-a3b", "--kv-cache-dtype", "fp8_e4m3",
-        "--speculative-config",
-        '{"method": "draft_model", "model": "qwen3-4b", "num_speculative_tokens": 3}',
-        "--gpu-memory", "60GiB", "--gpu-memory-utilization", "1.0",
-        "--enable-prefix-caching", "--tensor-parallel-size", "1",
-    ])
+    theirs = run_json(
+        [
+            "plan",
+            "qwen3-coder-next-80b-a3b",
+            "--kv-cache-dtype",
+            "fp8_e4m3",
+            "--speculative-config",
+            '{"method": "draft_model", "model": "qwen3-4b", "num_speculative_tokens": 3}',
+            "--gpu-memory",
+            "60GiB",
+            "--gpu-memory-utilization",
+            "1.0",
+            "--enable-prefix-caching",
+            "--tensor-parallel-size",
+            "1",
+        ]
+    )
     assert ours["capacity"] == theirs["capacity"]
     assert ours["groups"] == theirs["groups"]
 
 
 def test_mtp_head_from_main_model() -> None:
-    out = run_json(["plan", "qwen3.5-9b", "--spec-method", "mtp", "--num-spec", "2",
-                    "--memory", "40GiB", "--max-model-len", "32768"])
+    out = run_json(
+        [
+            "plan",
+            "qwen3.5-9b",
+            "--spec-method",
+            "mtp",
+            "--num-spec",
+            "2",
+            "--memory",
+            "40GiB",
+            "--max-model-len",
+            "32768",
+        ]
+    )
     assert any(g["model"] == "draft" for g in out["groups"])
 
 

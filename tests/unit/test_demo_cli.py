@@ -14,11 +14,21 @@ from hybridkv.cli import app  # noqa: E402
 
 
 def test_demo_json_reports_acceptance_hits_and_memory():
-    result = CliRunner().invoke(app, [
-        "demo", "--num-requests", "4", "--max-new-tokens", "32", "--num-spec", "4",
-        "--threads", "1",
-        "--json",
-    ])
+    result = CliRunner().invoke(
+        app,
+        [
+            "demo",
+            "--num-requests",
+            "4",
+            "--max-new-tokens",
+            "32",
+            "--num-spec",
+            "4",
+            "--threads",
+            "1",
+            "--json",
+        ],
+    )
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
     for key in ("plan", "vllm_layout", "outputs", "spec", "prefix_cache", "memory", "wall_s"):

@@ -17,19 +17,35 @@ from hybridkv.cli import app  # noqa: E402
 @pytest.fixture(scope="module")
 def tiny_qwen3(tmp_path_factory):
     torch.manual_seed(0)
-    config = transformers.Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64,
-                                      num_hidden_layers=1, num_attention_heads=2,
-                                      num_key_value_heads=1, head_dim=16)
+    config = transformers.Qwen3Config(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+    )
     folder = tmp_path_factory.mktemp("cli_qwen3")
     transformers.Qwen3ForCausalLM(config).float().save_pretrained(folder)
     return folder
 
 
 def test_generate_json_holds_token_ids_per_prompt(tiny_qwen3):
-    result = CliRunner().invoke(app, [
-        "generate", str(tiny_qwen3), "--prompt-ids", "1,2,3", "--prompt-ids", "4,5",
-        "--max-new-tokens", "4", "--json",
-    ])
+    result = CliRunner().invoke(
+        app,
+        [
+            "generate",
+            str(tiny_qwen3),
+            "--prompt-ids",
+            "1,2,3",
+            "--prompt-ids",
+            "4,5",
+            "--max-new-tokens",
+            "4",
+            "--json",
+        ],
+    )
     assert result.exit_code == 0, result.output
     payload = json.loads(result.stdout)
     assert [o["prompt_token_ids"] for o in payload["outputs"]] == [[1, 2, 3], [4, 5]]

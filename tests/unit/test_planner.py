@@ -28,8 +28,15 @@ def test_vllm_rule_qwen35_9b_block_528_and_076_percent_padding() -> None:
 def test_vllm_rule_dense_draft_pads_deltanet_pages_by_half() -> None:
     """Coder-Next + Qwen3-4B draft, fp8 KV, K=3: vLLM's rule doubles the main attention
     block (1120 -> 2240) and pads every DeltaNet page to the draft's page (50%)."""
-    p = plan(qwen3_coder_next(), qwen3_4b(), spec_method="draft", num_spec_tokens=3,
-             kv_dtype=DType.FP8_E4M3, memory_bytes=60 * GiB, layout="vllm")
+    p = plan(
+        qwen3_coder_next(),
+        qwen3_4b(),
+        spec_method="draft",
+        num_spec_tokens=3,
+        kv_dtype=DType.FP8_E4M3,
+        memory_bytes=60 * GiB,
+        layout="vllm",
+    )
     main_attn = [g for g in p.groups if g.model == "main" and g.kind == "full_attention"]
     draft_attn = [g for g in p.groups if g.model == "draft"]
     state = next(g for g in p.groups if g.kind == "state")
@@ -39,8 +46,14 @@ def test_vllm_rule_dense_draft_pads_deltanet_pages_by_half() -> None:
 
 def test_auto_acceptance_pair_no_padding_smaller_blocks() -> None:
     """Issue 2 acceptance: auto wastes <= 2% on padding, blocks no larger than vLLM's."""
-    p = plan(qwen3_coder_next(), qwen3_4b(), spec_method="draft", num_spec_tokens=3,
-             kv_dtype=DType.FP8_E4M3, memory_bytes=60 * GiB)
+    p = plan(
+        qwen3_coder_next(),
+        qwen3_4b(),
+        spec_method="draft",
+        num_spec_tokens=3,
+        kv_dtype=DType.FP8_E4M3,
+        memory_bytes=60 * GiB,
+    )
     p.check_invariants()
     vllm = next(a for a in p.alternatives if a.layout == "vllm")
     assert p.waste_fraction <= 0.02
@@ -62,10 +75,20 @@ def test_every_layout_plans_consistently(layout: str, make) -> None:  # type: ig
 
 
 def test_auto_never_below_vllm() -> None:
-    for main, draft in [(qwen35_9b(), None), (qwen35_9b(), qwen3_4b()),
-                        (nemotron_like(), None), (gemma_like(), None)]:
-        p = plan(main, draft, spec_method="draft" if draft else None,
-                 num_spec_tokens=4 if draft else 0, memory_bytes=30 * GiB, max_model_len=32768)
+    for main, draft in [
+        (qwen35_9b(), None),
+        (qwen35_9b(), qwen3_4b()),
+        (nemotron_like(), None),
+        (gemma_like(), None),
+    ]:
+        p = plan(
+            main,
+            draft,
+            spec_method="draft" if draft else None,
+            num_spec_tokens=4 if draft else 0,
+            memory_bytes=30 * GiB,
+            max_model_len=32768,
+        )
         vllm = [a for a in (p, *p.alternatives) if a.layout == "vllm"]
         if vllm:
             assert p.capacity.max_concurrency >= vllm[0].capacity.max_concurrency
@@ -83,8 +106,9 @@ def test_user_block_size_honoured_exactly_or_refused() -> None:
 
 
 def test_max_num_seqs_too_large_reports_largest_that_fits() -> None:
-    p = plan(qwen35_9b(), layout="shared", memory_bytes=4 * GiB, max_model_len=4096,
-             max_num_seqs=1024)
+    p = plan(
+        qwen35_9b(), layout="shared", memory_bytes=4 * GiB, max_model_len=4096, max_num_seqs=1024
+    )
     cap = p.capacity
     assert not cap.max_num_seqs_fits and 0 < cap.max_num_seqs_that_fit < 1024
     assert any(f"largest value that fits is {cap.max_num_seqs_that_fit}" in w for w in p.warnings)
@@ -129,9 +153,16 @@ def test_prefix_caching_off_uses_none_mode_and_no_granularity() -> None:
 def test_slab_packing_keeps_blocks_small_without_padding() -> None:
     """A slab of whole state pages lets the attention group take more layers per block,
     so its block shrinks (Coder-Next + dense draft: 560 tokens, vLLM's rule: 2240)."""
-    p = plan(qwen3_coder_next(), qwen3_4b(), spec_method="draft", num_spec_tokens=3,
-             kv_dtype=DType.FP8_E4M3, memory_bytes=60 * GiB, max_model_len=32768,
-             layout="shared")
+    p = plan(
+        qwen3_coder_next(),
+        qwen3_4b(),
+        spec_method="draft",
+        num_spec_tokens=3,
+        kv_dtype=DType.FP8_E4M3,
+        memory_bytes=60 * GiB,
+        max_model_len=32768,
+        layout="shared",
+    )
     p.check_invariants()
     assert p.pools[0].packing == "slab"
     assert max(g.block_size for g in p.groups if g.kind != "state") <= 560
@@ -143,9 +174,17 @@ def test_slab_packing_keeps_blocks_small_without_padding() -> None:
 
 
 def test_max_block_size_is_honoured_or_refused() -> None:
-    p = plan(qwen3_coder_next(), qwen3_4b(), spec_method="draft", num_spec_tokens=3,
-             kv_dtype=DType.FP8_E4M3, memory_bytes=60 * GiB, max_model_len=32768,
-             layout="shared", max_block_size=512)
+    p = plan(
+        qwen3_coder_next(),
+        qwen3_4b(),
+        spec_method="draft",
+        num_spec_tokens=3,
+        kv_dtype=DType.FP8_E4M3,
+        memory_bytes=60 * GiB,
+        max_model_len=32768,
+        layout="shared",
+        max_block_size=512,
+    )
     p.check_invariants()
     assert max(g.block_size for g in p.groups if g.kind != "state") <= 512
     # a 2 MiB state page in one slab leaves the 8 attention layers >= 64-token blocks
@@ -155,8 +194,15 @@ def test_max_block_size_is_honoured_or_refused() -> None:
 
 def test_vllm_rule_merges_an_mtp_head_into_the_main_attention_type() -> None:
     main = qwen35_9b()
-    p = plan(main, main.draft_head(), spec_method="mtp", num_spec_tokens=2, layout="vllm",
-             memory_bytes=40 * GiB, max_model_len=32768)
+    p = plan(
+        main,
+        main.draft_head(),
+        spec_method="mtp",
+        num_spec_tokens=2,
+        layout="vllm",
+        memory_bytes=40 * GiB,
+        max_model_len=32768,
+    )
     merged = [g for g in p.groups if g.model == "main+draft"]
     assert len(merged) == 1 and len(merged[0].layers) == 9  # 8 attention + 1 MTP layer
     # K=2 adds 2 conv rows per GDN page: 2146304 + 2 * 8192 * 2 B -> 532 -> 544 tokens

@@ -42,11 +42,14 @@ def test_speculative_sampling_matches_main_distribution(with_draft_probs: bool) 
     draft was accepted) as p1: speculative sampling does not change the output law."""
     gen = torch.Generator().manual_seed(0)
     vocab, trials = 5, 8000
-    logits = torch.tensor([[1.0, 0.2, -0.5, 0.7, 0.0], [0.1, 1.2, 0.3, -1.0, 0.4],
-                           [0.0, 0.0, 0.0, 0.0, 0.0]])
+    logits = torch.tensor(
+        [[1.0, 0.2, -0.5, 0.7, 0.0], [0.1, 1.2, 0.3, -1.0, 0.4], [0.0, 0.0, 0.0, 0.0, 0.0]]
+    )
     p = torch.softmax(logits.double(), dim=-1)
-    q = torch.softmax(torch.tensor([[0.0, 1.0, 0.5, -0.3, 0.2], [0.9, 0.0, -0.2, 0.3, 0.1]],
-                                   dtype=torch.float64), dim=-1)
+    q = torch.softmax(
+        torch.tensor([[0.0, 1.0, 0.5, -0.3, 0.2], [0.9, 0.0, -0.2, 0.3, 0.1]], dtype=torch.float64),
+        dim=-1,
+    )
     first = torch.zeros(vocab, dtype=torch.float64)
     second = torch.zeros(vocab, dtype=torch.float64)
     for _ in range(trials):

@@ -20,17 +20,25 @@ from hybridkv.sim.simulator import scheduler_config
 GROUP_MIXES = {
     "full": [ToyGroup("full", 4)],
     "full+state": [ToyGroup("full", 4), ToyGroup("state", 8)],
-    "sliding+full+state": [ToyGroup("sliding", 4, 16), ToyGroup("full", 4),
-                           ToyGroup("state", 8)],
-    "chunked+mla+state": [ToyGroup("chunked", 4, 32), ToyGroup("mla", 4),
-                          ToyGroup("state", 8)],
+    "sliding+full+state": [ToyGroup("sliding", 4, 16), ToyGroup("full", 4), ToyGroup("state", 8)],
+    "chunked+mla+state": [ToyGroup("chunked", 4, 32), ToyGroup("mla", 4), ToyGroup("state", 8)],
 }
 
 
 def _trace(kind: str = "chat", num_requests: int = 40, seed: int = 1, max_drafts: int = 4):
-    return generate_workload(kind, workload_options(
-        kind, num_requests=num_requests, seed=seed, max_drafts=max_drafts,
-        prefix_len=(32, 160), suffix_len=(4, 48), output_len=(4, 64), rate_per_s=20.0))
+    return generate_workload(
+        kind,
+        workload_options(
+            kind,
+            num_requests=num_requests,
+            seed=seed,
+            max_drafts=max_drafts,
+            prefix_len=(32, 160),
+            suffix_len=(4, 48),
+            output_len=(4, 64),
+            rate_per_s=20.0,
+        ),
+    )
 
 
 @pytest.mark.parametrize("layout", ["shared", "split"])
@@ -50,9 +58,19 @@ def test_every_request_finishes_without_leaks(mix: str, num_blocks: int, layout:
 
 def test_tight_pool_preempts_and_recovers() -> None:
     plan = toy_plan(GROUP_MIXES["sliding+full+state"], num_blocks=90, num_spec_tokens=4)
-    trace = generate_workload("suffix", workload_options(
-        "suffix", num_requests=60, seed=5, max_drafts=4, prefix_len=(32, 160),
-        suffix_len=(4, 48), output_len=(4, 64), rate_per_s=200.0))
+    trace = generate_workload(
+        "suffix",
+        workload_options(
+            "suffix",
+            num_requests=60,
+            seed=5,
+            max_drafts=4,
+            prefix_len=(32, 160),
+            suffix_len=(4, 48),
+            output_len=(4, 64),
+            rate_per_s=200.0,
+        ),
+    )
     result = simulate(trace, plan, check_every=1)
     assert result.preemptions > 0
     assert result.num_finished == 60 and result.leaked_blocks == 0
@@ -61,8 +79,9 @@ def test_tight_pool_preempts_and_recovers() -> None:
 def test_request_that_cannot_step_alone_is_a_typed_error_not_a_livelock() -> None:
     """Alone, a request shrinks its chunk and drops drafts before giving up."""
     plan = toy_plan([ToyGroup("full", 4)], num_blocks=11)  # 10 usable blocks: 40 tokens
-    trace = [TraceRequest(id="long", arrival_s=0.0, prompt=tuple(range(30)),
-                          output=tuple(range(20)))]
+    trace = [
+        TraceRequest(id="long", arrival_s=0.0, prompt=tuple(range(30)), output=tuple(range(20)))
+    ]
     with pytest.raises(SimulationError, match="'long' cannot take its next step alone"):
         simulate(trace, plan)
 
@@ -72,8 +91,14 @@ def test_batched_and_per_request_paths_agree() -> None:
     trace = _trace(num_requests=50, seed=7)
     batched = simulate(trace, plan, batched=True).to_dict()
     single = simulate(trace, plan, batched=False).to_dict()
-    for key in ("steps", "prefix_hit_tokens", "preemptions", "output_tokens",
-                "state_checkpoints_stored", "drafts_accepted"):
+    for key in (
+        "steps",
+        "prefix_hit_tokens",
+        "preemptions",
+        "output_tokens",
+        "state_checkpoints_stored",
+        "drafts_accepted",
+    ):
         assert batched[key] == single[key], key
 
 
@@ -93,10 +118,18 @@ def test_shared_prefix_hit_tokens_are_exact() -> None:
 
 
 def test_drafts_follow_the_trace_and_are_capped_by_the_plan() -> None:
-    trace = [TraceRequest(id="a", arrival_s=0.0, prompt=tuple(range(1, 6)),
-                          output=tuple(range(20, 32)), spec=((6, 6), (3, 1), (0, 0), (5, 2)))]
-    capped = simulate(trace, toy_plan([ToyGroup("full", 4), ToyGroup("state", 4)],
-                                      num_spec_tokens=4))
+    trace = [
+        TraceRequest(
+            id="a",
+            arrival_s=0.0,
+            prompt=tuple(range(1, 6)),
+            output=tuple(range(20, 32)),
+            spec=((6, 6), (3, 1), (0, 0), (5, 2)),
+        )
+    ]
+    capped = simulate(
+        trace, toy_plan([ToyGroup("full", 4), ToyGroup("state", 4)], num_spec_tokens=4)
+    )
     # steps: prefill emits 1; (6->4 capped, 4 accepted) 5; (3,1) 2; (0,0) 1; (5->4, 2) 3
     assert capped.drafts_proposed == 4 + 3 + 0 + 4
     assert capped.drafts_accepted == 4 + 1 + 0 + 2
@@ -114,8 +147,10 @@ def test_chunks_respect_the_token_budget_and_align_for_checkpoints() -> None:
     plan = toy_plan([ToyGroup("full", 4), ToyGroup("state", 16)], num_blocks=400)
     config = scheduler_config(plan, max_num_batched_tokens=40, check_every=1)
     assert config.chunk_align_tokens == plan.hit_granularity_tokens == 16
-    trace = [TraceRequest(id="a", arrival_s=0.0, prompt=tuple(range(1, 101)), output=(1,)),
-             TraceRequest(id="b", arrival_s=9.0, prompt=tuple(range(1, 101)), output=(2,))]
+    trace = [
+        TraceRequest(id="a", arrival_s=0.0, prompt=tuple(range(1, 101)), output=(1,)),
+        TraceRequest(id="b", arrival_s=9.0, prompt=tuple(range(1, 101)), output=(2,)),
+    ]
     result = simulate(trace, plan, config=config)
     # a: chunks 0-32, 32-64, 64-96, 96-100 -> checkpoints at 32, 64, 96; b hits 96
     assert result.prefix_hit_tokens == 96

@@ -15,8 +15,9 @@ SMALL = {"prefix_len": (64, 256), "suffix_len": (8, 64), "output_len": (8, 96)}
 @pytest.mark.parametrize("kind", sorted(WORKLOADS))
 def test_same_seed_same_trace_other_seed_other_trace(kind: str) -> None:
     def make(seed: int):
-        return generate_workload(kind, workload_options(
-            kind, num_requests=25, seed=seed, max_drafts=5, **SMALL))
+        return generate_workload(
+            kind, workload_options(kind, num_requests=25, seed=seed, max_drafts=5, **SMALL)
+        )
 
     first, again, other = make(3), make(3), make(4)
     assert first == again
@@ -26,8 +27,9 @@ def test_same_seed_same_trace_other_seed_other_trace(kind: str) -> None:
 
 @pytest.mark.parametrize("kind", sorted(WORKLOADS))
 def test_generated_trace_parses_back_and_respects_k(kind: str) -> None:
-    requests = generate_workload(kind, workload_options(
-        kind, num_requests=30, seed=1, max_drafts=4, **SMALL))
+    requests = generate_workload(
+        kind, workload_options(kind, num_requests=30, seed=1, max_drafts=4, **SMALL)
+    )
     assert parse_trace(iter_trace_lines(requests)) == requests
     for req in requests:
         assert req.spec is not None
@@ -36,8 +38,9 @@ def test_generated_trace_parses_back_and_respects_k(kind: str) -> None:
 
 
 def test_suffix_drafts_jump_between_zero_and_k() -> None:
-    requests = generate_workload("suffix", workload_options(
-        "suffix", num_requests=20, seed=0, max_drafts=16, **SMALL))
+    requests = generate_workload(
+        "suffix", workload_options("suffix", num_requests=20, seed=0, max_drafts=16, **SMALL)
+    )
     proposed = [prop for req in requests for prop, _ in req.spec or ()]
     assert 0 in proposed and 16 in proposed
     jumps = sum(1 for a, b in itertools.pairwise(proposed) if abs(a - b) >= 8)
@@ -45,8 +48,9 @@ def test_suffix_drafts_jump_between_zero_and_k() -> None:
 
 
 def test_chat_turns_extend_the_previous_turn() -> None:
-    requests = generate_workload("chat", workload_options(
-        "chat", num_requests=40, seed=2, max_turns=4, **SMALL))
+    requests = generate_workload(
+        "chat", workload_options("chat", num_requests=40, seed=2, max_turns=4, **SMALL)
+    )
     by_id = {req.id: req for req in requests}
     extended = 0
     for req in requests:

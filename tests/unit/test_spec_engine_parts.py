@@ -40,8 +40,7 @@ def test_spec_counters():
     c.add(4, 4)
     c.add(0, 0)
     c.add(4, 1)
-    assert (c.num_proposed, c.num_accepted, c.num_verify_steps, c.num_draft_steps) == (
-        8, 5, 3, 2)
+    assert (c.num_proposed, c.num_accepted, c.num_verify_steps, c.num_draft_steps) == (8, 5, 3, 2)
     assert c.mean_accepted_length == pytest.approx(8 / 3)
     assert c.acceptance_rate == pytest.approx(5 / 8)
     assert SpecCounters().mean_accepted_length == 0.0
@@ -72,15 +71,27 @@ def test_draft_model_on_demo_pair_matches_plain_greedy_and_accepts():
     assert all(r.stats.num_verify_steps > 0 for r in spec)
 
 
-@pytest.mark.parametrize("args", [
-    ["--draft", "demo-draft", "--num-spec", "3"],
-    ["--spec-method", "suffix", "--num-spec", "2"],
-])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--draft", "demo-draft", "--num-spec", "3"],
+        ["--spec-method", "suffix", "--num-spec", "2"],
+    ],
+)
 def test_generate_prints_spec_stats_in_json(args):
-    result = CliRunner().invoke(app, [
-        "generate", "demo", "--prompt", "import os\nimport sys\n", "--max-new-tokens", "12",
-        *args, "--json",
-    ])
+    result = CliRunner().invoke(
+        app,
+        [
+            "generate",
+            "demo",
+            "--prompt",
+            "import os\nimport sys\n",
+            "--max-new-tokens",
+            "12",
+            *args,
+            "--json",
+        ],
+    )
     assert result.exit_code == 0, result.output
     payload = json.loads(result.stdout)
     stats = payload["stats"]

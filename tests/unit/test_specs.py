@@ -129,9 +129,12 @@ def test_bad_geometry_is_a_typed_error() -> None:
 def test_model_spec_mix_and_mtp_head() -> None:
     attn = AttentionSpec(num_kv_heads=2, head_dim=256, gated=True)
     gdn = GatedDeltaNetSpec(**QWEN35_GDN)
-    model = ModelSpec(name="m", model_type="qwen3_next",
-                      layers=tuple(attn if (i + 1) % 4 == 0 else gdn for i in range(8)),
-                      num_mtp_layers=1)
+    model = ModelSpec(
+        name="m",
+        model_type="qwen3_next",
+        layers=tuple(attn if (i + 1) % 4 == 0 else gdn for i in range(8)),
+        num_mtp_layers=1,
+    )
     assert model.kind_counts() == {"full_attention": 2, "state:gated_delta_net": 6}
     head = model.draft_head()
     assert head.num_layers == 1 and head.layers[0].bytes_per_token() == attn.bytes_per_token()

@@ -88,7 +88,7 @@ def toy_plan(
             )
         )
     if layout == "shared":
-        pools = (
+        pools: tuple[PoolPlan, ...] = (
             PoolPlan(
                 pool_id=0,
                 page_bytes=4096,

@@ -27,9 +27,10 @@ def parse_prompt_ids(text: str) -> list[int]:
 
 @app.command("generate")
 def generate_command(
-    model: Annotated[str, typer.Argument(
-        help="checkpoint folder (config.json + safetensors), or demo / demo-draft"
-    )],
+    model: Annotated[
+        str,
+        typer.Argument(help="checkpoint folder (config.json + safetensors), or demo / demo-draft"),
+    ],
     prompt: Annotated[
         list[str] | None, typer.Option("--prompt", help="text prompt; repeat for a batch")
     ] = None,
@@ -42,15 +43,17 @@ def generate_command(
     seed: Annotated[int, typer.Option("--seed")] = 0,
     memory: Annotated[str | None, typer.Option("--memory", help="cache budget, e.g. 64MiB")] = None,
     dtype: Annotated[str, typer.Option("--dtype")] = "float32",
-    draft: Annotated[str | None, typer.Option(
-        "--draft", help="draft model folder (or demo-draft): speculative decoding"
-    )] = None,
-    spec_method: Annotated[str | None, typer.Option(
-        "--spec-method", help="draft (needs --draft), ngram or suffix"
-    )] = None,
-    num_spec: Annotated[int | None, typer.Option(
-        "--num-spec", "--num-speculative-tokens", help="K: drafts per step at most"
-    )] = None,
+    draft: Annotated[
+        str | None,
+        typer.Option("--draft", help="draft model folder (or demo-draft): speculative decoding"),
+    ] = None,
+    spec_method: Annotated[
+        str | None, typer.Option("--spec-method", help="draft (needs --draft), ngram or suffix")
+    ] = None,
+    num_spec: Annotated[
+        int | None,
+        typer.Option("--num-spec", "--num-speculative-tokens", help="K: drafts per step at most"),
+    ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="machine-readable output")] = False,
 ) -> None:
     """Generate tokens with the reference engine (planned cache, real cache manager)."""
@@ -65,25 +68,34 @@ def generate_command(
         speculative = draft is not None or spec_method is not None
         num_spec_tokens = (4 if speculative else 0) if num_spec is None else num_spec
         llm = LLM(
-            resolve_model(model), dtype=dtype, memory_bytes=budget,
+            resolve_model(model),
+            dtype=dtype,
+            memory_bytes=budget,
             draft=None if draft is None else resolve_model(draft),
-            spec_method=spec_method, num_spec_tokens=num_spec_tokens,
+            spec_method=spec_method,
+            num_spec_tokens=num_spec_tokens,
         )
         prompts: list[list[int] | str] = (
             list(prompt) if prompt else [parse_prompt_ids(p) for p in prompt_ids or []]
         )
         results = llm.generate(prompts, max_new_tokens, temperature=temperature, seed=seed)
         if as_json:
-            emit_json({
-                "model": model,
-                "layout": llm.plan.layout,
-                "outputs": [
-                    {"prompt_token_ids": r.prompt_token_ids, "token_ids": r.token_ids,
-                     "text": r.text, "stats": r.to_dict()["stats"]}
-                    for r in results
-                ],
-                "stats": llm.stats().to_dict(),
-            })
+            emit_json(
+                {
+                    "model": model,
+                    "layout": llm.plan.layout,
+                    "outputs": [
+                        {
+                            "prompt_token_ids": r.prompt_token_ids,
+                            "token_ids": r.token_ids,
+                            "text": r.text,
+                            "stats": r.to_dict()["stats"],
+                        }
+                        for r in results
+                    ],
+                    "stats": llm.stats().to_dict(),
+                }
+            )
             return
         for i, r in enumerate(results):
             shown = r.text if r.text is not None else " ".join(map(str, r.token_ids))
@@ -91,7 +103,8 @@ def generate_command(
         s = llm.stats()
         typer.echo(
             f"steps {s.num_steps}, preemptions {s.num_preemptions}, prefix hit tokens "
-            f"{s.prefix_hit_tokens}", err=True
+            f"{s.prefix_hit_tokens}",
+            err=True,
         )
         if s.spec_method is not None:
             typer.echo(
@@ -105,7 +118,8 @@ def generate_command(
                 typer.echo(
                     f"  [{i}] proposed {r.stats.num_proposed_tokens}, accepted "
                     f"{r.stats.num_accepted_tokens}, mean accepted length "
-                    f"{r.stats.mean_accepted_length:.2f}", err=True
+                    f"{r.stats.mean_accepted_length:.2f}",
+                    err=True,
                 )
 
     run_guarded(as_json, body)

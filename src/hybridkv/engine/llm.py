@@ -145,8 +145,9 @@ class LLM:
                     f"{self.model.vocab_size}; a draft model must share the tokenizer"
                 )
         if max_model_len is None:
-            max_model_len = min(spec.max_position_embeddings or DEFAULT_MAX_MODEL_LEN,
-                                DEFAULT_MAX_MODEL_LEN)
+            max_model_len = min(
+                spec.max_position_embeddings or DEFAULT_MAX_MODEL_LEN, DEFAULT_MAX_MODEL_LEN
+            )
         options = PlanOptions(
             kv_dtype=cache_dtype,
             conv_dtype=cache_dtype,
@@ -165,7 +166,9 @@ class LLM:
         self.plan: CachePlan = make_plan(spec, draft_spec, options)
         self.manager = CacheManager(self.plan, enable_prefix_caching=prefix_caching)
         self.tensors = build_cache_tensors(
-            self.plan, self.model.layers, self.torch_dtype,
+            self.plan,
+            self.model.layers,
+            self.torch_dtype,
             draft_layers=None if self.draft_model is None else self.draft_model.layers,
         )
         self.runner = ModelRunner(self.model, self.plan, self.manager, self.tensors)

@@ -88,8 +88,10 @@ def draft_pass_points(
     chain = [int(write_block), *map(int, spec_blocks)]
     if not 1 <= draft_pass <= len(chain):
         raise EngineError(f"draft pass {draft_pass} outside 1..{len(chain)} (spec slots held)")
-    read = (None if read_block is None else int(read_block)) if draft_pass == 1 else (
-        chain[draft_pass - 2]
+    read = (
+        (None if read_block is None else int(read_block))
+        if draft_pass == 1
+        else (chain[draft_pass - 2])
     )
     return read, [(1, chain[draft_pass - 1])]
 
@@ -140,7 +142,9 @@ class ModelRunner:
             end += len(s.token_ids)
             indices.extend(range(end - 1 - s.num_draft_tokens, end))
         return make_batch(
-            [(list(s.token_ids), s.num_computed) for s in steps], tables, slots,
+            [(list(s.token_ids), s.num_computed) for s in steps],
+            tables,
+            slots,
             torch.tensor(indices, dtype=torch.long),
         )
 
@@ -155,8 +159,13 @@ class ModelRunner:
         if s.draft_pass:
             return draft_pass_points(st.read_block, st.write_block, st.spec_blocks, s.draft_pass)
         return state_write_points(
-            st.read_block, st.write_block, st.write_num_tokens, st.spec_blocks,
-            st.checkpoint, s.num_computed, s.num_draft_tokens,
+            st.read_block,
+            st.write_block,
+            st.write_num_tokens,
+            st.spec_blocks,
+            st.checkpoint,
+            s.num_computed,
+            s.num_draft_tokens,
         )
 
     def execute(self, steps: Sequence[StepInput]) -> list[torch.Tensor]:

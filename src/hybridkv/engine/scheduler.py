@@ -154,8 +154,7 @@ class Scheduler:
                 i += 1
         # vLLM's rule too: no admissions in a step that had to preempt.
         while (
-            self.waiting and not preempted and budget > 0
-            and len(self.running) < self.max_num_seqs
+            self.waiting and not preempted and budget > 0 and len(self.running) < self.max_num_seqs
         ):
             req = self.waiting[0]
             hit = self.manager.lookup(req.req_id)

@@ -104,9 +104,13 @@ class DraftModelDrafter:
         if not chunks:
             return {}
         first = [
-            StepInput(c.request.req_id,
-                      c.request.tokens[c.num_computed : c.num_computed + c.num_new_tokens],
-                      c.num_computed, 0, 1 if c.num_lookahead else 0)
+            StepInput(
+                c.request.req_id,
+                c.request.tokens[c.num_computed : c.num_computed + c.num_new_tokens],
+                c.num_computed,
+                0,
+                1 if c.num_lookahead else 0,
+            )
             for c in chunks
         ]
         logits = self.runner.execute(first)
@@ -122,15 +126,14 @@ class DraftModelDrafter:
         for j in range(2, max_pass + 1):
             steps = [
                 StepInput(r, [tokens[r][-1]], starts[r] + j - 1, 0, j)
-                for r, la in wanted.items() if la >= j - 1
+                for r, la in wanted.items()
+                if la >= j - 1
             ]
             logits = self.runner.execute(steps)
             for step, row in zip(steps, logits, strict=True):
                 if wanted[step.req_id] >= j:
                     self._pick(step.req_id, row[-1], temperature, generators, tokens, probs)
-        return {
-            r: Drafts(tokens[r], torch.stack(probs[r]) if probs[r] else None) for r in wanted
-        }
+        return {r: Drafts(tokens[r], torch.stack(probs[r]) if probs[r] else None) for r in wanted}
 
     @staticmethod
     def _pick(

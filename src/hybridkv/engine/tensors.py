@@ -109,7 +109,10 @@ def _numel(shape: Sequence[int]) -> int:
 
 
 def _attention_view(
-    pool: torch.Tensor, num_pages: int, place: TensorPlacement, group: GroupPlan,
+    pool: torch.Tensor,
+    num_pages: int,
+    place: TensorPlacement,
+    group: GroupPlan,
     desc: LayerDesc,
 ) -> KVCache:
     spec = group.spec
@@ -141,12 +144,22 @@ def _attention_view(
         )
     stride = place.page_stride_bytes
     key = _typed_view(
-        pool, dtype, (group.block_size, *key_shape), place.offset_bytes, stride, where,
+        pool,
+        dtype,
+        (group.block_size, *key_shape),
+        place.offset_bytes,
+        stride,
+        where,
         num_pages,
     )
     value = _typed_view(
-        pool, dtype, (group.block_size, *value_shape), place.offset_bytes + key_bytes, stride,
-        where, num_pages,
+        pool,
+        dtype,
+        (group.block_size, *value_shape),
+        place.offset_bytes + key_bytes,
+        stride,
+        where,
+        num_pages,
     )
     return KVCache(key=key, value=value, group=group_key(group.group_id))
 
@@ -170,9 +183,8 @@ def _state_view(
     conv_ok = (
         len(want_conv) == 2
         and conv_shape[0] == want_conv[0]
-        and conv_shape[1] - want_conv[1] == (
-            group.num_spec_states if spec.keeps_spec_conv_rows else 0
-        )
+        and conv_shape[1] - want_conv[1]
+        == (group.num_spec_states if spec.keeps_spec_conv_rows else 0)
     )
     if desc.kind != STATE or desc.family != spec.family or not conv_ok or ssm_shape != want_ssm:
         raise EngineError(
@@ -195,9 +207,7 @@ def _state_view(
             f"{place.used_bytes} used bytes per page"
         )
     stride = place.page_stride_bytes
-    conv = _typed_view(
-        pool, conv_dtype, conv_shape, place.offset_bytes, stride, where, num_pages
-    )
+    conv = _typed_view(pool, conv_dtype, conv_shape, place.offset_bytes, stride, where, num_pages)
     ssm = _typed_view(
         pool, ssm_dtype, ssm_shape, place.offset_bytes + conv_bytes, stride, where, num_pages
     )

@@ -54,8 +54,7 @@ def _split_pages(
     requests at ``target`` tokens; full-attention pools share the rest in proportion to
     their bytes per token (every request needs all of them for each token)."""
     k = options.num_spec_tokens
-    slabs = [draft.pool_page_bytes[g.pool_id] * draft.pool_num_tensors[g.pool_id]
-             for g in groups]
+    slabs = [draft.pool_page_bytes[g.pool_id] * draft.pool_num_tensors[g.pool_id] for g in groups]
     available = options.memory_bytes - sum(slabs)  # one null page per pool
     per_request = sum(g.blocks_for(target, k) * s for g, s in zip(groups, slabs, strict=True))
     fits = max(available, 0) // per_request if per_request else options.max_num_seqs
@@ -77,16 +76,21 @@ def _split_pages(
 
 
 def _capacity(
-    groups: tuple[GroupPlan, ...], pools: tuple[PoolPlan, ...], options: PlanOptions,
-    max_model_len: int, target: int, typical: int,
+    groups: tuple[GroupPlan, ...],
+    pools: tuple[PoolPlan, ...],
+    options: PlanOptions,
+    max_model_len: int,
+    target: int,
+    typical: int,
 ) -> Capacity:
     k = options.num_spec_tokens
 
     def concurrency(length: int, only_state: bool = False) -> tuple[int, float]:
         whole, frac = None, None
         for pool in pools:
-            members = [groups[i] for i in pool.group_ids
-                       if not only_state or groups[i].kind == STATE]
+            members = [
+                groups[i] for i in pool.group_ids if not only_state or groups[i].kind == STATE
+            ]
             need = sum(g.blocks_for(length, k) for g in members)
             if not need:
                 continue
@@ -108,7 +112,8 @@ def _capacity(
         concurrency_at_typical=concurrency(typical)[0],
         tokens_per_group={
             g.group_id: pools[g.pool_id].num_usable_blocks * g.block_size
-            for g in groups if g.kind != STATE
+            for g in groups
+            if g.kind != STATE
         },
         state_slots=state_slots if any(g.kind == STATE for g in groups) else 0,
         max_num_seqs=options.max_num_seqs,
@@ -127,15 +132,17 @@ def _placements(
                 offset = tensor_index * g.padded_page_bytes
             else:  # one tensor slot (num_pages pages) per layer
                 offset = tensor_index * pool.num_pages * pool.page_bytes
-            placed.append(TensorPlacement(
-                layer=ref,
-                group_id=g.group_id,
-                pool_id=pool.pool_id,
-                tensor_index=tensor_index,
-                offset_bytes=offset,
-                page_stride_bytes=pool.page_bytes,
-                used_bytes=g.page_bytes,
-            ))
+            placed.append(
+                TensorPlacement(
+                    layer=ref,
+                    group_id=g.group_id,
+                    pool_id=pool.pool_id,
+                    tensor_index=tensor_index,
+                    offset_bytes=offset,
+                    page_stride_bytes=pool.page_bytes,
+                    used_bytes=g.page_bytes,
+                )
+            )
     return tuple(placed)
 
 
@@ -158,8 +165,14 @@ def _waste_bytes(
 
 
 def build_plan(
-    draft: LayoutDraft, options: PlanOptions, *, main_name: str, draft_name: str | None,
-    max_model_len: int, target: int, typical: int,
+    draft: LayoutDraft,
+    options: PlanOptions,
+    *,
+    main_name: str,
+    draft_name: str | None,
+    max_model_len: int,
+    target: int,
+    typical: int,
 ) -> CachePlan:
     groups = _groups(draft, options)
     if draft.pool_num_pages is not None:

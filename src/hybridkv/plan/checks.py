@@ -27,8 +27,10 @@ def check_plan_invariants(plan: CachePlan) -> None:
         if g.padded_page_bytes < g.page_bytes:
             raise fail(f"group {g.group_id} padded {g.padded_page_bytes} < raw {g.page_bytes}")
         if len(g.layers) * g.padded_page_bytes > pool.slab_bytes:
-            raise fail(f"group {g.group_id}: {len(g.layers)} layers x {g.padded_page_bytes} B "
-                       f"exceed the pool's {pool.slab_bytes} B slab")
+            raise fail(
+                f"group {g.group_id}: {len(g.layers)} layers x {g.padded_page_bytes} B "
+                f"exceed the pool's {pool.slab_bytes} B slab"
+            )
         if g.block_size < 1:
             raise fail(f"group {g.group_id} block size {g.block_size}")
         if g.group_id not in pool.group_ids:

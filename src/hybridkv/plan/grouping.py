@@ -51,8 +51,9 @@ class LayerClass:
 
 def _prepare(model: ModelSpec, role: str, options: PlanOptions) -> ModelSpec:
     try:
-        spec = model.with_dtypes(kv=options.kv_dtype, conv=options.conv_dtype,
-                                 ssm=options.ssm_dtype)
+        spec = model.with_dtypes(
+            kv=options.kv_dtype, conv=options.conv_dtype, ssm=options.ssm_dtype
+        )
         return spec.shard(options.tp)
     except SpecError as err:
         raise PlanError(f"{role} model {model.name!r} at tp={options.tp}: {err}") from err

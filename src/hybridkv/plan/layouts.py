@@ -77,8 +77,7 @@ def _state_interval(attention_block_sizes: list[int], fallback: int) -> int:
 
 
 def _max_state_page(classes: list[LayerClass], options: PlanOptions) -> int:
-    return max((c.state_page_bytes(options.num_spec_states) for c in _states(classes)),
-               default=0)
+    return max((c.state_page_bytes(options.num_spec_states) for c in _states(classes)), default=0)
 
 
 # --------------------------------------------------------------------------- shared
@@ -116,9 +115,7 @@ def _shared_for_page(
     return LayoutDraft("shared", groups, [page_bytes], [group_size])
 
 
-def shared_layout_candidates(
-    classes: list[LayerClass], options: PlanOptions
-) -> list[LayoutDraft]:
+def shared_layout_candidates(classes: list[LayerClass], options: PlanOptions) -> list[LayoutDraft]:
     """Every (page size, group size) pair worth planning; the caller keeps the best."""
     max_state = _max_state_page(classes, options)
     attention = _attention(classes)
@@ -157,9 +154,12 @@ def shared_layout_candidates(
     if options.block_size is None:
         drafts += slab_layout_candidates(classes, options)
     if options.max_block_size is not None:
-        drafts = [d for d in drafts if max(
-            (g.block_size for g in d.groups if not g.cls.is_state), default=0
-        ) <= options.max_block_size]
+        drafts = [
+            d
+            for d in drafts
+            if max((g.block_size for g in d.groups if not g.cls.is_state), default=0)
+            <= options.max_block_size
+        ]
         if not drafts:
             raise PlanError(
                 f"layout shared: no page or slab size keeps attention blocks within "
@@ -205,8 +205,9 @@ def _slab_for(classes: list[LayerClass], options: PlanOptions, slab: int) -> Lay
     attention: dict[int, tuple[int, int]] = {}
     for index, cls in enumerate(classes):
         if not cls.is_state:
-            fit = _best_attention_fit(cls.bytes_per_token(), len(cls.layers), slab,
-                                      options.max_block_size)
+            fit = _best_attention_fit(
+                cls.bytes_per_token(), len(cls.layers), slab, options.max_block_size
+            )
             if fit is None:
                 return None
             attention[index] = fit
@@ -227,8 +228,9 @@ def _slab_for(classes: list[LayerClass], options: PlanOptions, slab: int) -> Lay
         else:
             per_group, block = attention[index]
             raw = padded = block * cls.bytes_per_token()
-        groups.extend(GroupDraft(cls, chunk, block, raw, padded, 0)
-                      for chunk in cls.chunks(per_group))
+        groups.extend(
+            GroupDraft(cls, chunk, block, raw, padded, 0) for chunk in cls.chunks(per_group)
+        )
     return LayoutDraft("shared", groups, [slab], [1], packing="slab")
 
 
@@ -295,8 +297,7 @@ def vllm_layout(classes: list[LayerClass], options: PlanOptions) -> LayoutDraft:
     """
     classes = merge_equal_specs(classes)
     main_state = max(
-        (c.state_page_bytes(options.num_spec_states) for c in _states(classes)
-         if c.has_main),
+        (c.state_page_bytes(options.num_spec_states) for c in _states(classes) if c.has_main),
         default=0,
     )
     main_attn = _main_attention([c for c in classes if c.has_main])

@@ -40,8 +40,11 @@ def _validate(options: PlanOptions, draft: ModelSpec | None) -> None:
     if options.num_spec_tokens < 0:
         raise bad("num_spec_tokens", options.num_spec_tokens, "must be >= 0")
     if options.spec_method is None and options.num_spec_tokens:
-        raise bad("num_spec_tokens", options.num_spec_tokens,
-                  "needs a speculative method (--spec-method draft|eagle|mtp|ngram|suffix)")
+        raise bad(
+            "num_spec_tokens",
+            options.num_spec_tokens,
+            "needs a speculative method (--spec-method draft|eagle|mtp|ngram|suffix)",
+        )
     if options.spec_method is not None and options.num_spec_tokens == 0:
         raise bad("num_spec_tokens", 0, f"spec method {options.spec_method!r} needs K >= 1")
     if options.spec_method == "draft" and draft is None:
@@ -76,8 +79,10 @@ def _warnings(plan: CachePlan, main: ModelSpec, draft: ModelSpec | None) -> tupl
         notes.append(
             f"padding wastes {plan.waste_fraction:.1%} of the budget ({plan.waste_bytes} bytes)"
         )
-    if draft is not None and draft.max_position_embeddings is not None and (
-        draft.max_position_embeddings < cap.max_model_len
+    if (
+        draft is not None
+        and draft.max_position_embeddings is not None
+        and (draft.max_position_embeddings < cap.max_model_len)
     ):
         notes.append(
             f"draft {draft.name!r} supports {draft.max_position_embeddings} positions, fewer "
@@ -87,19 +92,32 @@ def _warnings(plan: CachePlan, main: ModelSpec, draft: ModelSpec | None) -> tupl
 
 
 def _finish(
-    draft_layout: LayoutDraft, options: PlanOptions, main: ModelSpec, draft: ModelSpec | None,
+    draft_layout: LayoutDraft,
+    options: PlanOptions,
+    main: ModelSpec,
+    draft: ModelSpec | None,
     lengths: tuple[int, int, int],
 ) -> CachePlan:
     max_len, target, typical = lengths
-    plan = build_plan(draft_layout, options, main_name=main.name,
-                      draft_name=draft.name if draft else None,
-                      max_model_len=max_len, target=target, typical=typical)
+    plan = build_plan(
+        draft_layout,
+        options,
+        main_name=main.name,
+        draft_name=draft.name if draft else None,
+        max_model_len=max_len,
+        target=target,
+        typical=typical,
+    )
     return dataclasses.replace(plan, warnings=_warnings(plan, main, draft))
 
 
 def _plan_layout(
-    name: str, classes: list[LayerClass], options: PlanOptions, main: ModelSpec,
-    draft: ModelSpec | None, lengths: tuple[int, int, int],
+    name: str,
+    classes: list[LayerClass],
+    options: PlanOptions,
+    main: ModelSpec,
+    draft: ModelSpec | None,
+    lengths: tuple[int, int, int],
 ) -> CachePlan:
     builders: dict[str, Callable[[], list[LayoutDraft]]] = {
         "shared": lambda: shared_layout_candidates(classes, options),
@@ -111,7 +129,9 @@ def _plan_layout(
 
 
 def plan(
-    main: ModelSpec, draft: ModelSpec | None = None, options: PlanOptions | None = None,
+    main: ModelSpec,
+    draft: ModelSpec | None = None,
+    options: PlanOptions | None = None,
     **option_values: object,
 ) -> CachePlan:
     """Plan cache memory for ``main`` (and an optional ``draft``).
@@ -161,20 +181,28 @@ def _pick(plans: list[CachePlan]) -> CachePlan:
     groups (block tables per request), and shared > split > vllm.
     """
     top = max(p.capacity.max_concurrency for p in plans)
-    floor = max([top * (1 - TIE_TOLERANCE)]
-                + [p.capacity.max_concurrency for p in plans if p.layout == "vllm"])
+    floor = max(
+        [top * (1 - TIE_TOLERANCE)]
+        + [p.capacity.max_concurrency for p in plans if p.layout == "vllm"]
+    )
     kept = [p for p in plans if p.capacity.max_concurrency >= floor]
     best_typical = max(p.capacity.concurrency_at_typical for p in kept)
-    kept = [p for p in kept
-            if p.capacity.concurrency_at_typical >= best_typical * (1 - TYPICAL_TOLERANCE)]
+    kept = [
+        p
+        for p in kept
+        if p.capacity.concurrency_at_typical >= best_typical * (1 - TYPICAL_TOLERANCE)
+    ]
     least_waste = min(p.waste_fraction for p in kept)
     kept = [p for p in kept if p.waste_fraction <= least_waste + WASTE_TOLERANCE]
-    return min(kept, key=lambda p: (
-        max((g.block_size for g in p.groups if g.kind != "state"), default=0),
-        len(p.groups),
-        -p.capacity.max_concurrency,
-        LAYOUT_PREFERENCE.index(p.layout),
-    ))
+    return min(
+        kept,
+        key=lambda p: (
+            max((g.block_size for g in p.groups if g.kind != "state"), default=0),
+            len(p.groups),
+            -p.capacity.max_concurrency,
+            LAYOUT_PREFERENCE.index(p.layout),
+        ),
+    )
 
 
 def _reason(best: CachePlan, others: tuple[CachePlan, ...], errors: list[str]) -> str:
@@ -189,8 +217,10 @@ def _reason(best: CachePlan, others: tuple[CachePlan, ...], errors: list[str]) -
         for p in others
     ]
     parts += [f"not possible: {e}" for e in errors]
-    rule = ("highest concurrency at the target length (within 5%), then at the typical "
-            "length (within 2%), then least padding, smallest blocks, fewest groups; ")
+    rule = (
+        "highest concurrency at the target length (within 5%), then at the typical "
+        "length (within 2%), then least padding, smallest blocks, fewest groups; "
+    )
     return rule + "; ".join(parts)
 
 

@@ -27,9 +27,14 @@ def groups_table(plan: CachePlan) -> Table:
         table.add_column(col, justify="right" if col in ("id", "block", "pool") else "left")
     for g in plan.groups:
         table.add_row(
-            str(g.group_id), g.model, g.kind + (f":{g.state_family}" if g.state_family else ""),
-            g.spec.describe(), _layer_span([r.name for r in g.layers]),
-            str(g.block_size), format_bytes(g.page_bytes), format_bytes(g.padded_page_bytes),
+            str(g.group_id),
+            g.model,
+            g.kind + (f":{g.state_family}" if g.state_family else ""),
+            g.spec.describe(),
+            _layer_span([r.name for r in g.layers]),
+            str(g.block_size),
+            format_bytes(g.page_bytes),
+            format_bytes(g.padded_page_bytes),
             str(g.pool_id),
         )
     return table
@@ -40,26 +45,42 @@ def pools_table(plan: CachePlan) -> Table:
     for col in ("pool", "page", "pages", "tensors", "bytes", "groups"):
         table.add_column(col)
     for p in plan.pools:
-        table.add_row(str(p.pool_id), format_bytes(p.page_bytes), str(p.num_pages),
-                      str(p.num_tensors), format_bytes(p.total_bytes),
-                      ",".join(map(str, p.group_ids)))
+        table.add_row(
+            str(p.pool_id),
+            format_bytes(p.page_bytes),
+            str(p.num_pages),
+            str(p.num_tensors),
+            format_bytes(p.total_bytes),
+            ",".join(map(str, p.group_ids)),
+        )
     return table
 
 
 def comparison_table(plan: CachePlan) -> Table:
     cap = plan.capacity
-    table = Table(title=f"layouts at {cap.target_len} tokens (typical {cap.typical_len})",
-                  title_justify="left")
-    for col in ("layout", "requests @target", "requests @typical", "padding",
-                "attention blocks", "hit granularity"):
+    table = Table(
+        title=f"layouts at {cap.target_len} tokens (typical {cap.typical_len})",
+        title_justify="left",
+    )
+    for col in (
+        "layout",
+        "requests @target",
+        "requests @typical",
+        "padding",
+        "attention blocks",
+        "hit granularity",
+    ):
         table.add_column(col)
     for p in (plan, *plan.alternatives):
         s = p.summary()
         mark = " *" if p is plan else ""
         table.add_row(
-            p.layout + mark, f"{s['max_concurrency']} ({s['max_concurrency_float']})",
-            str(s["concurrency_at_typical_len"]), f"{p.waste_fraction:.2%}",
-            ",".join(map(str, s["attention_block_sizes"])), str(s["hit_granularity_tokens"]),
+            p.layout + mark,
+            f"{s['max_concurrency']} ({s['max_concurrency_float']})",
+            str(s["concurrency_at_typical_len"]),
+            f"{p.waste_fraction:.2%}",
+            ",".join(map(str, s["attention_block_sizes"])),
+            str(s["hit_granularity_tokens"]),
         )
     return table
 
@@ -77,8 +98,11 @@ def render(plan: CachePlan, console: Console | None = None) -> None:
         f"max concurrency at {cap.target_len} tokens: [bold]{cap.max_concurrency}[/bold] "
         f"({cap.max_concurrency_float:.2f}); at {cap.typical_len}: {cap.concurrency_at_typical}",
         f"state slots: {cap.state_slots}; max_num_seqs {cap.max_num_seqs} "
-        + ("fits" if cap.max_num_seqs_fits
-           else f"does NOT fit (largest {cap.max_num_seqs_that_fit})"),
+        + (
+            "fits"
+            if cap.max_num_seqs_fits
+            else f"does NOT fit (largest {cap.max_num_seqs_that_fit})"
+        ),
     ]
     if plan.reason:
         lines.append(f"why: {plan.reason}")

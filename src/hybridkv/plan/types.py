@@ -332,4 +332,3 @@ class CachePlan:
             "alternatives": [alt.summary() for alt in self.alternatives],
             "warnings": list(self.warnings),
         }
-

@@ -64,21 +64,33 @@ def trace_gen_command(
         from hybridkv.sim.workloads import generate_workload, workload_options
 
         opts = workload_options(
-            kind, num_requests=num_requests, seed=seed, max_drafts=max_drafts,
-            rate_per_s=rate, prefix_len=_range(prefix_len, "--prefix-len"),
+            kind,
+            num_requests=num_requests,
+            seed=seed,
+            max_drafts=max_drafts,
+            rate_per_s=rate,
+            prefix_len=_range(prefix_len, "--prefix-len"),
             suffix_len=_range(suffix_len, "--suffix-len"),
             output_len=_range(output_len, "--output-len"),
-            num_prefixes=num_prefixes, max_turns=max_turns)
+            num_prefixes=num_prefixes,
+            max_turns=max_turns,
+        )
         requests = generate_workload(kind, opts)
         count = write_trace(out, requests)
-        summary = {"kind": kind, "path": out, "num_requests": count,
-                   "prompt_tokens": sum(len(r.prompt) for r in requests),
-                   "output_tokens": sum(len(r.output) for r in requests)}
+        summary = {
+            "kind": kind,
+            "path": out,
+            "num_requests": count,
+            "prompt_tokens": sum(len(r.prompt) for r in requests),
+            "output_tokens": sum(len(r.output) for r in requests),
+        }
         if as_json:
             emit_json(summary)
         else:
-            Console().print(f"wrote {count} requests ({summary['prompt_tokens']} prompt, "
-                            f"{summary['output_tokens']} output tokens) to {out}")
+            Console().print(
+                f"wrote {count} requests ({summary['prompt_tokens']} prompt, "
+                f"{summary['output_tokens']} output tokens) to {out}"
+            )
 
     run_guarded(as_json, body)
 
@@ -139,10 +151,12 @@ def simulate_command(
     block_size: o.BlockSize = None,
     target_len: o.TargetLen = None,
     typical_len: o.TypicalLen = None,
-    check_every: Annotated[int, typer.Option(
-        "--check-every", help="check_invariants() every N steps (0: at the end)")] = 0,
-    batched: Annotated[bool, typer.Option(
-        "--batched/--no-batched", help="allocate_batch / commit_batch")] = True,
+    check_every: Annotated[
+        int, typer.Option("--check-every", help="check_invariants() every N steps (0: at the end)")
+    ] = 0,
+    batched: Annotated[
+        bool, typer.Option("--batched/--no-batched", help="allocate_batch / commit_batch")
+    ] = True,
     max_steps: Annotated[int | None, typer.Option("--max-steps")] = None,
     plot: Annotated[str | None, typer.Option("--plot", help="usage plot PNG")] = None,
     as_json: o.Json = False,
@@ -158,8 +172,9 @@ def simulate_command(
         requests = read_trace(trace)
         main_spec, draft_spec, options = args.resolve()
         cache_plan = plan(main_spec, draft_spec, options)
-        result = simulate(requests, cache_plan, check_every=check_every, batched=batched,
-                          max_steps=max_steps)
+        result = simulate(
+            requests, cache_plan, check_every=check_every, batched=batched, max_steps=max_steps
+        )
         if plot:
             _plot(result, plot)
         payload = result.to_dict()

@@ -28,5 +28,9 @@ class StepCost:
         """Seconds for one step that schedules ``num_tokens`` over ``num_seqs`` requests."""
         if num_tokens == 0:
             return 0.0
-        return (self.fixed_s + self.per_token_s * num_tokens + self.per_seq_s * num_seqs
-                + self.per_context_token_s * num_context_tokens)
+        return (
+            self.fixed_s
+            + self.per_token_s * num_tokens
+            + self.per_seq_s * num_seqs
+            + self.per_context_token_s * num_context_tokens
+        )

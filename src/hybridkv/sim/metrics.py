@@ -109,8 +109,9 @@ def finalize(
         prompt_tokens=recorder.prompt_tokens,
         output_tokens=recorder.output_tokens,
         prefix_hit_tokens=recorder.prefix_hit_tokens,
-        prefix_hit_rate=(recorder.prefix_hit_tokens / recorder.prompt_tokens
-                         if recorder.prompt_tokens else 0.0),
+        prefix_hit_rate=(
+            recorder.prefix_hit_tokens / recorder.prompt_tokens if recorder.prompt_tokens else 0.0
+        ),
         recompute_hit_tokens=recorder.recompute_hit_tokens,
         recomputed_tokens=recorder.recomputed_tokens,
         preemptions=recorder.preemptions,

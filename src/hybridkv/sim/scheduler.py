@@ -68,8 +68,14 @@ class SimRequest:
     """Mutable per-request state of the scheduler model."""
 
     __slots__ = (
-        "admitted", "first_token_s", "is_running", "num_computed", "num_emitted",
-        "spec_cursor", "trace", "verified",
+        "admitted",
+        "first_token_s",
+        "is_running",
+        "num_computed",
+        "num_emitted",
+        "spec_cursor",
+        "trace",
+        "verified",
     )
 
     def __init__(self, trace: TraceRequest) -> None:
@@ -211,8 +217,7 @@ class Scheduler:
         """
         req = item.req
         while True:
-            blocks = self._call("allocate", req.id, item.num_new_tokens,
-                                item.num_lookahead_tokens)
+            blocks = self._call("allocate", req.id, item.num_new_tokens, item.num_lookahead_tokens)
             if blocks is not None:
                 return True
             if self.running[-1] is not req:
@@ -222,7 +227,8 @@ class Scheduler:
                 return False
             elif not item.decode and item.num_new_tokens > 1:
                 item.num_new_tokens = self._chunk(
-                    req.num_computed, item.num_new_tokens, item.num_new_tokens // 2)
+                    req.num_computed, item.num_new_tokens, item.num_new_tokens // 2
+                )
             elif item.num_lookahead_tokens:
                 item.num_lookahead_tokens = item.num_accepted = 0
             else:
@@ -230,7 +236,8 @@ class Scheduler:
                     f"request {req.id!r} cannot take its next step alone: "
                     f"{req.num_computed} computed of {req.verified} tokens "
                     f"({len(req.trace.prompt)} prompt), usage {self.manager.usage():.3f}; "
-                    "give the plan more memory (--memory) or shorten the request")
+                    "give the plan more memory (--memory) or shorten the request"
+                )
 
     def _schedule_running(self, budget: int) -> tuple[list[_Work], int, bool]:
         work, budget = self._plan_running(budget)
@@ -238,8 +245,11 @@ class Scheduler:
         results: list[Any] | None = None
         if self._batched and work:
             results = self._call(
-                "allocate_batch", [w.req.id for w in work],
-                [w.num_new_tokens for w in work], [w.num_lookahead_tokens for w in work])
+                "allocate_batch",
+                [w.req.id for w in work],
+                [w.num_new_tokens for w in work],
+                [w.num_lookahead_tokens for w in work],
+            )
         scheduled: list[_Work] = []
         for index, item in enumerate(work):
             if not item.req.is_running:
@@ -256,15 +266,15 @@ class Scheduler:
 
     def _admit_waiting(self, budget: int) -> list[_Work]:
         admitted: list[_Work] = []
-        while (self.waiting and budget > 0
-               and len(self.running) < self.config.max_num_seqs):
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
             hit = self._call("lookup", req.id)
             uncomputed = req.verified - hit
             if uncomputed < 1:
                 raise SimulationError(
                     f"lookup for {req.id!r} returned a hit of {hit} tokens for "
-                    f"{req.verified} known tokens; a hit must leave >= 1 token to compute")
+                    f"{req.verified} known tokens; a hit must leave >= 1 token to compute"
+                )
             num_new = self._chunk(hit, uncomputed, budget)
             while self._call("allocate", req.id, num_new, 0) is None:
                 # Alone, a smaller chunk may fit where a whole one does not (a window
@@ -326,7 +336,8 @@ class Scheduler:
                 self._call("commit_batch", decode_ids, decode_accepted, decode_tokens)
             else:
                 for req_id, accepted, tokens in zip(
-                        decode_ids, decode_accepted, decode_tokens, strict=True):
+                    decode_ids, decode_accepted, decode_tokens, strict=True
+                ):
                     self._call("commit", req_id, accepted, tokens)
         for req in finished:
             self._call("free", req.id)
@@ -357,7 +368,8 @@ class Scheduler:
         num_tokens = sum(w.num_new_tokens + w.num_lookahead_tokens for w in work)
         context = sum(w.req.num_computed for w in work)
         self.clock_s += self.cost.step_s(
-            num_tokens=num_tokens, num_seqs=len(self.running), num_context_tokens=context)
+            num_tokens=num_tokens, num_seqs=len(self.running), num_context_tokens=context
+        )
         self.metrics.scheduled_tokens += num_tokens
         self.metrics.max_running = max(self.metrics.max_running, len(self.running))
         self._commit(work, self.clock_s)
@@ -378,7 +390,8 @@ class Scheduler:
             f"request {req.id!r} ({req.verified} tokens: {len(req.trace.prompt)} prompt + "
             f"{req.num_emitted} output) cannot be allocated even with no other request "
             f"running (usage {self.manager.usage():.3f}); give the plan more memory "
-            "(--memory) or shorten the request")
+            "(--memory) or shorten the request"
+        )
 
     def check_invariants(self) -> None:
         self.manager.check_invariants()

@@ -28,14 +28,16 @@ def build_manager(plan: CachePlan, *, enable_prefix_caching: bool | None = None)
     from hybridkv.cache import CacheManager
 
     eagle = plan.options.spec_method in EAGLE_METHODS
-    return CacheManager(plan, enable_prefix_caching=enable_prefix_caching, eagle=eagle,
-                        record_events=False)
+    return CacheManager(
+        plan, enable_prefix_caching=enable_prefix_caching, eagle=eagle, record_events=False
+    )
 
 
 def leaked_blocks(manager: Any, plan: CachePlan) -> int:
     """Blocks still referenced (usable minus free), summed over the plan's pools."""
-    return sum(pool.num_usable_blocks - manager.num_free_blocks(pool.pool_id)
-               for pool in plan.pools)
+    return sum(
+        pool.num_usable_blocks - manager.num_free_blocks(pool.pool_id) for pool in plan.pools
+    )
 
 
 def scheduler_config(plan: CachePlan, **overrides: Any) -> SchedulerConfig:
@@ -76,8 +78,9 @@ def simulate(
     """
     requests = read_trace(trace) if isinstance(trace, str | Path) else list(trace)
     if config is None:
-        config = scheduler_config(plan, check_every=check_every, batched=batched,
-                                  max_steps=max_steps)
+        config = scheduler_config(
+            plan, check_every=check_every, batched=batched, max_steps=max_steps
+        )
     if manager is None:
         manager = build_manager(plan, enable_prefix_caching=enable_prefix_caching)
     recorder = MetricsRecorder()
@@ -87,7 +90,7 @@ def simulate(
     wall_s = perf_counter() - start
     scheduler.check_invariants()
     stats = manager.stats()
-    stats_dict = dataclasses.asdict(stats) if dataclasses.is_dataclass(stats) else dict(stats)
+    stats_dict = dataclasses.asdict(stats)
     return finalize(
         recorder,
         num_requests=len(requests),

@@ -78,35 +78,44 @@ def _is_int(value: object) -> bool:
 
 def _token_list(value: object, key: str, line_no: int, *, min_len: int) -> tuple[int, ...]:
     if not isinstance(value, list):
-        raise TraceError(f"line {line_no}: {key!r} must be a list of token ids, "
-                         f"got {type(value).__name__}")
+        raise TraceError(
+            f"line {line_no}: {key!r} must be a list of token ids, got {type(value).__name__}"
+        )
     if len(value) < min_len:
         raise TraceError(f"line {line_no}: {key!r} has {len(value)} tokens; needs >= {min_len}")
     for pos, token in enumerate(value):
         if not _is_int(token) or token < 0:
-            raise TraceError(f"line {line_no}: {key}[{pos}]={token!r} is not a token id "
-                             "(a non-negative int)")
+            raise TraceError(
+                f"line {line_no}: {key}[{pos}]={token!r} is not a token id (a non-negative int)"
+            )
     return tuple(value)
 
 
 def _spec_steps(value: object, num_output: int, line_no: int) -> tuple[SpecStep, ...]:
     if not isinstance(value, list):
-        raise TraceError(f"line {line_no}: 'spec' must be a list of [num_proposed, "
-                         f"num_accepted] pairs, got {type(value).__name__}")
+        raise TraceError(
+            f"line {line_no}: 'spec' must be a list of [num_proposed, "
+            f"num_accepted] pairs, got {type(value).__name__}"
+        )
     steps: list[SpecStep] = []
     emitted = 1  # the prefill emits output[0]
     for pos, step in enumerate(value):
-        if (not isinstance(step, list) or len(step) != 2
-                or not all(_is_int(n) for n in step)):
-            raise TraceError(f"line {line_no}: spec[{pos}]={step!r} is not a "
-                             "[num_proposed, num_accepted] pair of ints")
+        if not isinstance(step, list) or len(step) != 2 or not all(_is_int(n) for n in step):
+            raise TraceError(
+                f"line {line_no}: spec[{pos}]={step!r} is not a "
+                "[num_proposed, num_accepted] pair of ints"
+            )
         proposed, accepted = step
         if proposed < 0 or not 0 <= accepted <= proposed:
-            raise TraceError(f"line {line_no}: spec[{pos}]=[{proposed}, {accepted}] needs "
-                             "0 <= num_accepted <= num_proposed")
+            raise TraceError(
+                f"line {line_no}: spec[{pos}]=[{proposed}, {accepted}] needs "
+                "0 <= num_accepted <= num_proposed"
+            )
         if emitted >= num_output:
-            raise TraceError(f"line {line_no}: spec[{pos}] starts after all {num_output} "
-                             f"output tokens are emitted ({len(value)} steps given)")
+            raise TraceError(
+                f"line {line_no}: spec[{pos}] starts after all {num_output} "
+                f"output tokens are emitted ({len(value)} steps given)"
+            )
         emitted += accepted + 1
         steps.append((proposed, accepted))
     return tuple(steps)
@@ -117,14 +126,17 @@ def parse_trace_line(text: str, line_no: int) -> TraceRequest:
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as err:
-        raise TraceError(f"line {line_no}: not valid JSON ({err.msg} at column {err.colno})"
-                         ) from None
+        raise TraceError(
+            f"line {line_no}: not valid JSON ({err.msg} at column {err.colno})"
+        ) from None
     if not isinstance(obj, dict):
         raise TraceError(f"line {line_no}: expected a JSON object, got {type(obj).__name__}")
     unknown = sorted(set(obj) - ALLOWED_KEYS)
     if unknown:
-        raise TraceError(f"line {line_no}: unknown key(s) {', '.join(map(repr, unknown))}; "
-                         f"allowed: {', '.join(REQUIRED_KEYS + OPTIONAL_KEYS)}")
+        raise TraceError(
+            f"line {line_no}: unknown key(s) {', '.join(map(repr, unknown))}; "
+            f"allowed: {', '.join(REQUIRED_KEYS + OPTIONAL_KEYS)}"
+        )
     missing = [key for key in REQUIRED_KEYS if key not in obj]
     if missing:
         raise TraceError(f"line {line_no}: missing key(s) {', '.join(map(repr, missing))}")
@@ -132,18 +144,29 @@ def parse_trace_line(text: str, line_no: int) -> TraceRequest:
     if not isinstance(req_id, str) or not req_id:
         raise TraceError(f"line {line_no}: 'id' must be a non-empty string, got {req_id!r}")
     arrival = obj["arrival_s"]
-    if (not isinstance(arrival, int | float) or isinstance(arrival, bool)
-            or not math.isfinite(arrival) or arrival < 0):
-        raise TraceError(f"line {line_no}: 'arrival_s'={arrival!r} must be a finite number "
-                         ">= 0 (seconds)")
+    if (
+        not isinstance(arrival, int | float)
+        or isinstance(arrival, bool)
+        or not math.isfinite(arrival)
+        or arrival < 0
+    ):
+        raise TraceError(
+            f"line {line_no}: 'arrival_s'={arrival!r} must be a finite number >= 0 (seconds)"
+        )
     prompt = _token_list(obj["prompt"], "prompt", line_no, min_len=1)
     output = _token_list(obj["output"], "output", line_no, min_len=1)
     spec = _spec_steps(obj["spec"], len(output), line_no) if obj.get("spec") is not None else None
     salt = obj.get("cache_salt")
     if salt is not None and not isinstance(salt, str):
         raise TraceError(f"line {line_no}: 'cache_salt' must be a string, got {salt!r}")
-    return TraceRequest(id=req_id, arrival_s=float(arrival), prompt=prompt, output=output,
-                        spec=spec, cache_salt=salt)
+    return TraceRequest(
+        id=req_id,
+        arrival_s=float(arrival),
+        prompt=prompt,
+        output=output,
+        spec=spec,
+        cache_salt=salt,
+    )
 
 
 def parse_trace(lines: Iterable[str]) -> list[TraceRequest]:
@@ -155,8 +178,10 @@ def parse_trace(lines: Iterable[str]) -> list[TraceRequest]:
             continue
         request = parse_trace_line(text, line_no)
         if request.id in first_line:
-            raise TraceError(f"line {line_no}: duplicate id {request.id!r} (first on line "
-                             f"{first_line[request.id]})")
+            raise TraceError(
+                f"line {line_no}: duplicate id {request.id!r} (first on line "
+                f"{first_line[request.id]})"
+            )
         first_line[request.id] = line_no
         requests.append(request)
     return requests

@@ -102,13 +102,22 @@ def suffix_spec(gen: _Gen, num_output: int, max_drafts: int) -> tuple[SpecStep, 
 
 
 def _request(
-    gen: _Gen, opts: WorkloadOptions, req_id: str, arrival_s: float, prompt: list[int],
+    gen: _Gen,
+    opts: WorkloadOptions,
+    req_id: str,
+    arrival_s: float,
+    prompt: list[int],
     spec_fn: Callable[[_Gen, int, int], tuple[SpecStep, ...]],
 ) -> TraceRequest:
     output = gen.tokens(gen.length(opts.output_len))
     spec = spec_fn(gen, len(output), opts.max_drafts) if opts.max_drafts > 0 else None
-    return TraceRequest(id=req_id, arrival_s=round(arrival_s, 6), prompt=tuple(prompt),
-                        output=tuple(output), spec=spec)
+    return TraceRequest(
+        id=req_id,
+        arrival_s=round(arrival_s, 6),
+        prompt=tuple(prompt),
+        output=tuple(output),
+        spec=spec,
+    )
 
 
 def _conversations(opts: WorkloadOptions, *, think_s: float, prefix: str) -> list[TraceRequest]:
@@ -143,7 +152,8 @@ def agentic_workload(opts: WorkloadOptions) -> list[TraceRequest]:
 
 
 def _shared_prefix_requests(
-    opts: WorkloadOptions, prefix: str,
+    opts: WorkloadOptions,
+    prefix: str,
     spec_fn: Callable[[_Gen, int, int], tuple[SpecStep, ...]],
 ) -> list[TraceRequest]:
     gen = _Gen(opts.seed)
@@ -199,10 +209,12 @@ def generate_workload(kind: str, opts: WorkloadOptions) -> list[TraceRequest]:
         generator = WORKLOADS[kind]
     except KeyError:
         raise ValueError(
-            f"unknown workload kind {kind!r}; use one of {', '.join(WORKLOADS)}") from None
+            f"unknown workload kind {kind!r}; use one of {', '.join(WORKLOADS)}"
+        ) from None
     if opts.num_requests < 0 or opts.max_drafts < 0:
-        raise ValueError(f"num_requests={opts.num_requests} and max_drafts={opts.max_drafts} "
-                         "must be >= 0")
+        raise ValueError(
+            f"num_requests={opts.num_requests} and max_drafts={opts.max_drafts} must be >= 0"
+        )
     for name in ("output_len", "prefix_len", "suffix_len"):
         low, high = getattr(opts, name)
         if not 1 <= low <= high:
