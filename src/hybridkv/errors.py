@@ -36,5 +36,9 @@ class TraceError(HybridKVError):
     """A simulator trace line is malformed; the message carries the line number."""
 
 
+class SimulationError(HybridKVError):
+    """The simulator cannot make progress (a request that can never fit, a stuck queue)."""
+
+
 class EngineError(HybridKVError):
     """The reference engine cannot load or run a checkpoint."""

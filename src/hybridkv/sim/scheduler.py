@@ -34,14 +34,10 @@ from dataclasses import dataclass
 from time import perf_counter
 from typing import Any
 
-from hybridkv.errors import HybridKVError
+from hybridkv.errors import SimulationError
 from hybridkv.sim.cost import StepCost
 from hybridkv.sim.metrics import MetricsRecorder
 from hybridkv.sim.trace import TraceRequest
-
-
-class SimulationError(HybridKVError):
-    """The trace cannot run under this plan (e.g. one request alone does not fit)."""
 
 
 @dataclass(frozen=True, kw_only=True)
