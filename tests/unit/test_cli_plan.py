@@ -130,7 +130,10 @@ def test_mtp_head_from_main_model() -> None:
             "32768",
         ]
     )
-    assert any(g["model"] == "draft" for g in out["groups"])
+    # the head's layer is planned: in its own group, or (vLLM's rule) merged into the
+    # main attention type as "main+draft"
+    assert any("draft" in g["model"] for g in out["groups"])
+    assert sum(len(g["layers"]) for g in out["groups"]) == 32 + 1
 
 
 @pytest.mark.parametrize(

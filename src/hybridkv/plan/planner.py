@@ -174,7 +174,8 @@ def _pick(plans: list[CachePlan]) -> CachePlan:
     """The best plan, by stages; each stage keeps the plans within its tolerance:
 
     1. concurrency at the target length within `TIE_TOLERANCE` of the best, and never
-       below vLLM's rule (so a one-request win at the target cannot cost 3x at 8K);
+       below vLLM's rule (so a one-request win at the target cannot cost 3x at 8K),
+       and a prefix-hit granularity no coarser than vLLM's rule;
     2. concurrency at the typical length within `TYPICAL_TOLERANCE` of the best;
     3. padding within `WASTE_TOLERANCE` of the budget of the least;
     then the smallest largest attention block (prefix-hit granularity), the fewest
@@ -186,6 +187,9 @@ def _pick(plans: list[CachePlan]) -> CachePlan:
         + [p.capacity.max_concurrency for p in plans if p.layout == "vllm"]
     )
     kept = [p for p in plans if p.capacity.max_concurrency >= floor]
+    vllm_granularity = [p.hit_granularity_tokens for p in kept if p.layout == "vllm"]
+    if vllm_granularity:  # never coarser prefix hits than vLLM's rule
+        kept = [p for p in kept if p.hit_granularity_tokens <= vllm_granularity[0]]
     best_typical = max(p.capacity.concurrency_at_typical for p in kept)
     kept = [
         p
