@@ -7,6 +7,10 @@
     report    generated text, mean accepted length, tokens per main-model step, prefix
               hit rate, peak cache use
 
+Each request stops after ``--max-new-tokens`` or at the checkpoint's EOS (the byte
+tokenizer's 257, from ``config.json``), as transformers' ``generate`` would; no other
+stop rule. The report says how many stopped at EOS.
+
 torch is imported inside `run_demo`, so importing this module stays cheap.
 """
 
@@ -59,6 +63,7 @@ class DemoOptions:
     max_new_tokens: int = 64
     num_spec_tokens: int = 4
     threads: int | None = None
+    device: str = "cpu"
 
 
 def run_demo(options: DemoOptions, progress: bool = True) -> tuple[Any, dict[str, Any]]:
@@ -81,6 +86,7 @@ def run_demo(options: DemoOptions, progress: bool = True) -> tuple[Any, dict[str
         max_model_len=DEMO_MAX_MODEL_LEN,
         max_num_seqs=max(8, options.num_requests),
         max_num_batched_tokens=1024,
+        device=options.device,
     )
     prompts = demo_prompts(options.num_requests)
     params = SamplingParams(options.max_new_tokens)
@@ -100,7 +106,8 @@ def run_demo(options: DemoOptions, progress: bool = True) -> tuple[Any, dict[str
                 requests.extend(
                     llm.add_request(p, params, i) for i, p in enumerate(prompts[1:], start=1)
                 )
-            now = sum(len(r.output) for r in requests)
+            # a request stopped at EOS leaves its remaining tokens to the bar
+            now = sum(r.params.max_new_tokens if r.done else len(r.output) for r in requests)
             advance(now - done)
             done = now
 
@@ -123,6 +130,11 @@ def _report(llm: Any, results: list[Any], peak_usage: float, wall_s: float) -> d
     vllm = next((p for p in plan.alternatives if p.layout == "vllm"), None)
     return {
         "models": {"main": str(DEMO_MAIN), "draft": str(DEMO_DRAFT)},
+        "device": str(llm.device),
+        "stop": {
+            "eos_token_ids": list(llm.eos_token_ids),
+            "num_stopped_at_eos": sum(r.finish_reason == "stop" for r in results),
+        },
         "plan": {
             "layout": plan.layout,
             "memory_bytes": plan.memory_bytes,
@@ -149,6 +161,7 @@ def _report(llm: Any, results: list[Any], peak_usage: float, wall_s: float) -> d
                 "prompt": llm.tokenizer.decode(r.prompt_token_ids),
                 "text": r.text,
                 "num_tokens": len(r.token_ids),
+                "finish_reason": r.finish_reason,
                 "prefix_hit_tokens": r.stats.prefix_hit_tokens,
                 "mean_accepted_length": r.stats.mean_accepted_length,
             }
@@ -213,8 +226,13 @@ def print_report(llm: Any, report: dict[str, Any]) -> None:
         f"{cache['lookup_tokens']} prompt tokens), state checkpoints stored "
         f"{cache['checkpoints_stored']}, used {cache['checkpoints_used']}"
     )
+    stop = report["stop"]
+    console.print(
+        f"stopping: at EOS {stop['eos_token_ids']} (as transformers) or max new tokens; "
+        f"{stop['num_stopped_at_eos']} of {len(report['outputs'])} requests stopped at EOS"
+    )
     console.print(
         f"memory: cache {format_bytes(mem['cache_bytes'])}, peak use {mem['peak_usage']:.1%} "
         f"({format_bytes(mem['peak_bytes'])}); {report['num_output_tokens']} tokens in "
-        f"{report['num_steps']} steps, {report['wall_s']:.1f} s"
+        f"{report['num_steps']} steps, {report['wall_s']:.1f} s on {report['device']}"
     )

@@ -60,3 +60,30 @@ def test_generate_errors_exit_2(tiny_qwen3):
     no_tokenizer = runner.invoke(app, ["generate", str(tiny_qwen3), "--prompt", "hi", "--json"])
     assert no_tokenizer.exit_code == 2
     assert "tokenizer" in json.loads(no_tokenizer.stdout)["error"]["message"]
+
+
+def test_generate_stop_token_ids_device_and_finish_reason(tiny_qwen3):
+    runner = CliRunner()
+    args = ["generate", str(tiny_qwen3), "--prompt-ids", "1,2,3", "--max-new-tokens", "6"]
+    full = json.loads(runner.invoke(app, [*args, "--device", "cpu", "--json"]).stdout)
+    out = full["outputs"][0]
+    assert full["device"] == "cpu" and full["eos_token_ids"] == []
+    assert out["finish_reason"] == "length" and len(out["token_ids"]) == 6
+    stop = out["token_ids"][2]
+    cut = out["token_ids"][: out["token_ids"].index(stop) + 1]
+    result = runner.invoke(app, [*args, "--stop-token-ids", str(stop), "--ignore-eos", "--json"])
+    assert result.exit_code == 0, result.output
+    stopped = json.loads(result.stdout)["outputs"][0]
+    assert stopped["token_ids"] == cut and stopped["finish_reason"] == "stop"
+    bad = runner.invoke(app, [*args, "--stop-token-ids", "x", "--json"])
+    assert bad.exit_code == 2
+    assert "--stop-token-ids" in json.loads(bad.stdout)["error"]["message"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA error")
+def test_generate_on_cuda_without_cuda_exits_2(tiny_qwen3):
+    result = CliRunner().invoke(
+        app, ["generate", str(tiny_qwen3), "--prompt-ids", "1", "--device", "cuda", "--json"]
+    )
+    assert result.exit_code == 2
+    assert "CUDA" in json.loads(result.stdout)["error"]["message"]

@@ -14,13 +14,13 @@ from hybridkv.cli import app, emit_json, run_guarded
 from hybridkv.cli_options import parse_bytes
 
 
-def parse_prompt_ids(text: str) -> list[int]:
+def parse_prompt_ids(text: str, option: str = "--prompt-ids") -> list[int]:
     """``"1,2,3"`` -> ``[1, 2, 3]``; raises ValueError naming the bad entry."""
     ids = []
     for part in text.split(","):
         part = part.strip()
         if not part.lstrip("-").isdigit():
-            raise ValueError(f"--prompt-ids {text!r}: {part!r} is not an integer token id")
+            raise ValueError(f"{option} {text!r}: {part!r} is not an integer token id")
         ids.append(int(part))
     return ids
 
@@ -54,6 +54,14 @@ def generate_command(
         int | None,
         typer.Option("--num-spec", "--num-speculative-tokens", help="K: drafts per step at most"),
     ] = None,
+    device: Annotated[str, typer.Option("--device", help="cpu, cuda or cuda:N")] = "cpu",
+    ignore_eos: Annotated[
+        bool, typer.Option("--ignore-eos", help="do not stop at the checkpoint's EOS id")
+    ] = False,
+    stop_token_ids: Annotated[
+        str | None,
+        typer.Option("--stop-token-ids", help="comma-separated ids that also stop a request"),
+    ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="machine-readable output")] = False,
 ) -> None:
     """Generate tokens with the reference engine (planned cache, real cache manager)."""
@@ -74,21 +82,35 @@ def generate_command(
             draft=None if draft is None else resolve_model(draft),
             spec_method=spec_method,
             num_spec_tokens=num_spec_tokens,
+            device=device,
         )
         prompts: list[list[int] | str] = (
             list(prompt) if prompt else [parse_prompt_ids(p) for p in prompt_ids or []]
         )
-        results = llm.generate(prompts, max_new_tokens, temperature=temperature, seed=seed)
+        stop_ids = (
+            [] if stop_token_ids is None else parse_prompt_ids(stop_token_ids, "--stop-token-ids")
+        )
+        results = llm.generate(
+            prompts,
+            max_new_tokens,
+            temperature=temperature,
+            seed=seed,
+            ignore_eos=ignore_eos,
+            stop_token_ids=stop_ids,
+        )
         if as_json:
             emit_json(
                 {
                     "model": model,
                     "layout": llm.plan.layout,
+                    "device": str(llm.device),
+                    "eos_token_ids": list(llm.eos_token_ids),
                     "outputs": [
                         {
                             "prompt_token_ids": r.prompt_token_ids,
                             "token_ids": r.token_ids,
                             "text": r.text,
+                            "finish_reason": r.finish_reason,
                             "stats": r.to_dict()["stats"],
                         }
                         for r in results
@@ -131,6 +153,7 @@ def demo_command(
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens")] = 64,
     num_spec: Annotated[int, typer.Option("--num-spec", help="K: drafts per step")] = 4,
     threads: Annotated[int | None, typer.Option("--threads", help="torch CPU threads")] = None,
+    device: Annotated[str, typer.Option("--device", help="cpu, cuda or cuda:N")] = "cpu",
     as_json: Annotated[bool, typer.Option("--json", help="machine-readable output")] = False,
 ) -> None:
     """The whole system on the built-in demo models: plan, serve a batch sharing a
@@ -139,7 +162,7 @@ def demo_command(
     def body() -> None:
         from hybridkv.demo import DemoOptions, print_report, run_demo
 
-        options = DemoOptions(num_requests, max_new_tokens, num_spec, threads)
+        options = DemoOptions(num_requests, max_new_tokens, num_spec, threads, device)
         llm, report = run_demo(options, progress=not as_json)
         if as_json:
             emit_json(report)

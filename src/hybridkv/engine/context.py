@@ -74,14 +74,21 @@ class StateSlots:
 
     @classmethod
     def from_points(
-        cls, reads: Sequence[int | None], writes: Sequence[Sequence[WritePoint]]
+        cls,
+        reads: Sequence[int | None],
+        writes: Sequence[Sequence[WritePoint]],
+        device: torch.device | str = "cpu",
     ) -> StateSlots:
         """Build from a read slot (None: start from zeros) and write points per request."""
         if len(reads) != len(writes):
             raise EngineError(f"{len(reads)} read slots but {len(writes)} write-point lists")
         return cls(
-            slot_ids=torch.tensor([0 if r is None else r for r in reads], dtype=torch.long),
-            has_initial_state=torch.tensor([r is not None for r in reads], dtype=torch.bool),
+            slot_ids=torch.tensor(
+                [0 if r is None else r for r in reads], dtype=torch.long, device=device
+            ),
+            has_initial_state=torch.tensor(
+                [r is not None for r in reads], dtype=torch.bool, device=device
+            ),
             write_points=tuple(tuple((int(k), int(s)) for k, s in w) for w in writes),
         )
 
@@ -220,8 +227,10 @@ def make_batch(
     block_tables: dict[str, BlockTable] | None = None,
     state_slots: dict[str, StateSlots] | None = None,
     logits_indices: torch.Tensor | None = None,
+    device: torch.device | str = "cpu",
 ) -> ForwardBatch:
-    """Build a batch from ``(new_token_ids, num_computed_tokens)`` per request."""
+    """Build a batch from ``(new_token_ids, num_computed_tokens)`` per request; its
+    tensors live on ``device`` (block tables and state slots are passed in built)."""
     ids: list[int] = []
     positions: list[int] = []
     starts = [0]
@@ -232,10 +241,10 @@ def make_batch(
         starts.append(len(ids))
         computed.append(num_computed)
     return ForwardBatch(
-        input_ids=torch.tensor(ids, dtype=torch.long),
-        positions=torch.tensor(positions, dtype=torch.long),
-        query_start_loc=torch.tensor(starts, dtype=torch.long),
-        num_computed_tokens=torch.tensor(computed, dtype=torch.long),
+        input_ids=torch.tensor(ids, dtype=torch.long, device=device),
+        positions=torch.tensor(positions, dtype=torch.long, device=device),
+        query_start_loc=torch.tensor(starts, dtype=torch.long, device=device),
+        num_computed_tokens=torch.tensor(computed, dtype=torch.long, device=device),
         block_tables=block_tables or {},
         state_slots=state_slots or {},
         logits_indices=logits_indices,

@@ -107,3 +107,35 @@ def cfg_require(config: dict[str, Any], name: str) -> Any:
         model_type = config.get("model_type", "?")
         raise EngineError(f"config.json (model_type {model_type}) has no {name!r}")
     return value
+
+
+GENERATION_CONFIG = "generation_config.json"
+
+
+def eos_token_ids(folder: str | Path) -> tuple[int, ...]:
+    """The end-of-sequence ids `transformers` generate stops at for this checkpoint.
+
+    As transformers loads them: ``generation_config.json`` when the folder has one (even
+    when it has no ``eos_token_id``: then nothing stops generation), else ``config.json``
+    (its ``text_config`` when the top level has none). An id or a list of ids; () for none.
+    """
+    folder = Path(folder)
+    gen_file = folder / GENERATION_CONFIG
+    if gen_file.is_file():
+        try:
+            gen = json.loads(gen_file.read_text())
+        except json.JSONDecodeError as err:
+            raise EngineError(f"{gen_file} is not valid JSON: {err}") from None
+        value = gen.get("eos_token_id") if isinstance(gen, dict) else None
+    else:
+        config = read_config(folder)
+        value = config.get("eos_token_id")
+        text_config = config.get("text_config")
+        if value is None and isinstance(text_config, dict):
+            value = text_config.get("eos_token_id")
+    if value is None:
+        return ()
+    ids = value if isinstance(value, list) else [value]
+    if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise EngineError(f"eos_token_id {value!r} of {folder} must be an id or a list of ids")
+    return tuple(ids)

@@ -113,6 +113,7 @@ class ModelRunner:
         self.manager = manager
         self.tensors = tensors
         self.caches = tensors.caches if model_name == "main" else tensors.draft_caches
+        self.device = model.device  # batches go where the weights are
         # A group may hold layers of both models ("main+draft"): same table, own pages.
         mine = [g for g in plan.groups if any(ref.model == model_name for ref in g.layers)]
         self.attention_groups = [g for g in mine if g.kind != STATE]
@@ -125,7 +126,7 @@ class ModelRunner:
             width = max(1, max(len(row) for row in rows))
             padded = [list(row) + [NULL_BLOCK] * (width - len(row)) for row in rows]
             tables[group_key(group.group_id)] = BlockTable(
-                torch.tensor(padded, dtype=torch.long), group.block_size
+                torch.tensor(padded, dtype=torch.long, device=self.device), group.block_size
             )
         slots: dict[str, StateSlots] = {}
         for group in self.state_groups:
@@ -135,7 +136,7 @@ class ModelRunner:
                 read, points = self._state_points(s, group.group_id)
                 reads.append(read)
                 writes.append(points)
-            slots[group_key(group.group_id)] = StateSlots.from_points(reads, writes)
+            slots[group_key(group.group_id)] = StateSlots.from_points(reads, writes, self.device)
         indices: list[int] = []
         end = 0
         for s in steps:
@@ -145,7 +146,8 @@ class ModelRunner:
             [(list(s.token_ids), s.num_computed) for s in steps],
             tables,
             slots,
-            torch.tensor(indices, dtype=torch.long),
+            torch.tensor(indices, dtype=torch.long, device=self.device),
+            self.device,
         )
 
     def _state_points(self, s: StepInput, group_id: int) -> tuple[int | None, list[WritePoint]]:

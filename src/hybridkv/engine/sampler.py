@@ -16,9 +16,15 @@ from hybridkv.errors import EngineError
 
 @dataclass(frozen=True)
 class SamplingParams:
+    """``max_new_tokens`` at most; generation also stops after emitting an EOS id of the
+    checkpoint (as transformers' ``generate``; ``ignore_eos=True`` turns that off) or any
+    of ``stop_token_ids`` (always). The stop token is part of the output."""
+
     max_new_tokens: int
     temperature: float = 0.0
     seed: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -35,7 +41,9 @@ def make_generator(seed: int, index: int) -> torch.Generator:
 
 
 def sample(logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> int:
-    """One token from ``logits [vocab]``: argmax at temperature 0, else softmax(l / T)."""
+    """One token from ``logits [vocab]``: argmax at temperature 0, else softmax(l / T)
+    drawn on the host (the generator is a CPU one, so a seed gives the same stream on
+    every device)."""
     if temperature == 0.0:
         return int(torch.argmax(logits))
     if generator is None:

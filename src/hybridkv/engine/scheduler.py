@@ -20,7 +20,7 @@ come from `CacheManager.lookup` in tokens; computing resumes at the hit.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -48,6 +48,8 @@ class Request:
     prefix_hit_tokens: int = 0  # summed over admissions (a resumed request looks up again)
     num_preemptions: int = 0
     num_steps: int = 0
+    stop_token_ids: frozenset[int] = frozenset()  # emitting one of these finishes it
+    finish_reason: str | None = None  # "stop" (a stop id emitted) | "length"
 
     @property
     def tokens(self) -> list[int]:
@@ -59,7 +61,32 @@ class Request:
 
     @property
     def done(self) -> bool:
-        return len(self.output) >= self.params.max_new_tokens
+        return self.finish_reason is not None
+
+    def num_to_emit(self, token_ids: Sequence[int]) -> int:
+        """How many of ``token_ids`` (the next tokens) the request emits: up to
+        ``max_new_tokens`` in all, and through the first stop id (tokens after it are
+        dropped, as generation ends there)."""
+        n = min(len(token_ids), self.params.max_new_tokens - len(self.output))
+        for i, token in enumerate(token_ids[:n]):
+            if token in self.stop_token_ids:
+                return i + 1
+        return n
+
+    def emit(self, token_ids: Sequence[int]) -> None:
+        """Append the next output tokens (already cut by `num_to_emit`) and note why
+        the request finished, if it did."""
+        if self.done or len(token_ids) != self.num_to_emit(token_ids):
+            raise EngineError(
+                f"request {self.req_id!r}: cannot emit {len(token_ids)} tokens after "
+                f"{len(self.output)} of {self.params.max_new_tokens} (finish reason "
+                f"{self.finish_reason})"
+            )
+        self.output.extend(token_ids)
+        if token_ids and token_ids[-1] in self.stop_token_ids:
+            self.finish_reason = "stop"
+        elif len(self.output) >= self.params.max_new_tokens:
+            self.finish_reason = "length"
 
 
 @dataclass(frozen=True)

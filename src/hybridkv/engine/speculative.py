@@ -148,6 +148,6 @@ class DraftModelDrafter:
         if temp <= 0:
             tokens[req_id].append(int(logits.argmax()))
             return
-        q = token_probs(logits, temp)
+        q = token_probs(logits.cpu(), temp)  # drawn with the request's CPU generator
         tokens[req_id].append(int(torch.multinomial(q, 1, generator=generators[req_id])))
         probs[req_id].append(q)

@@ -219,7 +219,7 @@ def build_cache_tensors(
     layers: Sequence[LayerDesc],
     model_dtype: torch.dtype,
     *,
-    device: str = "cpu",
+    device: str | torch.device = "cpu",
     fill: float | None = None,
     draft_layers: Sequence[LayerDesc] | None = None,
 ) -> CacheTensors:

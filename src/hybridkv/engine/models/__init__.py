@@ -35,7 +35,7 @@ def _loaders() -> dict[str, Loader]:
 
 
 def load_model(
-    folder: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu"
+    folder: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
 ) -> CausalLM:
     """Load a transformers checkpoint folder into the reference engine."""
     config = read_config(folder)

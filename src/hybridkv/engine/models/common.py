@@ -85,6 +85,10 @@ class CausalLM:
         return [block.desc for block in self.blocks if block.desc is not None]
 
     @property
+    def device(self) -> torch.device:
+        return self.embed.device
+
+    @property
     def vocab_size(self) -> int:
         return int(self.lm_head.shape[0])
 
@@ -98,7 +102,9 @@ class CausalLM:
         hidden = F.embedding(batch.input_ids, self.embed)
         if self.embed_scale is not None:
             # The scale is rounded to the model dtype before multiplying, as trained.
-            hidden = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)
+            hidden = hidden * torch.tensor(
+                self.embed_scale, dtype=hidden.dtype, device=hidden.device
+            )
         for block in self.blocks:
             cache = None
             if block.desc is not None:
@@ -172,8 +178,9 @@ class Rope:
         return torch.cat((rot * cos + rotated * sin, rest), dim=-1)
 
 
-def make_rope(params: Mapping[str, Any], head_dim: int) -> Rope:
-    """Rope from a transformers ``rope_parameters`` dict (default and linear types)."""
+def make_rope(params: Mapping[str, Any], head_dim: int, device: torch.device | str = "cpu") -> Rope:
+    """Rope from a transformers ``rope_parameters`` dict (default and linear types); the
+    frequencies are computed on the CPU (as transformers does), then moved to ``device``."""
     rope_type = params.get("rope_type", params.get("type", "default"))
     base = float(params.get("rope_theta", 10000.0))
     dim = int(head_dim * float(params.get("partial_rotary_factor", 1.0)))
@@ -183,7 +190,7 @@ def make_rope(params: Mapping[str, Any], head_dim: int) -> Rope:
         inv_freq = inv_freq / float(params["factor"])
     elif rope_type != "default":
         raise EngineError(f"rope_type {rope_type!r} is not supported (default, linear)")
-    return Rope(inv_freq=inv_freq)
+    return Rope(inv_freq=inv_freq.to(device))
 
 
 def rope_parameters(config: Mapping[str, Any], layer_type: str | None = None) -> dict[str, Any]:

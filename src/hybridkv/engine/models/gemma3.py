@@ -91,7 +91,8 @@ def load_gemma3(config: dict[str, Any], ckpt: Checkpoint) -> CausalLM:
         ]
     window = int(cfg_require(config, "sliding_window"))
     ropes = {
-        t: make_rope(gemma3_rope_parameters(config, t), shape.head_dim) for t in set(layer_types)
+        t: make_rope(gemma3_rope_parameters(config, t), shape.head_dim, ckpt.device)
+        for t in set(layer_types)
     }
     scale = inv_sqrt(float(cfg_get(config, "query_pre_attn_scalar", default=shape.head_dim)))
     act = str(cfg_get(config, "hidden_activation", "hidden_act", default="gelu_pytorch_tanh"))

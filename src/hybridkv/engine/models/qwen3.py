@@ -70,7 +70,7 @@ def load_qwen3(config: dict[str, Any], ckpt: Checkpoint) -> CausalLM:
     num_layers = int(cfg_require(config, "num_hidden_layers"))
     shape = attention_shape(config)
     layer_types = config.get("layer_types") or ["full_attention"] * num_layers
-    rope = make_rope(rope_parameters(config), shape.head_dim)
+    rope = make_rope(rope_parameters(config), shape.head_dim, ckpt.device)
 
     embed = ckpt.take("model.embed_tokens.weight", (vocab, hidden))
     blocks = []

@@ -134,7 +134,7 @@ def load_qwen3_5(config: dict[str, Any], ckpt: Checkpoint) -> CausalLM:
     if len(layer_types) < num_layers:
         raise EngineError(f"layer_types has {len(layer_types)} entries for {num_layers} layers")
     attn_shape = attention_shape(config, gated=True)
-    rope = make_rope(rope_parameters(config), attn_shape.head_dim)
+    rope = make_rope(rope_parameters(config), attn_shape.head_dim, ckpt.device)
     gdn_shape = GDNShape.from_config(config) if "linear_attention" in layer_types else None
     projector = qwen3_next_projector if next_layout else qwen3_5_projector
     act = str(cfg_get(config, "hidden_act", default="silu"))
