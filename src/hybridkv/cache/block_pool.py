@@ -17,6 +17,7 @@ Eviction is lazy: a cached free block keeps its hash until it is taken for reuse
 
 from __future__ import annotations
 
+from array import array
 from collections import Counter
 from collections.abc import Sequence
 
@@ -38,13 +39,13 @@ class BlockPool:
             raise InvariantError(f"pool {plan.pool_id} has {plan.num_pages} pages; needs >= 1")
         self.pool_id = plan.pool_id
         self.num_blocks = plan.num_pages
-        self.ref_counts = [0] * plan.num_pages
-        self.hashes: list[bytes | None] = [None] * plan.num_pages
-        self.hash_group: list[int] = [-1] * plan.num_pages
-        self.hash_end: list[int] = [0] * plan.num_pages  # tokens covered by the hash
-        self.tokens: list[tuple[int, ...] | None] | None = (
-            [None] * plan.num_pages if store_tokens else None
-        )
+        # Per-block integers live in arrays, not lists: a pool has up to millions of
+        # blocks, and the garbage collector would traverse lists of that size.
+        self.ref_counts = array("q", bytes(8 * plan.num_pages))
+        self.hashes: dict[int, bytes] = {}  # cached blocks only
+        self.hash_group = array("q", [-1]) * plan.num_pages
+        self.hash_end = array("q", bytes(8 * plan.num_pages))  # tokens covered by the hash
+        self.tokens: dict[int, tuple[int, ...]] | None = {} if store_tokens else None
         self.index: dict[int, dict[bytes, BlockId]] = {g: {} for g in plan.group_ids}
         self.free = FreeQueue(plan.num_pages, list(range(1, plan.num_pages)))
         self.events = events
@@ -73,13 +74,13 @@ class BlockPool:
             block is not None
             and self.tokens is not None
             and tokens is not None
-            and self.tokens[block] != tuple(tokens)
+            and self.tokens.get(block) != tuple(tokens)
         ):
             return None
         return block
 
     def is_cached(self, block_id: BlockId) -> bool:
-        return self.hashes[block_id] is not None
+        return block_id in self.hashes
 
     def info(self, block_id: BlockId) -> BlockInfo:
         group = self.hash_group[block_id]
@@ -87,7 +88,7 @@ class BlockPool:
             block_id=block_id,
             pool_id=self.pool_id,
             ref_count=self.ref_counts[block_id],
-            block_hash=self.hashes[block_id],
+            block_hash=self.hashes.get(block_id),
             group_id=None if group < 0 else group,
             is_free=block_id != NULL_BLOCK and self.ref_counts[block_id] == 0,
         )
@@ -113,7 +114,7 @@ class BlockPool:
         count = self.ref_counts[block_id] - 1
         self.ref_counts[block_id] = count
         if count == 0:
-            if self.hashes[block_id] is None:
+            if block_id not in self.hashes:
                 self.free.push_fresh(block_id)
             else:
                 self.free.push_cached(block_id)
@@ -131,7 +132,7 @@ class BlockPool:
         Returns False (and changes nothing) when the index already holds another block
         under this hash: the first copy wins and this one stays private.
         """
-        assert self.ref_counts[block_id] > 0 and self.hashes[block_id] is None
+        assert self.ref_counts[block_id] > 0 and block_id not in self.hashes
         index = self.index[group_id]
         if block_hash in index:
             return False
@@ -147,14 +148,12 @@ class BlockPool:
         return True
 
     def _evict(self, block_id: BlockId) -> None:
-        block_hash = self.hashes[block_id]
-        assert block_hash is not None
+        block_hash = self.hashes.pop(block_id)
         group = self.hash_group[block_id]
         del self.index[group][block_hash]
-        self.hashes[block_id] = None
         self.hash_group[block_id] = -1
         if self.tokens is not None:
-            self.tokens[block_id] = None
+            self.tokens.pop(block_id, None)
         self.num_evictions += 1
         if self.events is not None:
             self.events.append(
@@ -175,7 +174,7 @@ class BlockPool:
             fail(f"free queue has duplicates or a wrong count ({len(free)} vs {len(self.free)})")
         if NULL_BLOCK in set(free):
             fail("the null block is in the free queue")
-        if self.ref_counts[NULL_BLOCK] != 0 or self.hashes[NULL_BLOCK] is not None:
+        if self.ref_counts[NULL_BLOCK] != 0 or NULL_BLOCK in self.hashes:
             fail("the null block is referenced or cached")
         free_set = set(free)
         for block in range(1, self.num_blocks):
@@ -188,17 +187,17 @@ class BlockPool:
             if (refs == 0) != (block in free_set):
                 fail(f"block {block} with ref count {refs} is free={block in free_set}")
         for block in fresh:
-            if self.hashes[block] is not None:
+            if block in self.hashes:
                 fail(f"fresh free block {block} carries a hash")
         for block in cached:
-            if self.hashes[block] is None:
+            if block not in self.hashes:
                 fail(f"cached free block {block} carries no hash")
         num_indexed = 0
         for group, index in self.index.items():
             num_indexed += len(index)
             for block_hash, block in index.items():
-                if self.hashes[block] != block_hash or self.hash_group[block] != group:
+                if self.hashes.get(block) != block_hash or self.hash_group[block] != group:
                     fail(f"index of group {group} maps a hash to block {block} holding another")
-        num_hashed = sum(h is not None for h in self.hashes)
+        num_hashed = len(self.hashes)
         if num_hashed != num_indexed:
             fail(f"{num_hashed} blocks carry hashes but the indexes hold {num_indexed}")

@@ -108,33 +108,43 @@ class Coordinator:
         return states
 
     def try_allocate(
-        self, states: list[Any], c: int, n: int, lookahead: int, touch: bool
+        self,
+        states: list[Any],
+        c: int,
+        n: int,
+        lookahead: int,
+        touch: bool,
+        groups: Sequence[int] | None = None,
     ) -> dict[int, list[BlockId]] | None:
         """Reserve blocks for positions [0, c + n + lookahead) in every group, or change
-        nothing and return None. ``touch``: the states hold hit blocks not yet referenced."""
+        nothing and return None. ``touch``: the states hold hit blocks not yet referenced.
+        ``groups``: the only groups that can need a block (default: all), in order."""
+        managers = self.managers
+        todo = range(len(managers)) if groups is None else groups
         need = [0] * len(self.pools)
         counts = []
-        for manager, state in zip(self.managers, states, strict=True):
-            count = manager.num_new_blocks(state, c, n, lookahead)
+        for g in todo:
+            manager = managers[g]
+            count = manager.num_new_blocks(states[g], c, n, lookahead)
             counts.append(count)
             need[manager.pool.pool_id] += count
         if touch:
-            for manager, state in zip(self.managers, states, strict=True):
+            for manager, state in zip(managers, states, strict=True):
                 pool = manager.pool
                 need[pool.pool_id] += sum(pool.ref_counts[b] == 0 for b in manager.held(state))
         for pool, num_blocks in zip(self.pools, need, strict=True):
-            if num_blocks > pool.num_free:
+            if num_blocks and num_blocks > pool.num_free:
                 return None
         if touch:
-            for manager, state in zip(self.managers, states, strict=True):
+            for manager, state in zip(managers, states, strict=True):
                 for block in manager.held(state):
                     manager.pool.touch(block)
         new_blocks: dict[int, list[BlockId]] = {}
-        for manager, state, count in zip(self.managers, states, counts, strict=True):
-            new = manager.allocate(state, c, n, lookahead)
+        for g, count in zip(todo, counts, strict=True):
+            new = managers[g].allocate(states[g], c, n, lookahead, count)
             assert len(new) == count
             if new:
-                new_blocks[manager.group_id] = new
+                new_blocks[managers[g].group_id] = new
         return new_blocks
 
     def commit(
@@ -146,9 +156,13 @@ class Coordinator:
         accepted: int,
         hashes: Sequence[bytes],
         tokens: Sequence[int],
+        groups: Sequence[int] | None = None,
     ) -> None:
-        for manager, state in zip(self.managers, states, strict=True):
-            manager.commit(state, c, n, lookahead, accepted, hashes, tokens)
+        """Settle a step in every group, or in ``groups`` (in order) when the others have
+        nothing to do."""
+        managers = self.managers
+        for g in range(len(managers)) if groups is None else groups:
+            managers[g].commit(states[g], c, n, lookahead, accepted, hashes, tokens)
 
     def release_all(self, states: list[Any]) -> None:
         # Groups in reverse so that, in a shared pool, the first group's blocks are

@@ -19,6 +19,8 @@ next[3] = 9 are joined), so eviction order becomes 7, 9.
 
 from __future__ import annotations
 
+from array import array
+
 from hybridkv.ids import BlockId
 
 _NONE = -1
@@ -29,14 +31,15 @@ class FreeQueue:
 
     def __init__(self, num_blocks: int, fresh_ids: list[int]) -> None:
         self._sentinel = num_blocks
-        self._prev = [_NONE] * (num_blocks + 1)
-        self._next = [_NONE] * (num_blocks + 1)
+        # Arrays, not lists: cheap to traverse for the garbage collector at any size.
+        self._prev = array("q", [_NONE]) * (num_blocks + 1)
+        self._next = array("q", [_NONE]) * (num_blocks + 1)
         self._prev[num_blocks] = num_blocks
         self._next[num_blocks] = num_blocks
         self._num_cached = 0
         # Stack: the last element is reused first, so push in reverse to hand out
         # the lowest ids first (readable golden scenarios).
-        self._fresh: list[int] = list(reversed(fresh_ids))
+        self._fresh = array("q", reversed(fresh_ids))
 
     def __len__(self) -> int:
         return len(self._fresh) + self._num_cached

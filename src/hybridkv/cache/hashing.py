@@ -53,11 +53,14 @@ class BlockHasher:
     def extend(self, hashes: list[bytes], root: bytes, tokens: Sequence[int], upto: int) -> None:
         """Append chain hashes for every full unit of ``tokens[:upto]`` not hashed yet."""
         unit = self.unit_tokens
-        num_units = min(upto, len(tokens)) // unit
+        begin, end = len(hashes) * unit, min(upto, len(tokens)) // unit * unit
+        if begin >= end:
+            return
         parent = hashes[-1] if hashes else root
-        for i in range(len(hashes), num_units):
-            payload = array("q", tokens[i * unit : (i + 1) * unit]).tobytes()
-            parent = self._digest(parent + payload)
+        payload = array("q", tokens[begin:end]).tobytes()
+        digest, unit_bytes = self._digest, unit * 8
+        for start in range(0, len(payload), unit_bytes):
+            parent = digest(parent + payload[start : start + unit_bytes])
             hashes.append(parent)
 
 

@@ -11,63 +11,26 @@ Positions of one request, and what each call moves::
     decode step  : n = 1 (the last sampled token), L = drafts,
                    commit(a, accepted drafts + bonus token)   -> c2 = T2 - 1
 
-The fast path: each request caches four limits (see `GroupManager.fast_limits`) so that
-an allocate or commit that needs no block, no hash and no release costs a handful of
-integer comparisons; everything else goes through the coordinator.
+The fast path: each request keeps the limits of `GroupManager.fast_limits` (see
+`RequestRecord`), so that an allocate or commit that needs no block, no hash and no
+release costs a handful of integer comparisons; everything else goes through the
+coordinator, for the groups whose limits the step crosses.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
-from typing import Any
 
 from hybridkv.cache.block import BlockInfo
 from hybridkv.cache.coordinator import Coordinator
 from hybridkv.cache.events import CacheEvent, CacheStats
-from hybridkv.cache.managers import Counters, StateBlocks, StateManager, StateSlots
+from hybridkv.cache.managers import Counters, StateManager, StateSlots
 from hybridkv.cache.managers.base import INF
+from hybridkv.cache.request import RequestRecord
 from hybridkv.errors import CacheError, InvariantError
 from hybridkv.ids import BlockId
 from hybridkv.plan.types import CachePlan
-
-_NO_LIMIT = (-1, -1, -1, -1)
-
-
-class _Request:
-    __slots__ = (
-        "commit_limit",
-        "fast_spec",
-        "fast_total",
-        "fast_verified",
-        "hashes",
-        "num_computed",
-        "pend_lookahead",
-        "pend_n",
-        "pending",
-        "pending_hit",
-        "req_id",
-        "root",
-        "started",
-        "state_objs",
-        "states",
-        "tokens",
-    )
-
-    def __init__(self, req_id: str, tokens: list[int], root: bytes) -> None:
-        self.req_id = req_id
-        self.tokens = tokens
-        self.root = root
-        self.hashes: list[bytes] = []
-        self.num_computed = 0
-        self.started = False  # holds per-group states (first allocate done)
-        self.states: list[Any] = []
-        self.state_objs: list[StateBlocks] = []
-        self.pending = False
-        self.pend_n = 0
-        self.pend_lookahead = 0
-        self.pending_hit: int | None = None
-        self.fast_total, self.fast_verified, self.fast_spec, self.commit_limit = _NO_LIMIT
 
 
 class CacheManager:
@@ -98,11 +61,13 @@ class CacheManager:
             counters=self._counters,
         )
         self._managers = self.coordinator.managers
+        self._is_state_group = [isinstance(m, StateManager) for m in self._managers]
         self._state_group_ids = [m.group_id for m in self._managers if isinstance(m, StateManager)]
         self._max_accept = min(
             (self.plan.group(g).num_spec_states for g in self._state_group_ids), default=INF
         )
-        self._requests: dict[str, _Request] = {}
+        self._all_groups = range(len(self._managers))
+        self._requests: dict[str, RequestRecord] = {}
         self._num_lookups = self._num_lookup_tokens = self._num_hit_tokens = 0
         self._num_preemptions = self._num_alloc_failures = 0
 
@@ -120,7 +85,9 @@ class CacheManager:
         if len(prompt_token_ids) == 0:
             raise CacheError(f"request {req_id!r} has 0 prompt tokens; needs >= 1")
         root = self.coordinator.hasher.root(cache_salt, lora_id)
-        self._requests[req_id] = _Request(req_id, list(prompt_token_ids), root)
+        self._requests[req_id] = RequestRecord(
+            req_id, list(prompt_token_ids), root, self._max_accept
+        )
 
     def lookup(self, req_id: str) -> int:
         """Prefix hit in tokens; remembers it for the next `allocate`. No other effect."""
@@ -145,21 +112,9 @@ class CacheManager:
     ) -> dict[int, list[BlockId]] | None:
         """Reserve slots for positions [0, c + n + L); new blocks per group, or None."""
         r = self._requests.get(req_id)
-        if r is not None and not r.pending:
-            top = r.num_computed + num_new_tokens
-            if (
-                top + num_lookahead_tokens <= r.fast_total
-                and top <= r.fast_verified
-                and num_lookahead_tokens <= r.fast_spec
-                and top <= len(r.tokens)
-                and num_new_tokens >= 0
-                and num_lookahead_tokens >= 0
-            ):
-                r.pending = True
-                r.pend_n = num_new_tokens
-                r.pend_lookahead = num_lookahead_tokens
-                return {}
-        return self._allocate_slow(req_id, num_new_tokens, num_lookahead_tokens)
+        if r is not None and r.try_fast_allocate(num_new_tokens, num_lookahead_tokens):
+            return {}
+        return self._allocate_slow(r, req_id, num_new_tokens, num_lookahead_tokens)
 
     def commit(
         self, req_id: str, num_accepted_tokens: int = 0, new_token_ids: Sequence[int] = ()
@@ -167,26 +122,8 @@ class CacheManager:
         """Settle the allocated step: ``num_accepted_tokens`` drafts were accepted and
         ``new_token_ids`` (accepted drafts + sampled token) join the verified tokens."""
         r = self._requests.get(req_id)
-        if r is not None and r.pending:
-            a = num_accepted_tokens
-            c2 = r.num_computed + r.pend_n + a
-            if (
-                0 <= a <= r.pend_lookahead
-                and a <= self._max_accept
-                and c2 < r.commit_limit
-                and c2 <= len(r.tokens) + len(new_token_ids)
-            ):
-                if new_token_ids:
-                    r.tokens.extend(new_token_ids)
-                if a:
-                    for st in r.state_objs:
-                        spares = st.spares
-                        st.running, spares[a - 1] = spares[a - 1], st.running  # type: ignore[assignment]
-                        st.write = st.running
-                r.num_computed = c2
-                r.pending = False
-                return
-        self._commit_slow(req_id, num_accepted_tokens, new_token_ids)
+        if r is None or not r.try_fast_commit(num_accepted_tokens, new_token_ids):
+            self._commit_slow(r, req_id, num_accepted_tokens, new_token_ids)
 
     def allocate_batch(
         self,
@@ -195,27 +132,12 @@ class CacheManager:
         num_lookahead_tokens: Sequence[int],
     ) -> list[dict[int, list[BlockId]] | None]:
         """`allocate` for each request in order (each independently all-or-nothing)."""
+        get, slow = self._requests.get, self._allocate_slow
         out: list[dict[int, list[BlockId]] | None] = []
-        append = out.append
-        requests = self._requests
-        for req_id, n, la in zip(req_ids, num_new_tokens, num_lookahead_tokens, strict=True):
-            r = requests.get(req_id)
-            if r is not None and not r.pending:
-                top = r.num_computed + n
-                if (
-                    top + la <= r.fast_total
-                    and top <= r.fast_verified
-                    and la <= r.fast_spec
-                    and top <= len(r.tokens)
-                    and n >= 0
-                    and la >= 0
-                ):
-                    r.pending = True
-                    r.pend_n = n
-                    r.pend_lookahead = la
-                    append({})
-                    continue
-            append(self._allocate_slow(req_id, n, la))
+        for req_id, n, lookahead in zip(req_ids, num_new_tokens, num_lookahead_tokens, strict=True):
+            r = get(req_id)
+            fast = r is not None and r.try_fast_allocate(n, lookahead)
+            out.append({} if fast else slow(r, req_id, n, lookahead))
         return out
 
     def commit_batch(
@@ -225,29 +147,11 @@ class CacheManager:
         new_token_ids: Sequence[Sequence[int]],
     ) -> None:
         """`commit` for each request in order."""
-        requests = self._requests
-        max_accept = self._max_accept
-        for req_id, a, new in zip(req_ids, num_accepted_tokens, new_token_ids, strict=True):
-            r = requests.get(req_id)
-            if r is not None and r.pending:
-                c2 = r.num_computed + r.pend_n + a
-                if (
-                    0 <= a <= r.pend_lookahead
-                    and a <= max_accept
-                    and c2 < r.commit_limit
-                    and c2 <= len(r.tokens) + len(new)
-                ):
-                    if new:
-                        r.tokens.extend(new)
-                    if a:
-                        for st in r.state_objs:
-                            spares = st.spares
-                            st.running, spares[a - 1] = spares[a - 1], st.running  # type: ignore[assignment]
-                            st.write = st.running
-                    r.num_computed = c2
-                    r.pending = False
-                    continue
-            self._commit_slow(req_id, a, new)
+        get, slow = self._requests.get, self._commit_slow
+        for req_id, accepted, new in zip(req_ids, num_accepted_tokens, new_token_ids, strict=True):
+            r = get(req_id)
+            if r is None or not r.try_fast_commit(accepted, new):
+                slow(r, req_id, accepted, new)
 
     def free(self, req_id: str) -> None:
         """Release everything; cached blocks stay in the cache as evictable."""
@@ -353,7 +257,7 @@ class CacheManager:
             pool.check_invariants(expected)
 
     # ================================================================== internals
-    def _get(self, req_id: str) -> _Request:
+    def _get(self, req_id: str) -> RequestRecord:
         r = self._requests.get(req_id)
         if r is None:
             raise CacheError(f"unknown request {req_id!r} ({len(self._requests)} known)")
@@ -363,18 +267,16 @@ class CacheManager:
         if not 0 <= group_id < len(self._managers):
             raise CacheError(f"group {group_id} out of range 0..{len(self._managers) - 1}")
 
-    def _ensure_hashes(self, r: _Request, num_tokens: int) -> None:
-        if len(
-            r.hashes
-        ) * self.coordinator.hasher.unit_tokens + self.coordinator.hasher.unit_tokens <= min(
-            num_tokens, len(r.tokens)
-        ):
-            self.coordinator.hasher.extend(r.hashes, r.root, r.tokens, num_tokens)
+    def _ensure_hashes(self, r: RequestRecord, num_tokens: int) -> None:
+        hasher = self.coordinator.hasher
+        if (len(r.hashes) + 1) * hasher.unit_tokens <= min(num_tokens, len(r.tokens)):
+            hasher.extend(r.hashes, r.root, r.tokens, num_tokens)
 
     def _allocate_slow(
-        self, req_id: str, n: int, lookahead: int
+        self, r: RequestRecord | None, req_id: str, n: int, lookahead: int
     ) -> dict[int, list[BlockId]] | None:
-        r = self._get(req_id)
+        if r is None:
+            r = self._get(req_id)
         if r.pending:
             raise CacheError(
                 f"allocate of request {req_id!r}: the step allocated before ({r.pend_n} new, "
@@ -386,10 +288,10 @@ class CacheManager:
                 f"num_lookahead_tokens={lookahead} must be >= 0"
             )
         touch = not r.started
+        groups: list[int] | None = None  # all
         if touch:
             c = r.pending_hit or 0
-            hashes_needed = c if c else 0
-            self._ensure_hashes(r, hashes_needed)
+            self._ensure_hashes(r, c)
             states = self.coordinator.hit_states(r.hashes, r.tokens, c)
             if states is None:  # a hit block was evicted since lookup: look up again
                 r.pending_hit = None
@@ -397,12 +299,13 @@ class CacheManager:
                 return None
         else:
             c, states = r.num_computed, r.states
+            groups = r.groups_to_allocate(n, lookahead)
         if c + n > len(r.tokens):
             raise CacheError(
                 f"allocate of request {req_id!r}: {c} computed + {n} new tokens exceed its "
                 f"{len(r.tokens)} verified tokens; drafts go in num_lookahead_tokens"
             )
-        new_blocks = self.coordinator.try_allocate(states, c, n, lookahead, touch)
+        new_blocks = self.coordinator.try_allocate(states, c, n, lookahead, touch, groups)
         if new_blocks is None:
             self._num_alloc_failures += 1
             return None
@@ -417,11 +320,14 @@ class CacheManager:
         r.pending = True
         r.pend_n = n
         r.pend_lookahead = lookahead
-        self._refresh_limits(r)
+        r.refresh_limits(self._managers, self._all_groups if groups is None else groups)
         return new_blocks
 
-    def _commit_slow(self, req_id: str, a: int, new_token_ids: Sequence[int]) -> None:
-        r = self._get(req_id)
+    def _commit_slow(
+        self, r: RequestRecord | None, req_id: str, a: int, new_token_ids: Sequence[int]
+    ) -> None:
+        if r is None:
+            r = self._get(req_id)
         if not r.pending:
             raise CacheError(f"commit of request {req_id!r} without an allocated step")
         if not 0 <= a <= r.pend_lookahead:
@@ -444,25 +350,13 @@ class CacheManager:
         r.tokens.extend(new_token_ids)
         if self.caching:
             self._ensure_hashes(r, c2)
-        self.coordinator.commit(r.states, c, n, lookahead, a, r.hashes, r.tokens)
+        groups = r.groups_to_commit(c2, self._is_state_group)
+        self.coordinator.commit(r.states, c, n, lookahead, a, r.hashes, r.tokens, groups)
         r.num_computed = c2
         r.pending = False
-        self._refresh_limits(r)
+        r.refresh_limits(self._managers, groups)
 
-    def _refresh_limits(self, r: _Request) -> None:
-        total = verified = spec = limit = INF
-        c = r.num_computed
-        for manager, state in zip(self._managers, r.states, strict=True):
-            t, v, s, cl = manager.fast_limits(state, c)
-            total, verified, spec, limit = (
-                min(total, t),
-                min(verified, v),
-                min(spec, s),
-                min(limit, cl),
-            )
-        r.fast_total, r.fast_verified, r.fast_spec, r.commit_limit = total, verified, spec, limit
-
-    def _release(self, r: _Request) -> None:
+    def _release(self, r: RequestRecord) -> None:
         if r.started:
             self.coordinator.release_all(r.states)
         r.states = []
@@ -471,4 +365,4 @@ class CacheManager:
         r.pending = False
         r.pending_hit = None
         r.num_computed = 0
-        r.fast_total, r.fast_verified, r.fast_spec, r.commit_limit = _NO_LIMIT
+        r.clear_limits()

@@ -66,7 +66,8 @@ class GroupManager:
         self, block: BlockId, hashes: Sequence[bytes], tokens: Sequence[int], end_tokens: int
     ) -> bool:
         span = tokens[end_tokens - self.block_size : end_tokens] if self.verify_tokens else None
-        return self.pool.cache(block, self.group_id, self.key(hashes, end_tokens), end_tokens, span)
+        key = hashes[end_tokens // self.unit_tokens - 1]  # == self.key(hashes, end_tokens)
+        return self.pool.cache(block, self.group_id, key, end_tokens, span)
 
     # -- interface -----------------------------------------------------------------
     def new_state(self) -> Any:
@@ -86,8 +87,9 @@ class GroupManager:
     def num_new_blocks(self, state: Any, c: int, n: int, lookahead: int) -> int:
         raise NotImplementedError
 
-    def allocate(self, state: Any, c: int, n: int, lookahead: int) -> list[BlockId]:
-        """Take exactly ``num_new_blocks(...)`` blocks and lay out the step."""
+    def allocate(self, state: Any, c: int, n: int, lookahead: int, num_new: int) -> list[BlockId]:
+        """Take exactly ``num_new`` blocks (``== num_new_blocks(state, c, n, lookahead)``,
+        which the caller computed to check the pool) and lay out the step."""
         raise NotImplementedError
 
     def commit(

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from hybridkv.cache.block import NULL_BLOCK
 from hybridkv.cache.managers.base import INF, GroupManager
 from hybridkv.errors import InvariantError
-from hybridkv.ids import BlockId, cdiv
+from hybridkv.ids import BlockId
 
 
 @dataclass
@@ -104,10 +104,13 @@ class FullAttentionManager(GroupManager):
         return BlockTable(blocks=blocks, num_cached=k, first_live=lo)
 
     def num_new_blocks(self, state: BlockTable, c: int, n: int, lookahead: int) -> int:
-        return max(0, cdiv(c + n + lookahead, self.block_size) - len(state.blocks))
+        return max(0, -(-(c + n + lookahead) // self.block_size) - len(state.blocks))
 
-    def allocate(self, state: BlockTable, c: int, n: int, lookahead: int) -> list[BlockId]:
-        new = [self.pool.take() for _ in range(self.num_new_blocks(state, c, n, lookahead))]
+    def allocate(
+        self, state: BlockTable, c: int, n: int, lookahead: int, num_new: int
+    ) -> list[BlockId]:
+        take = self.pool.take
+        new = [take() for _ in range(num_new)]
         state.blocks.extend(new)
         return new
 
@@ -124,13 +127,14 @@ class FullAttentionManager(GroupManager):
         c2 = c + n + accepted
         B = self.block_size
         num_full = c2 // B
-        if self.caching:
-            blocks = state.blocks
-            for j in range(state.num_cached, num_full):
-                block = blocks[j]
-                if block != NULL_BLOCK and not self.pool.is_cached(block):
-                    self.try_cache(block, hashes, tokens, (j + 1) * B)
-        state.num_cached = max(state.num_cached, num_full)
+        if num_full > state.num_cached:
+            if self.caching:
+                blocks, block_hashes = state.blocks, self.pool.hashes
+                for j in range(state.num_cached, num_full):
+                    block = blocks[j]
+                    if block != NULL_BLOCK and block not in block_hashes:
+                        self.try_cache(block, hashes, tokens, (j + 1) * B)
+            state.num_cached = num_full
         # Settled: no step is in flight and no draft can be rejected any more, so the
         # blocks no later token can attend to are released now.
         first = self.first_live_block(c2)

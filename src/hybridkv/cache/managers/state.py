@@ -126,10 +126,12 @@ class StateManager(GroupManager):
         need_write, num_spec, ckpt_pos = self._layout(state, c, n, lookahead)
         return max(0, need_write + num_spec + (ckpt_pos > 0) - len(state.spares))
 
-    def allocate(self, state: StateBlocks, c: int, n: int, lookahead: int) -> list[BlockId]:
-        need_write, num_spec, ckpt_pos = self._layout(state, c, n, lookahead)
-        num_new = max(0, need_write + num_spec + (ckpt_pos > 0) - len(state.spares))
-        new = [self.pool.take() for _ in range(num_new)]
+    def allocate(
+        self, state: StateBlocks, c: int, n: int, lookahead: int, num_new: int
+    ) -> list[BlockId]:
+        need_write, _, ckpt_pos = self._layout(state, c, n, lookahead)
+        take = self.pool.take
+        new = [take() for _ in range(num_new)]
         state.spares.extend(new)
         state.write = state.spares.pop(0) if need_write else state.running
         if ckpt_pos:
@@ -149,6 +151,12 @@ class StateManager(GroupManager):
         c2 = c + n + accepted
         num_spec = min(lookahead, self.num_spec_states)
         assert accepted <= num_spec and state.write is not None
+        if self._settles_in_place(state, c, n, c2):
+            if accepted:  # the spec slot becomes running; the old running block a spare
+                slot = state.spares.pop(accepted - 1)
+                state.spares.insert(0, state.write)
+                state.running = state.write = slot
+            return
         produced: list[tuple[int, BlockId]] = [(c + n, state.write)]
         produced += [(c + n + 1 + i, state.spares[i]) for i in range(num_spec)]
         if state.ckpt_block is not None:
@@ -170,6 +178,17 @@ class StateManager(GroupManager):
         state.write = new_running if not self.pool.is_cached(new_running) else None
         state.spares = spares + state.spares[num_spec:]
         state.ckpt_pos, state.ckpt_block = 0, None
+
+    def _settles_in_place(self, state: StateBlocks, c: int, n: int, c2: int) -> bool:
+        """True when the step wrote in place and no state it produced at or before ``c2``
+        (positions c + n .. c2) sits on a checkpoint boundary: nothing is cached or
+        released, and the general path below reduces to moving one spec slot."""
+        if state.write != state.running or state.ckpt_block is not None:
+            return False
+        if not self.checkpoints:
+            return True
+        B = self.block_size
+        return c2 < (c // B + 1) * B and (n > 0 or c % B != 0)
 
     def slots(self, state: StateBlocks, c: int, n: int, lookahead: int) -> StateSlots:
         assert state.write is not None
