@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable
 
 from hybridkv.errors import PlanError
 from hybridkv.plan.capacity import build_plan
-from hybridkv.plan.grouping import LayerClass, layer_classes
+from hybridkv.plan.grouping import LayerClass, layer_classes, merge_equal_specs
 from hybridkv.plan.layouts import (
     LayoutDraft,
     shared_layout_candidates,
@@ -17,6 +18,7 @@ from hybridkv.plan.layouts import (
 from hybridkv.plan.types import LAYOUTS, SPEC_METHODS, STATE_MODES, CachePlan, PlanOptions
 from hybridkv.spec.model import ModelSpec
 
+HEAD_METHODS = ("mtp", "eagle")  # drafters whose layers ride on the main model's positions
 DEFAULT_MAX_MODEL_LEN = 32768  # when the config states no max_position_embeddings
 DEFAULT_TYPICAL_LEN = 8192
 PADDING_WARN_FRACTION = 0.02
@@ -111,6 +113,18 @@ def _finish(
     return dataclasses.replace(plan, warnings=_warnings(plan, main, draft))
 
 
+def _shared_candidates(classes: list[LayerClass], options: PlanOptions) -> list[LayoutDraft]:
+    """Shared-pool candidates; an EAGLE / MTP head shaped like the main model's layers
+    may also join their groups (one block table for both, as vLLM does), which spares
+    it a group of one layer whose slab would hold thousands of tokens."""
+    drafts = shared_layout_candidates(classes, options)
+    merged = merge_equal_specs(classes)
+    if options.spec_method in HEAD_METHODS and len(merged) < len(classes):
+        with contextlib.suppress(PlanError):  # the unmerged candidates stand on their own
+            drafts += shared_layout_candidates(merged, options)
+    return drafts
+
+
 def _plan_layout(
     name: str,
     classes: list[LayerClass],
@@ -118,14 +132,14 @@ def _plan_layout(
     main: ModelSpec,
     draft: ModelSpec | None,
     lengths: tuple[int, int, int],
-) -> CachePlan:
+) -> list[CachePlan]:
+    """Every candidate plan of layout ``name`` (shared has several page / slab sizes)."""
     builders: dict[str, Callable[[], list[LayoutDraft]]] = {
-        "shared": lambda: shared_layout_candidates(classes, options),
+        "shared": lambda: _shared_candidates(classes, options),
         "split": lambda: [split_layout(classes, options)],
         "vllm": lambda: [vllm_layout(classes, options)],
     }
-    plans = [_finish(d, options, main, draft, lengths) for d in builders[name]()]
-    return _pick(plans)
+    return [_finish(d, options, main, draft, lengths) for d in builders[name]()]
 
 
 def plan(
@@ -136,9 +150,10 @@ def plan(
 ) -> CachePlan:
     """Plan cache memory for ``main`` (and an optional ``draft``).
 
-    Options come as a `PlanOptions` or as keyword arguments of the same names. With
-    ``layout="auto"`` every layout is planned; see `_pick` for the choice. The others
-    are kept in ``alternatives``.
+    Options come as a `PlanOptions` or as keyword arguments of the same names. Every
+    candidate of the asked layout(s) is planned (``auto``: all three) and `_pick`
+    chooses among all of them; the best of each other layout is kept in
+    ``alternatives``.
     Raises `PlanError` with the numbers when no layout can serve one request.
     """
     opts = options or PlanOptions()
@@ -155,7 +170,7 @@ def plan(
     errors: list[str] = []
     for name in names:
         try:
-            plans.append(_plan_layout(name, classes, opts, main, draft, lengths))
+            plans.extend(_plan_layout(name, classes, opts, main, draft, lengths))
         except PlanError as err:
             if opts.layout != "auto":
                 raise
@@ -165,7 +180,12 @@ def plan(
     best = _pick(plans)
     if best.capacity.max_concurrency == 0:
         raise _no_room(best, main)
-    others = tuple(p for p in plans if p is not best)
+    # the best of each other layout, for comparison
+    others = tuple(
+        _pick([p for p in plans if p.layout == name])
+        for name in LAYOUT_PREFERENCE
+        if name != best.layout and any(p.layout == name for p in plans)
+    )
     reason = _reason(best, others, errors)
     return dataclasses.replace(best, alternatives=others, reason=reason)
 
