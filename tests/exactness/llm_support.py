@@ -68,7 +68,83 @@ def _nemotron_h():
 
 
 BUILDERS = {"qwen3": _qwen3, "qwen3_5": _qwen3_5, "gemma3": _gemma3, "nemotron_h": _nemotron_h}
-HYBRIDS = ("qwen3_5", "nemotron_h")
+HYBRIDS = ("qwen3_5", "nemotron_h", "granite", "falcon_h1")
+
+
+def _perturb(model, names: tuple[str, ...], scale: float = 0.5, seed: int = 5) -> None:
+    """Add noise to parameters whose name contains one of ``names`` (init leaves norms at
+    1 and sinks at 0, which would hide a wrong formula)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if any(n in name for n in names):
+                param.add_(torch.randn(param.shape, generator=gen) * scale)
+
+
+def _granite():
+    """Granite-4.0-H: Mamba2 + NoPE attention, MoE + shared expert, all multipliers."""
+    return transformers.GraniteMoeHybridForCausalLM, transformers.GraniteMoeHybridConfig(
+        **{**COMMON, "intermediate_size": 32},
+        num_hidden_layers=4,
+        layer_types=["mamba", "attention", "mamba", "attention"],
+        mamba_n_heads=8,
+        mamba_d_state=16,
+        mamba_n_groups=2,
+        mamba_chunk_size=16,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        shared_intermediate_size=48,
+        embedding_multiplier=12.0,
+        residual_multiplier=0.22,
+        attention_multiplier=0.0625,
+        logits_scaling=6.0,
+        initializer_range=0.1,
+    )
+
+
+def _falcon_h1():
+    """Falcon-H1: attention and Mamba2 in parallel, every muP multiplier off 1."""
+    return transformers.FalconH1ForCausalLM, transformers.FalconH1Config(
+        **COMMON,
+        num_hidden_layers=3,
+        mamba_d_ssm=96,
+        mamba_n_heads=8,
+        mamba_d_state=16,
+        mamba_n_groups=2,
+        mamba_chunk_size=16,
+        embedding_multiplier=2.0,
+        lm_head_multiplier=0.5,
+        key_multiplier=0.7,
+        attention_in_multiplier=1.3,
+        attention_out_multiplier=0.8,
+        ssm_in_multiplier=1.2,
+        ssm_out_multiplier=0.9,
+        ssm_multipliers=[0.8, 1.1, 1.2, 0.9, 1.05],
+        mlp_multipliers=[1.1, 0.9],
+        initializer_range=0.1,
+    )
+
+
+def _gpt_oss():
+    """gpt-oss: sliding (window 8) / full attention with sinks, YaRN rope, 4 experts."""
+    return transformers.GptOssForCausalLM, transformers.GptOssConfig(
+        **{**COMMON, "intermediate_size": 32},
+        num_hidden_layers=4,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=8,
+    )
+
+
+# Built on demand by `build_case` (not part of the shared LLM sweeps in test_llm_exact.py);
+# the third entry perturbs parameters before saving.
+MORE_BUILDERS = {
+    "granite": (_granite, ()),
+    "falcon_h1": (_falcon_h1, ()),
+    "gpt_oss": (_gpt_oss, ("sinks",)),
+}
 
 
 def shared_prefix_prompts(vocab: int = VOCAB, seed: int = 3) -> list[list[int]]:
@@ -105,7 +181,15 @@ class Case:
 
 
 def build_case(name: str, folder: Path) -> Case:
-    model_cls, config = BUILDERS[name]()
-    hf = save_tiny(model_cls, config, folder)
+    if name in MORE_BUILDERS:
+        builder, perturb = MORE_BUILDERS[name]
+        model_cls, config = builder()
+        hf = save_tiny(model_cls, config, folder)
+        if perturb:
+            _perturb(hf, perturb)
+            hf.save_pretrained(folder)
+    else:
+        model_cls, config = BUILDERS[name]()
+        hf = save_tiny(model_cls, config, folder)
     prompts = shared_prefix_prompts()
     return Case(name, folder, prompts, hf_greedy(hf, prompts, NUM_NEW))

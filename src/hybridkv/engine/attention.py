@@ -57,6 +57,7 @@ def paged_attention(
     scale: float,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Store ``k``/``v`` of the new tokens in ``cache``, then causal attention per request.
 
@@ -64,6 +65,9 @@ def paged_attention(
     ``[T, num_kv_heads, v_head_dim]``; returns ``[T, num_heads, v_head_dim]``. Query heads
     share kv heads in consecutive groups (GQA). Keys and values are read back from the
     pages, so what attention sees is exactly what later steps will see.
+
+    ``sinks`` (gpt-oss: one learned logit per query head, ``[num_heads]``) joins every
+    softmax as an extra key with no value: it takes probability mass, then is dropped.
     """
     table = batch.block_table(cache.group)
     _check_cache(cache, table)
@@ -97,7 +101,13 @@ def paged_attention(
         if sliding_window is not None:
             visible &= key_pos[None, :] > new_pos[:, None] - sliding_window
         scores = scores.masked_fill(~visible, float("-inf"))
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        if sinks is None:
+            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        else:
+            sink = sinks.to(scores.dtype).view(num_kv_heads, group_size, 1, 1)
+            with_sink = torch.cat((scores, sink.expand(-1, -1, scores.shape[2], 1)), dim=-1)
+            with_sink = with_sink - with_sink.amax(dim=-1, keepdim=True)
+            probs = torch.softmax(with_sink, dim=-1, dtype=torch.float32)[..., :-1].to(q.dtype)
         ctx = torch.matmul(probs, values.permute(1, 0, 2).unsqueeze(1))  # [Hkv, G, Q, Dv]
         out[start:end] = ctx.permute(2, 0, 1, 3).reshape(end - start, num_heads, -1)
     return out

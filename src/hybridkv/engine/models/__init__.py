@@ -20,7 +20,10 @@ Loader = Callable[[dict[str, Any], Checkpoint], CausalLM]
 
 
 def _loaders() -> dict[str, Loader]:
+    from hybridkv.engine.models.falcon_h1 import load_falcon_h1
     from hybridkv.engine.models.gemma3 import load_gemma3
+    from hybridkv.engine.models.gpt_oss import load_gpt_oss
+    from hybridkv.engine.models.granite import load_granite
     from hybridkv.engine.models.nemotron_h import load_nemotron_h
     from hybridkv.engine.models.qwen3 import load_qwen3
     from hybridkv.engine.models.qwen3_5 import load_qwen3_5
@@ -31,6 +34,9 @@ def _loaders() -> dict[str, Loader]:
         "qwen3_next": load_qwen3_5,
         "gemma3_text": load_gemma3,
         "nemotron_h": load_nemotron_h,
+        "granitemoehybrid": load_granite,
+        "falcon_h1": load_falcon_h1,
+        "gpt_oss": load_gpt_oss,
     }
 
 

@@ -3,7 +3,8 @@
 Variants are flags, not subclasses: optional per-head q/k norms (Qwen3, Gemma 3,
 Qwen3.5), an output gate packed with the query projection (Qwen3.5 / Qwen3-Next:
 ``q_proj`` yields ``[q | gate]`` per head), rope or none (NoPE layers), a sliding
-window, and the attention scale and logit softcap each config defines.
+window, the attention scale and logit softcap each config defines, learned softmax
+sinks (gpt-oss) and a key multiplier (Falcon-H1).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ class AttentionShape:
     bias: bool = False
     gated: bool = False  # q_proj also yields a sigmoid gate on the attention output
     qk_norm: bool = False
+    sinks: bool = False  # learned per-head softmax sink logits (gpt-oss), ``{prefix}.sinks``
 
 
 @dataclass
@@ -57,6 +59,8 @@ class Attention:
     scale: float
     sliding_window: int | None = None
     softcap: float | None = None
+    sinks: torch.Tensor | None = None  # [num_heads]
+    key_multiplier: float | None = None  # Falcon-H1: k_proj output scaled before rope
 
     @classmethod
     def load(
@@ -71,6 +75,7 @@ class Attention:
         scale: float,
         sliding_window: int | None = None,
         softcap: float | None = None,
+        key_multiplier: float | None = None,
     ) -> Attention:
         s = shape
         q_out = s.num_heads * s.head_dim * (2 if s.gated else 1)
@@ -107,6 +112,8 @@ class Attention:
             scale=scale,
             sliding_window=sliding_window,
             softcap=softcap,
+            sinks=ckpt.take(f"{prefix}.sinks", (s.num_heads,)) if s.sinks else None,
+            key_multiplier=key_multiplier,
         )
 
     def desc(self, index: int) -> LayerDesc:
@@ -131,6 +138,8 @@ class Attention:
             gate = gate.reshape(num_tokens, -1)
         k = F.linear(x, self.k_proj, self.k_bias).view(num_tokens, s.num_kv_heads, s.head_dim)
         v = F.linear(x, self.v_proj, self.v_bias).view(num_tokens, s.num_kv_heads, s.head_dim)
+        if self.key_multiplier is not None:
+            k = k * self.key_multiplier
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rope is not None:
@@ -145,6 +154,7 @@ class Attention:
             scale=self.scale,
             sliding_window=self.sliding_window,
             softcap=self.softcap,
+            sinks=self.sinks,
         ).reshape(num_tokens, -1)
         if gate is not None:
             out = out * torch.sigmoid(gate)

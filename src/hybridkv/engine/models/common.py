@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import torch
 import torch.nn.functional as F
@@ -56,6 +56,19 @@ class Block(Protocol):
     ) -> torch.Tensor: ...
 
 
+class MultiCacheBlock(Protocol):
+    """A decoder layer with several cached mixers (Falcon-H1: attention and Mamba2 side
+    by side). ``descs`` are its cache-holding parts in plan order; it gets their caches
+    in the same order. `CausalLM` tells the two kinds apart by the ``descs`` attribute."""
+
+    @property
+    def descs(self) -> tuple[LayerDesc, ...]: ...
+
+    def __call__(
+        self, hidden: torch.Tensor, batch: ForwardBatch, caches: Sequence[LayerCache]
+    ) -> torch.Tensor: ...
+
+
 class CausalLM:
     """Embedding, a stack of blocks, final norm and LM head; logits at chosen tokens."""
 
@@ -64,11 +77,15 @@ class CausalLM:
         config: dict[str, Any],
         dtype: torch.dtype,
         embed: torch.Tensor,
-        blocks: Sequence[Block],
+        blocks: Sequence[Block | MultiCacheBlock],
         final_norm: Callable[[torch.Tensor], torch.Tensor],
         lm_head: torch.Tensor,
         embed_scale: float | None = None,
         final_softcap: float | None = None,
+        *,
+        embed_multiplier: float | None = None,
+        logits_multiplier: float | None = None,
+        logits_divisor: float | None = None,
     ):
         self.config = config
         self.dtype = dtype
@@ -78,11 +95,24 @@ class CausalLM:
         self.lm_head = lm_head
         self.embed_scale = embed_scale
         self.final_softcap = final_softcap
+        # Granite / Falcon-H1 multipliers, applied as a Python float (not rounded first).
+        self.embed_multiplier = embed_multiplier
+        self.logits_multiplier = logits_multiplier
+        self.logits_divisor = logits_divisor
 
     @property
     def layers(self) -> list[LayerDesc]:
-        """The layers that hold a cache, by transformers layer index."""
-        return [block.desc for block in self.blocks if block.desc is not None]
+        """The layers that hold a cache, in plan order: by transformers layer index, and
+        for a multi-cache block each of its parts (their ``index`` is then the cache key,
+        not the decoder-layer index)."""
+        out: list[LayerDesc] = []
+        for block in self.blocks:
+            descs = getattr(block, "descs", None)
+            if descs is not None:
+                out.extend(descs)
+            elif cast(Block, block).desc is not None:
+                out.append(cast(LayerDesc, cast(Block, block).desc))
+        return out
 
     @property
     def device(self) -> torch.device:
@@ -105,7 +135,15 @@ class CausalLM:
             hidden = hidden * torch.tensor(
                 self.embed_scale, dtype=hidden.dtype, device=hidden.device
             )
+        if self.embed_multiplier is not None:
+            hidden = hidden * self.embed_multiplier
         for block in self.blocks:
+            descs = getattr(block, "descs", None)
+            if descs is not None:
+                multi = cast(MultiCacheBlock, block)
+                hidden = multi(hidden, batch, [self._cache(caches, d) for d in descs])
+                continue
+            block = cast(Block, block)
             cache = None
             if block.desc is not None:
                 cache = caches.get(block.desc.index)
@@ -113,10 +151,22 @@ class CausalLM:
                     raise EngineError(f"no cache given for layer {block.desc.index}")
             hidden = block(hidden, batch, cache)
         hidden = self.final_norm(hidden[batch.selected_indices()])
-        logits = F.linear(hidden, self.lm_head).float()
+        logits = F.linear(hidden, self.lm_head)
+        if self.logits_multiplier is not None:
+            logits = logits * self.logits_multiplier
+        if self.logits_divisor is not None:
+            logits = logits / self.logits_divisor
+        logits = logits.float()
         if self.final_softcap is not None:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return logits
+
+    @staticmethod
+    def _cache(caches: Mapping[int, LayerCache], desc: LayerDesc) -> LayerCache:
+        cache = caches.get(desc.index)
+        if cache is None:
+            raise EngineError(f"no cache given for layer {desc.index}")
+        return cache
 
 
 # ----------------------------------------------------------------------------- norms
@@ -186,11 +236,56 @@ def make_rope(params: Mapping[str, Any], head_dim: int, device: torch.device | s
     dim = int(head_dim * float(params.get("partial_rotary_factor", 1.0)))
     exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
     inv_freq = 1.0 / (base**exponents)
+    scaling = 1.0
     if rope_type == "linear":
         inv_freq = inv_freq / float(params["factor"])
+    elif rope_type == "yarn":
+        inv_freq, scaling = _yarn(params, base, dim, exponents)
     elif rope_type != "default":
-        raise EngineError(f"rope_type {rope_type!r} is not supported (default, linear)")
-    return Rope(inv_freq=inv_freq.to(device))
+        raise EngineError(f"rope_type {rope_type!r} is not supported (default, linear, yarn)")
+    return Rope(inv_freq=inv_freq.to(device), attention_scaling=scaling)
+
+
+def _yarn(
+    params: Mapping[str, Any], base: float, dim: int, exponents: torch.Tensor
+) -> tuple[torch.Tensor, float]:
+    """YaRN (arXiv 2309.00071): per frequency, blend the original (extrapolated) and the
+    ``factor``-interpolated frequency with a linear ramp between the dimensions that
+    make ``beta_fast`` and ``beta_slow`` rotations over the original context; cos/sin
+    are scaled by ``0.1 ln(factor) + 1`` (or the ``mscale`` ratio / ``attention_factor``)."""
+    original = params.get("original_max_position_embeddings")
+    if original is None:
+        raise EngineError("yarn rope needs original_max_position_embeddings")
+    factor = params.get("factor")
+    if factor is None:
+        raise EngineError("yarn rope needs a factor")
+    factor, original = float(factor), float(original)
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    scaling = params.get("attention_factor")
+    if scaling is None:
+        m, m_all = params.get("mscale"), params.get("mscale_all_dim")
+        scaling = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+    beta_fast = float(params.get("beta_fast") or 32)
+    beta_slow = float(params.get("beta_slow") or 1)
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if params.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # weight of the original frequency
+    pos_freqs = base**exponents
+    extrapolated = 1.0 / pos_freqs
+    interpolated = 1.0 / (factor * pos_freqs)
+    return interpolated * (1 - keep) + extrapolated * keep, float(scaling)
 
 
 def rope_parameters(config: Mapping[str, Any], layer_type: str | None = None) -> dict[str, Any]:

@@ -9,10 +9,22 @@
 transformers clamps ``dt`` at ``time_step_min`` in its multi-token scan but not in its
 one-token decode; we clamp always so the result cannot depend on how a prompt is
 chunked. The two agree whenever ``softplus(dt + dt_bias) >= time_step_min``.
+Granite-4.0-H and Falcon-H1 clamp to ``time_step_limit = (min, max)`` the same way.
+
+Variants (keyword arguments of `Mamba2.load`): the config key names (`Mamba2Shape`
+constructors), a separate out_proj bias flag (Falcon-H1's ``projectors_bias``), an
+input multiplier and a per-channel multiplier on ``in_proj``'s output (Falcon-H1's
+``ssm_in_multiplier`` and muP vector), and the output norm:
+
+    "gated_rms"   RMSNorm per group of silu(z) * y, weight cast last (Nemotron-H, Granite)
+    "gate_norm"   the same, weight multiplied in float32 (Falcon-H1, norm_before_gate off)
+    "norm_gate"   RMSNorm per group of y, weight, then * silu(z) (Falcon-H1 default norm)
+    "gate"        y * silu(z), no norm and no weight (Falcon-H1 without mamba_rms_norm)
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,6 +54,35 @@ class Mamba2Shape:
     conv_kernel: int
     use_conv_bias: bool
     use_bias: bool
+    use_out_bias: bool | None = None  # None: same as use_bias
+
+    @property
+    def out_bias(self) -> bool:
+        return self.use_bias if self.use_out_bias is None else self.use_out_bias
+
+    @classmethod
+    def from_mamba_config(cls, config: dict[str, Any], intermediate: int) -> Mamba2Shape:
+        """Granite-4.0-H / Falcon-H1 names (``mamba_n_heads``, ``mamba_d_head`` ("auto":
+        ``intermediate // heads``), ``mamba_d_state``, ...)."""
+        heads = int(cfg_require(config, "mamba_n_heads"))
+        head_dim = cfg_get(config, "mamba_d_head", default="auto")
+        head_dim = intermediate // heads if head_dim == "auto" else int(head_dim)
+        shape = cls(
+            hidden_size=int(cfg_require(config, "hidden_size")),
+            num_heads=heads,
+            head_dim=head_dim,
+            state_size=int(cfg_require(config, "mamba_d_state")),
+            n_groups=int(cfg_get(config, "mamba_n_groups", default=1)),
+            conv_kernel=int(cfg_get(config, "mamba_d_conv", default=4)),
+            use_conv_bias=bool(cfg_get(config, "mamba_conv_bias", default=True)),
+            use_bias=bool(cfg_get(config, "mamba_proj_bias", default=False)),
+        )
+        if shape.inner != intermediate or heads % shape.n_groups:
+            raise EngineError(
+                f"mamba_n_heads {heads} x mamba_d_head {head_dim} != intermediate "
+                f"{intermediate}, or heads not a multiple of mamba_n_groups {shape.n_groups}"
+            )
+        return shape
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> Mamba2Shape:
@@ -86,12 +127,36 @@ class Mamba2:
     eps: float
     dt_min: float
     ssm_dtype: torch.dtype | None
+    dt_max: float = math.inf
+    norm: str = "gated_rms"
+    in_multiplier: float | None = None
+    proj_multiplier: torch.Tensor | None = None  # [inner + conv_dim + heads]
 
     @classmethod
-    def load(cls, ckpt: Checkpoint, prefix: str, config: dict[str, Any]) -> Mamba2:
-        s = Mamba2Shape.from_config(config)
+    def load(
+        cls,
+        ckpt: Checkpoint,
+        prefix: str,
+        config: dict[str, Any],
+        *,
+        shape: Mamba2Shape | None = None,
+        eps: float | None = None,
+        dt_limit: tuple[float, float] | None = None,
+        norm: str = "gated_rms",
+        in_multiplier: float | None = None,
+        proj_multiplier: torch.Tensor | None = None,
+    ) -> Mamba2:
+        s = Mamba2Shape.from_config(config) if shape is None else shape
         proj_size = s.inner + s.conv_dim + s.num_heads
         ssm_dtype = config.get("mamba_ssm_cache_dtype")
+        if norm not in NORMS:
+            raise EngineError(f"Mamba2 norm {norm!r} is not one of {NORMS}")
+        if eps is None:
+            eps = float(cfg_get(config, "layer_norm_epsilon", "rms_norm_eps", default=1e-5))
+        if dt_limit is None:
+            dt_limit = (float(cfg_get(config, "time_step_min", default=0.0)), math.inf)
+        if proj_multiplier is not None and tuple(proj_multiplier.shape) != (proj_size,):
+            raise EngineError(f"{prefix}: in_proj multiplier has {proj_multiplier.shape}")
         return cls(
             shape=s,
             in_proj=ckpt.take(f"{prefix}.in_proj.weight", (proj_size, s.hidden_size)),
@@ -103,12 +168,20 @@ class Mamba2:
             dt_bias=ckpt.take(f"{prefix}.dt_bias", (s.num_heads,)),
             A_log=ckpt.take(f"{prefix}.A_log", (s.num_heads,)),
             D=ckpt.take(f"{prefix}.D", (s.num_heads,)),
-            norm_weight=ckpt.take(f"{prefix}.norm.weight", (s.inner,)),
+            norm_weight=(
+                ckpt.take(f"{prefix}.norm.weight", (s.inner,))
+                if norm != "gate"
+                else torch.empty(0, dtype=ckpt.dtype, device=ckpt.device)
+            ),
             out_proj=ckpt.take(f"{prefix}.out_proj.weight", (s.hidden_size, s.inner)),
-            out_bias=ckpt.take(f"{prefix}.out_proj.bias", (s.hidden_size,)) if s.use_bias else None,
-            eps=float(cfg_get(config, "layer_norm_epsilon", "rms_norm_eps", default=1e-5)),
-            dt_min=float(cfg_get(config, "time_step_min", default=0.0)),
+            out_bias=ckpt.take(f"{prefix}.out_proj.bias", (s.hidden_size,)) if s.out_bias else None,
+            eps=eps,
+            dt_min=dt_limit[0],
             ssm_dtype=getattr(torch, ssm_dtype) if isinstance(ssm_dtype, str) else None,
+            dt_max=dt_limit[1],
+            norm=norm,
+            in_multiplier=in_multiplier,
+            proj_multiplier=proj_multiplier,
         )
 
     def desc(self, index: int) -> LayerDesc:
@@ -128,10 +201,17 @@ class Mamba2:
         if not isinstance(cache, StateCache):
             raise EngineError(f"Mamba2 layer got a {type(cache).__name__}, not StateCache")
         s = self.shape
-        z, xbc, dt = torch.split(
-            F.linear(x, self.in_proj, self.in_bias), [s.inner, s.conv_dim, s.num_heads], dim=-1
-        )
-        dt = F.softplus(dt + self.dt_bias).clamp(min=self.dt_min)
+        if self.in_multiplier is not None:
+            x = x * self.in_multiplier
+        projected = F.linear(x, self.in_proj, self.in_bias)
+        if self.proj_multiplier is not None:
+            projected = projected * self.proj_multiplier
+        z, xbc, dt = torch.split(projected, [s.inner, s.conv_dim, s.num_heads], dim=-1)
+        dt = F.softplus(dt + self.dt_bias)
+        if math.isfinite(self.dt_max):
+            dt = dt.clamp(min=self.dt_min, max=self.dt_max)
+        else:
+            dt = dt.clamp(min=self.dt_min)
         A = -torch.exp(self.A_log.float())
         heads_per_group = s.num_heads // s.n_groups
         y = x.new_empty(x.shape[0], s.inner)
@@ -166,9 +246,36 @@ class Mamba2:
         return F.linear(self._gated_norm(y, z), self.out_proj, self.out_bias)
 
     def _gated_norm(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        """Gate first, then RMSNorm within each of ``n_groups`` channel groups."""
+        """Gate and RMSNorm within each of ``n_groups`` channel groups (see ``norm``)."""
+        if self.norm == "gate":
+            return y * F.silu(z)
+        if self.norm == "norm_gate":
+            normed = self._group_rms(y.float()) * self.norm_weight.float()
+            return (normed * F.silu(z.float())).to(y.dtype)
+        normed = self._group_rms(y.float() * F.silu(z.float()))
+        if self.norm == "gate_norm":
+            return (self.norm_weight.float() * normed).to(y.dtype)
+        return self.norm_weight * normed.to(y.dtype)
+
+    def _group_rms(self, x: torch.Tensor) -> torch.Tensor:
         s = self.shape
-        gated = y.float() * F.silu(z.float())
-        grouped = gated.view(-1, s.n_groups, s.inner // s.n_groups)
+        grouped = x.view(-1, s.n_groups, s.inner // s.n_groups)
         grouped = grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.norm_weight * grouped.view(-1, s.inner).to(y.dtype)
+        return grouped.view(-1, s.inner)
+
+
+NORMS = ("gated_rms", "gate_norm", "norm_gate", "gate")
+
+
+def time_step_limit(config: dict[str, Any]) -> tuple[float, float]:
+    """``time_step_limit`` of a Granite / Falcon-H1 config (JSON writes infinity as
+    ``{"__float__": "Infinity"}``); default ``(0, inf)``."""
+    raw = config.get("time_step_limit")
+    if raw is None:
+        return (0.0, math.inf)
+
+    def num(v: Any) -> float:
+        return float(v["__float__"]) if isinstance(v, dict) else float(v)
+
+    low, high = raw
+    return (num(low), num(high))
