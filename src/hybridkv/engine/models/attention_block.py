@@ -11,20 +11,22 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from hybridkv.engine.attention import paged_attention
 from hybridkv.engine.context import ForwardBatch, KVCache, LayerCache
-from hybridkv.engine.loader import Checkpoint
+from hybridkv.engine.loader import Checkpoint, cfg_get, cfg_require
 from hybridkv.engine.models.common import (
     FULL_ATTENTION,
     SLIDING_ATTENTION,
     LayerDesc,
     NormFn,
-    Rope,
+    inv_sqrt,
 )
+from hybridkv.engine.models.rope import Rope
 from hybridkv.errors import EngineError
 
 
@@ -38,6 +40,31 @@ class AttentionShape:
     gated: bool = False  # q_proj also yields a sigmoid gate on the attention output
     qk_norm: bool = False
     sinks: bool = False  # learned per-head softmax sink logits (gpt-oss), ``{prefix}.sinks``
+
+    @classmethod
+    def from_config(
+        cls,
+        config: dict[str, Any],
+        *,
+        bias_default: bool = False,
+        gated: bool = False,
+        qk_norm: bool = False,
+        sinks: bool = False,
+    ) -> AttentionShape:
+        """From the Llama-style keys every architecture here uses; only the default of
+        ``attention_bias`` (gpt-oss: on) and the variant flags differ."""
+        hidden = int(cfg_require(config, "hidden_size"))
+        num_heads = int(cfg_require(config, "num_attention_heads"))
+        return cls(
+            hidden_size=hidden,
+            num_heads=num_heads,
+            num_kv_heads=int(cfg_get(config, "num_key_value_heads", default=num_heads)),
+            head_dim=int(cfg_get(config, "head_dim", default=hidden // num_heads)),
+            bias=bool(config.get("attention_bias", bias_default)),
+            gated=gated,
+            qk_norm=qk_norm,
+            sinks=sinks,
+        )
 
 
 @dataclass
@@ -72,11 +99,12 @@ class Attention:
         norm: NormFn,
         eps: float,
         rope: Rope | None,
-        scale: float,
+        scale: float | None = None,
         sliding_window: int | None = None,
         softcap: float | None = None,
         key_multiplier: float | None = None,
     ) -> Attention:
+        """``scale`` None: ``head_dim ** -0.5``."""
         s = shape
         q_out = s.num_heads * s.head_dim * (2 if s.gated else 1)
         kv_out = s.num_kv_heads * s.head_dim
@@ -109,7 +137,7 @@ class Attention:
             q_norm=head_norm("q_norm"),
             k_norm=head_norm("k_norm"),
             rope=rope,
-            scale=scale,
+            scale=inv_sqrt(s.head_dim) if scale is None else scale,
             sliding_window=sliding_window,
             softcap=softcap,
             sinks=ckpt.take(f"{prefix}.sinks", (s.num_heads,)) if s.sinks else None,

@@ -29,22 +29,12 @@ import torch.nn.functional as F
 
 from hybridkv.engine.context import ForwardBatch, LayerCache
 from hybridkv.engine.loader import Checkpoint, cfg_get, cfg_require
+from hybridkv.engine.models.assembly import ModelDims, Norm, causal_lm, norm_loader
 from hybridkv.engine.models.attention_block import Attention, AttentionShape
-from hybridkv.engine.models.common import (
-    CausalLM,
-    LayerDesc,
-    activation,
-    bind_norm,
-    inv_sqrt,
-    load_lm_head,
-    make_rope,
-    rms_norm,
-    rope_parameters,
-)
+from hybridkv.engine.models.common import CausalLM, LayerDesc, activation, rms_norm
 from hybridkv.engine.models.mamba2 import Mamba2, Mamba2Shape, time_step_limit
+from hybridkv.engine.models.rope import make_rope, rope_parameters
 from hybridkv.errors import EngineError
-
-Norm = Callable[[torch.Tensor], torch.Tensor]
 
 
 @dataclass
@@ -58,6 +48,27 @@ class FalconMlp:
     gate_multiplier: float
     down_multiplier: float
     act: Callable[[torch.Tensor], torch.Tensor]
+
+    @classmethod
+    def load(cls, ckpt: Checkpoint, prefix: str, config: dict[str, Any], hidden: int) -> FalconMlp:
+        inter = int(cfg_require(config, "intermediate_size"))
+        use_bias = bool(config.get("mlp_bias", False))
+        gate_mult, down_mult = (float(m) for m in (config.get("mlp_multipliers") or [1.0, 1.0]))
+
+        def bias(name: str, size: int) -> torch.Tensor | None:
+            return ckpt.take(f"{prefix}.{name}.bias", (size,)) if use_bias else None
+
+        return cls(
+            gate=ckpt.take(f"{prefix}.gate_proj.weight", (inter, hidden)),
+            up=ckpt.take(f"{prefix}.up_proj.weight", (inter, hidden)),
+            down=ckpt.take(f"{prefix}.down_proj.weight", (hidden, inter)),
+            gate_bias=bias("gate_proj", inter),
+            up_bias=bias("up_proj", inter),
+            down_bias=bias("down_proj", hidden),
+            gate_multiplier=gate_mult,
+            down_multiplier=down_mult,
+            act=activation(str(cfg_get(config, "hidden_act", default="silu"))),
+        )
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         gate = self.act(F.linear(x, self.gate, self.gate_bias) * self.gate_multiplier)
@@ -107,50 +118,32 @@ def mamba_norm(config: dict[str, Any]) -> str:
 
 
 def load_falcon_h1(config: dict[str, Any], ckpt: Checkpoint) -> CausalLM:
-    hidden = int(cfg_require(config, "hidden_size"))
-    vocab = int(cfg_require(config, "vocab_size"))
-    eps = float(cfg_get(config, "rms_norm_eps", default=1e-5))
-    num_layers = int(cfg_require(config, "num_hidden_layers"))
-    num_heads = int(cfg_require(config, "num_attention_heads"))
-    attn_shape = AttentionShape(
-        hidden_size=hidden,
-        num_heads=num_heads,
-        num_kv_heads=int(cfg_get(config, "num_key_value_heads", default=num_heads)),
-        head_dim=int(cfg_get(config, "head_dim", default=hidden // num_heads)),
-        bias=bool(config.get("attention_bias", False)),
-    )
+    dims = ModelDims.from_config(config, eps_default=1e-5)
+    attn_shape = AttentionShape.from_config(config)
     rope = make_rope(rope_parameters(config), attn_shape.head_dim, ckpt.device)
     d_ssm = config.get("mamba_d_ssm")
     intermediate = (
-        int(cfg_get(config, "mamba_expand", default=2)) * hidden if d_ssm is None else int(d_ssm)
+        int(cfg_get(config, "mamba_expand", default=2)) * dims.hidden
+        if d_ssm is None
+        else int(d_ssm)
     )
     mamba_shape = dataclasses.replace(
         Mamba2Shape.from_mamba_config(config, intermediate),
         use_out_bias=bool(config.get("projectors_bias", False)),
     )
     mup = mup_vector(config, mamba_shape).to(device=ckpt.device, dtype=ckpt.dtype)
-    inter = int(cfg_require(config, "intermediate_size"))
-    mlp_bias = bool(config.get("mlp_bias", False))
-    gate_mult, down_mult = (float(m) for m in (config.get("mlp_multipliers") or [1.0, 1.0]))
-    act = activation(str(cfg_get(config, "hidden_act", default="silu")))
-
-    def norm(name: str) -> Norm:
-        return bind_norm(rms_norm, ckpt.take(name, (hidden,)), eps)
-
-    def bias(name: str, size: int) -> torch.Tensor | None:
-        return ckpt.take(name, (size,)) if mlp_bias else None
+    norm = norm_loader(ckpt, rms_norm, dims)
 
     blocks = []
-    for i in range(num_layers):
+    for i in range(dims.num_layers):
         prefix = f"model.layers.{i}"
         attn = Attention.load(
             ckpt,
             f"{prefix}.self_attn",
             attn_shape,
             norm=rms_norm,
-            eps=eps,
+            eps=dims.eps,
             rope=rope,
-            scale=inv_sqrt(attn_shape.head_dim),
             key_multiplier=float(cfg_get(config, "key_multiplier", default=1.0)),
         )
         mamba = Mamba2.load(
@@ -158,13 +151,12 @@ def load_falcon_h1(config: dict[str, Any], ckpt: Checkpoint) -> CausalLM:
             f"{prefix}.mamba",
             config,
             shape=mamba_shape,
-            eps=eps,
+            eps=dims.eps,
             dt_limit=time_step_limit(config),
             norm=mamba_norm(config),
             in_multiplier=float(cfg_get(config, "ssm_in_multiplier", default=1.0)),
             proj_multiplier=mup,
         )
-        ff = f"{prefix}.feed_forward"
         blocks.append(
             FalconH1Layer(
                 descs=(attn.desc(2 * i), mamba.desc(2 * i + 1)),
@@ -172,30 +164,18 @@ def load_falcon_h1(config: dict[str, Any], ckpt: Checkpoint) -> CausalLM:
                 attn=attn,
                 mamba=mamba,
                 pre_ff_norm=norm(f"{prefix}.pre_ff_layernorm.weight"),
-                mlp=FalconMlp(
-                    gate=ckpt.take(f"{ff}.gate_proj.weight", (inter, hidden)),
-                    up=ckpt.take(f"{ff}.up_proj.weight", (inter, hidden)),
-                    down=ckpt.take(f"{ff}.down_proj.weight", (hidden, inter)),
-                    gate_bias=bias(f"{ff}.gate_proj.bias", inter),
-                    up_bias=bias(f"{ff}.up_proj.bias", inter),
-                    down_bias=bias(f"{ff}.down_proj.bias", hidden),
-                    gate_multiplier=gate_mult,
-                    down_multiplier=down_mult,
-                    act=act,
-                ),
+                mlp=FalconMlp.load(ckpt, f"{prefix}.feed_forward", config, dims.hidden),
                 attn_in=float(cfg_get(config, "attention_in_multiplier", default=1.0)),
                 attn_out=float(cfg_get(config, "attention_out_multiplier", default=1.0)),
                 ssm_out=float(cfg_get(config, "ssm_out_multiplier", default=1.0)),
             )
         )
-    embed = ckpt.take("model.embed_tokens.weight", (vocab, hidden))
-    return CausalLM(
+    return causal_lm(
         config,
-        ckpt.dtype,
-        embed,
+        ckpt,
+        dims,
         blocks,
         norm("model.final_layernorm.weight"),
-        load_lm_head(ckpt, config, embed),
         embed_multiplier=float(cfg_get(config, "embedding_multiplier", default=1.0)),
         logits_multiplier=float(cfg_get(config, "lm_head_multiplier", default=1.0)),
     )

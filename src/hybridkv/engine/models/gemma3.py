@@ -9,7 +9,6 @@ separate rope parameters for sliding and global layers.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,20 +16,11 @@ import torch
 
 from hybridkv.engine.context import ForwardBatch, LayerCache
 from hybridkv.engine.loader import Checkpoint, cfg_get, cfg_require
+from hybridkv.engine.models.assembly import ModelDims, Norm, causal_lm, norm_loader
 from hybridkv.engine.models.attention_block import Attention, AttentionShape
-from hybridkv.engine.models.common import (
-    CausalLM,
-    GatedMLP,
-    LayerDesc,
-    bind_norm,
-    inv_sqrt,
-    load_lm_head,
-    make_rope,
-    rms_norm_offset,
-)
+from hybridkv.engine.models.common import CausalLM, GatedMLP, LayerDesc, inv_sqrt, rms_norm_offset
+from hybridkv.engine.models.rope import make_rope
 from hybridkv.errors import EngineError
-
-Norm = Callable[[torch.Tensor], torch.Tensor]
 
 
 @dataclass
@@ -67,19 +57,8 @@ def gemma3_rope_parameters(config: dict[str, Any], layer_type: str) -> dict[str,
 
 
 def load_gemma3(config: dict[str, Any], ckpt: Checkpoint) -> CausalLM:
-    hidden = int(cfg_require(config, "hidden_size"))
-    vocab = int(cfg_require(config, "vocab_size"))
-    eps = float(cfg_get(config, "rms_norm_eps", default=1e-6))
-    num_layers = int(cfg_require(config, "num_hidden_layers"))
-    num_heads = int(cfg_require(config, "num_attention_heads"))
-    shape = AttentionShape(
-        hidden_size=hidden,
-        num_heads=num_heads,
-        num_kv_heads=int(cfg_get(config, "num_key_value_heads", default=num_heads)),
-        head_dim=int(cfg_get(config, "head_dim", default=hidden // num_heads)),
-        bias=bool(config.get("attention_bias", False)),
-        qk_norm=True,
-    )
+    dims = ModelDims.from_config(config, eps_default=1e-6)
+    shape = AttentionShape.from_config(config, qk_norm=True)
     layer_types = config.get("layer_types")
     if not layer_types:
         pattern = int(
@@ -87,7 +66,7 @@ def load_gemma3(config: dict[str, Any], ckpt: Checkpoint) -> CausalLM:
         )
         layer_types = [
             "full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
-            for i in range(num_layers)
+            for i in range(dims.num_layers)
         ]
     window = int(cfg_require(config, "sliding_window"))
     ropes = {
@@ -96,12 +75,10 @@ def load_gemma3(config: dict[str, Any], ckpt: Checkpoint) -> CausalLM:
     }
     scale = inv_sqrt(float(cfg_get(config, "query_pre_attn_scalar", default=shape.head_dim)))
     act = str(cfg_get(config, "hidden_activation", "hidden_act", default="gelu_pytorch_tanh"))
-
-    def norm(name: str) -> Norm:
-        return bind_norm(rms_norm_offset, ckpt.take(name, (hidden,)), eps)
+    norm = norm_loader(ckpt, rms_norm_offset, dims)
 
     blocks = []
-    for i in range(num_layers):
+    for i in range(dims.num_layers):
         prefix = f"model.layers.{i}"
         if layer_types[i] not in ("sliding_attention", "full_attention"):
             raise EngineError(f"layer {i}: layer type {layer_types[i]!r} is not supported")
@@ -110,12 +87,13 @@ def load_gemma3(config: dict[str, Any], ckpt: Checkpoint) -> CausalLM:
             f"{prefix}.self_attn",
             shape,
             norm=rms_norm_offset,
-            eps=eps,
+            eps=dims.eps,
             rope=ropes[layer_types[i]],
             scale=scale,
             sliding_window=window if layer_types[i] == "sliding_attention" else None,
             softcap=config.get("attn_logit_softcapping"),
         )
+        inter = int(cfg_require(config, "intermediate_size"))
         blocks.append(
             Gemma3Layer(
                 desc=attn.desc(i),
@@ -123,24 +101,16 @@ def load_gemma3(config: dict[str, Any], ckpt: Checkpoint) -> CausalLM:
                 attn=attn,
                 post_attn_norm=norm(f"{prefix}.post_attention_layernorm.weight"),
                 pre_ff_norm=norm(f"{prefix}.pre_feedforward_layernorm.weight"),
-                mlp=GatedMLP.load(
-                    ckpt,
-                    f"{prefix}.mlp",
-                    hidden,
-                    int(cfg_require(config, "intermediate_size")),
-                    act,
-                ),
+                mlp=GatedMLP.load(ckpt, f"{prefix}.mlp", dims.hidden, inter, act),
                 post_ff_norm=norm(f"{prefix}.post_feedforward_layernorm.weight"),
             )
         )
-    embed = ckpt.take("model.embed_tokens.weight", (vocab, hidden))
-    return CausalLM(
+    return causal_lm(
         config,
-        ckpt.dtype,
-        embed,
+        ckpt,
+        dims,
         blocks,
         norm("model.norm.weight"),
-        load_lm_head(ckpt, config, embed),
-        embed_scale=hidden**0.5,
+        embed_scale=dims.hidden**0.5,
         final_softcap=config.get("final_logit_softcapping"),
     )

@@ -16,7 +16,6 @@ softmax sinks, and a top-k mixture of clamped-SwiGLU experts in every layer.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,17 +23,12 @@ import torch
 import torch.nn.functional as F
 
 from hybridkv.engine.loader import Checkpoint, cfg_get, cfg_require
+from hybridkv.engine.models.assembly import ModelDims, PreNormLayer, causal_lm, norm_loader
 from hybridkv.engine.models.attention_block import Attention, AttentionShape
-from hybridkv.engine.models.common import (
-    CausalLM,
-    bind_norm,
-    inv_sqrt,
-    load_lm_head,
-    make_rope,
-    rope_parameters,
-)
+from hybridkv.engine.models.common import CausalLM
+from hybridkv.engine.models.moe import dispatch_experts
 from hybridkv.engine.models.nemotron_h import rms_norm_fp32_weight
-from hybridkv.engine.models.qwen3 import PreNormLayer
+from hybridkv.engine.models.rope import make_rope, rope_parameters
 from hybridkv.errors import EngineError
 
 
@@ -50,20 +44,37 @@ class ClampedSwigluExperts:
     alpha: float
     limit: float
 
+    @classmethod
+    def load(
+        cls, ckpt: Checkpoint, prefix: str, config: dict[str, Any], hidden: int
+    ) -> ClampedSwigluExperts:
+        num_experts = int(cfg_require(config, "num_local_experts"))
+        inter = int(cfg_require(config, "intermediate_size"))
+        experts = f"{prefix}.experts"
+        return cls(
+            router=ckpt.take(f"{prefix}.router.weight", (num_experts, hidden)),
+            router_bias=ckpt.take(f"{prefix}.router.bias", (num_experts,)),
+            gate_up=ckpt.take(f"{experts}.gate_up_proj", (num_experts, hidden, 2 * inter)),
+            gate_up_bias=ckpt.take(f"{experts}.gate_up_proj_bias", (num_experts, 2 * inter)),
+            down=ckpt.take(f"{experts}.down_proj", (num_experts, inter, hidden)),
+            down_bias=ckpt.take(f"{experts}.down_proj_bias", (num_experts, hidden)),
+            top_k=int(cfg_get(config, "num_experts_per_tok", "experts_per_token", default=4)),
+            alpha=float(cfg_get(config, "swiglu_alpha", default=1.702)),
+            limit=float(cfg_get(config, "swiglu_limit", default=7.0)),
+        )
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         logits = F.linear(x, self.router, self.router_bias)
         top_logits, top_ids = torch.topk(logits, self.top_k, dim=-1)
         weights = torch.softmax(top_logits, dim=1, dtype=top_logits.dtype)
-        out = torch.zeros_like(x)
-        for expert in torch.unique(top_ids).tolist():
-            tokens, slot = torch.where(top_ids == expert)
-            gate_up = x[tokens] @ self.gate_up[expert] + self.gate_up_bias[expert]
-            gate = gate_up[..., ::2].clamp(max=self.limit)
-            up = gate_up[..., 1::2].clamp(min=-self.limit, max=self.limit)
-            glu = gate * torch.sigmoid(gate * self.alpha)
-            y = ((up + 1) * glu) @ self.down[expert] + self.down_bias[expert]
-            out.index_add_(0, tokens, (y * weights[tokens, slot, None]).to(out.dtype))
-        return out
+        return dispatch_experts(x, top_ids, weights, self._expert)
+
+    def _expert(self, expert: int, x: torch.Tensor) -> torch.Tensor:
+        gate_up = x @ self.gate_up[expert] + self.gate_up_bias[expert]
+        gate = gate_up[..., ::2].clamp(max=self.limit)
+        up = gate_up[..., 1::2].clamp(min=-self.limit, max=self.limit)
+        glu = gate * torch.sigmoid(gate * self.alpha)
+        return ((up + 1) * glu) @ self.down[expert] + self.down_bias[expert]
 
 
 def gpt_oss_layer_types(config: dict[str, Any], num_layers: int) -> list[str]:
@@ -76,30 +87,15 @@ def gpt_oss_layer_types(config: dict[str, Any], num_layers: int) -> list[str]:
 
 
 def load_gpt_oss(config: dict[str, Any], ckpt: Checkpoint) -> CausalLM:
-    hidden = int(cfg_require(config, "hidden_size"))
-    vocab = int(cfg_require(config, "vocab_size"))
-    eps = float(cfg_get(config, "rms_norm_eps", default=1e-5))
-    num_layers = int(cfg_require(config, "num_hidden_layers"))
-    num_heads = int(cfg_require(config, "num_attention_heads"))
-    shape = AttentionShape(
-        hidden_size=hidden,
-        num_heads=num_heads,
-        num_kv_heads=int(cfg_get(config, "num_key_value_heads", default=num_heads)),
-        head_dim=int(cfg_get(config, "head_dim", default=hidden // num_heads)),
-        bias=bool(config.get("attention_bias", True)),
-        sinks=True,
-    )
+    dims = ModelDims.from_config(config, eps_default=1e-5)
+    shape = AttentionShape.from_config(config, bias_default=True, sinks=True)
     rope = make_rope(rope_parameters(config), shape.head_dim, ckpt.device)
-    num_experts = int(cfg_require(config, "num_local_experts"))
-    inter = int(cfg_require(config, "intermediate_size"))
     raw_window = config.get("sliding_window")
     window = None if raw_window is None else int(raw_window)
-
-    def norm(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
-        return bind_norm(rms_norm_fp32_weight, ckpt.take(name, (hidden,)), eps)
+    norm = norm_loader(ckpt, rms_norm_fp32_weight, dims)
 
     blocks = []
-    for i, kind in enumerate(gpt_oss_layer_types(config, num_layers)):
+    for i, kind in enumerate(gpt_oss_layer_types(config, dims.num_layers)):
         if kind not in ("sliding_attention", "full_attention"):
             raise EngineError(f"gpt-oss layer {i}: layer type {kind!r} is not supported")
         if kind == "sliding_attention" and window is None:
@@ -110,38 +106,10 @@ def load_gpt_oss(config: dict[str, Any], ckpt: Checkpoint) -> CausalLM:
             f"{prefix}.self_attn",
             shape,
             norm=rms_norm_fp32_weight,
-            eps=eps,
+            eps=dims.eps,
             rope=rope,
-            scale=inv_sqrt(shape.head_dim),
             sliding_window=window if kind == "sliding_attention" else None,
         )
-        mlp = f"{prefix}.mlp"
-        experts = ClampedSwigluExperts(
-            router=ckpt.take(f"{mlp}.router.weight", (num_experts, hidden)),
-            router_bias=ckpt.take(f"{mlp}.router.bias", (num_experts,)),
-            gate_up=ckpt.take(f"{mlp}.experts.gate_up_proj", (num_experts, hidden, 2 * inter)),
-            gate_up_bias=ckpt.take(f"{mlp}.experts.gate_up_proj_bias", (num_experts, 2 * inter)),
-            down=ckpt.take(f"{mlp}.experts.down_proj", (num_experts, inter, hidden)),
-            down_bias=ckpt.take(f"{mlp}.experts.down_proj_bias", (num_experts, hidden)),
-            top_k=int(cfg_get(config, "num_experts_per_tok", "experts_per_token", default=4)),
-            alpha=float(cfg_get(config, "swiglu_alpha", default=1.702)),
-            limit=float(cfg_get(config, "swiglu_limit", default=7.0)),
-        )
-        blocks.append(
-            PreNormLayer(
-                desc=attn.desc(i),
-                input_norm=norm(f"{prefix}.input_layernorm.weight"),
-                mixer=attn,
-                post_norm=norm(f"{prefix}.post_attention_layernorm.weight"),
-                mlp=experts,
-            )
-        )
-    embed = ckpt.take("model.embed_tokens.weight", (vocab, hidden))
-    return CausalLM(
-        config,
-        ckpt.dtype,
-        embed,
-        blocks,
-        norm("model.norm.weight"),
-        load_lm_head(ckpt, config, embed),
-    )
+        experts = ClampedSwigluExperts.load(ckpt, f"{prefix}.mlp", config, dims.hidden)
+        blocks.append(PreNormLayer.load(norm, prefix, i, attn, experts))
+    return causal_lm(config, ckpt, dims, blocks, norm("model.norm.weight"))

@@ -17,14 +17,9 @@ import torch.nn.functional as F
 
 from hybridkv.engine.context import ForwardBatch, LayerCache
 from hybridkv.engine.loader import Checkpoint, cfg_get, cfg_require
+from hybridkv.engine.models.assembly import ModelDims, Norm, causal_lm, norm_loader
 from hybridkv.engine.models.attention_block import Attention, AttentionShape
-from hybridkv.engine.models.common import (
-    CausalLM,
-    LayerDesc,
-    activation,
-    inv_sqrt,
-    load_lm_head,
-)
+from hybridkv.engine.models.common import CausalLM, LayerDesc, activation
 from hybridkv.engine.models.mamba2 import Mamba2
 from hybridkv.errors import EngineError
 
@@ -56,6 +51,18 @@ class Mlp:
     down_bias: torch.Tensor | None
     act: Callable[[torch.Tensor], torch.Tensor]
 
+    @classmethod
+    def load(cls, ckpt: Checkpoint, prefix: str, config: dict[str, Any], hidden: int) -> Mlp:
+        inter = int(cfg_require(config, "intermediate_size"))
+        bias = bool(config.get("mlp_bias", False))
+        return cls(
+            up=ckpt.take(f"{prefix}.up_proj.weight", (inter, hidden)),
+            down=ckpt.take(f"{prefix}.down_proj.weight", (hidden, inter)),
+            up_bias=ckpt.take(f"{prefix}.up_proj.bias", (inter,)) if bias else None,
+            down_bias=ckpt.take(f"{prefix}.down_proj.bias", (hidden,)) if bias else None,
+            act=activation(str(cfg_get(config, "mlp_hidden_act", default="relu2"))),
+        )
+
     def __call__(
         self, x: torch.Tensor, batch: ForwardBatch, cache: LayerCache | None
     ) -> torch.Tensor:
@@ -65,15 +72,13 @@ class Mlp:
 @dataclass
 class NemotronBlock:
     desc: LayerDesc | None
-    norm_weight: torch.Tensor
-    eps: float
+    norm: Norm
     mixer: Callable[[torch.Tensor, ForwardBatch, Any], torch.Tensor]
 
     def __call__(
         self, hidden: torch.Tensor, batch: ForwardBatch, cache: LayerCache | None
     ) -> torch.Tensor:
-        normed = rms_norm_fp32_weight(hidden, self.norm_weight, self.eps)
-        return hidden + self.mixer(normed, batch, cache)
+        return hidden + self.mixer(self.norm(hidden), batch, cache)
 
 
 def block_types(config: dict[str, Any]) -> list[str]:
@@ -90,23 +95,16 @@ def block_types(config: dict[str, Any]) -> list[str]:
 
 
 def load_nemotron_h(config: dict[str, Any], ckpt: Checkpoint) -> CausalLM:
-    hidden = int(cfg_require(config, "hidden_size"))
-    vocab = int(cfg_require(config, "vocab_size"))
-    eps = float(cfg_get(config, "layer_norm_epsilon", default=1e-5))
-    num_heads = int(cfg_require(config, "num_attention_heads"))
-    attn_shape = AttentionShape(
-        hidden_size=hidden,
-        num_heads=num_heads,
-        num_kv_heads=int(cfg_get(config, "num_key_value_heads", default=num_heads)),
-        head_dim=int(cfg_get(config, "head_dim", default=hidden // num_heads)),
-        bias=bool(config.get("attention_bias", False)),
+    kinds = block_types(config)
+    dims = ModelDims.from_config(
+        config, eps_default=1e-5, eps_key="layer_norm_epsilon", num_layers=len(kinds)
     )
-    inter = int(cfg_require(config, "intermediate_size"))
-    mlp_bias = bool(config.get("mlp_bias", False))
+    attn_shape = AttentionShape.from_config(config)
     # Checkpoints on disk name the trunk "backbone"; transformers renames it "model" in memory.
     root = "backbone" if ckpt.has("backbone.embeddings.weight") else "model"
+    norm = norm_loader(ckpt, rms_norm_fp32_weight, dims)
     blocks = []
-    for i, kind in enumerate(block_types(config)):
+    for i, kind in enumerate(kinds):
         prefix = f"{root}.layers.{i}.mixer"
         mixer: Any
         desc: LayerDesc | None = None
@@ -115,34 +113,19 @@ def load_nemotron_h(config: dict[str, Any], ckpt: Checkpoint) -> CausalLM:
             desc = mixer.desc(i)
         elif kind == "attention":
             mixer = Attention.load(
-                ckpt,
-                prefix,
-                attn_shape,
-                norm=rms_norm_fp32_weight,
-                eps=eps,
-                rope=None,
-                scale=inv_sqrt(attn_shape.head_dim),
+                ckpt, prefix, attn_shape, norm=rms_norm_fp32_weight, eps=dims.eps, rope=None
             )
             desc = mixer.desc(i)
         elif kind == "mlp":
-            mixer = Mlp(
-                up=ckpt.take(f"{prefix}.up_proj.weight", (inter, hidden)),
-                down=ckpt.take(f"{prefix}.down_proj.weight", (hidden, inter)),
-                up_bias=ckpt.take(f"{prefix}.up_proj.bias", (inter,)) if mlp_bias else None,
-                down_bias=ckpt.take(f"{prefix}.down_proj.bias", (hidden,)) if mlp_bias else None,
-                act=activation(str(cfg_get(config, "mlp_hidden_act", default="relu2"))),
-            )
+            mixer = Mlp.load(ckpt, prefix, config, dims.hidden)
         else:
             raise EngineError(f"Nemotron-H layer {i}: block type {kind!r} is not supported")
-        norm_weight = ckpt.take(f"{root}.layers.{i}.norm.weight", (hidden,))
-        blocks.append(NemotronBlock(desc, norm_weight, eps, mixer))
-    embed = ckpt.take(f"{root}.embeddings.weight", (vocab, hidden))
-    final_weight = ckpt.take(f"{root}.norm_f.weight", (hidden,))
-    return CausalLM(
+        blocks.append(NemotronBlock(desc, norm(f"{root}.layers.{i}.norm.weight"), mixer))
+    return causal_lm(
         config,
-        ckpt.dtype,
-        embed,
+        ckpt,
+        dims,
         blocks,
-        lambda x: rms_norm_fp32_weight(x, final_weight, eps),
-        load_lm_head(ckpt, config, embed),
+        norm(f"{root}.norm_f.weight"),
+        embed_name=f"{root}.embeddings.weight",
     )

@@ -15,25 +15,17 @@ import torch
 import torch.nn.functional as F
 
 from hybridkv.engine.loader import Checkpoint, cfg_get, cfg_require
-from hybridkv.engine.models.attention_block import Attention
-from hybridkv.engine.models.common import (
-    CausalLM,
-    GatedMLP,
-    activation,
-    bind_norm,
-    inv_sqrt,
-    load_lm_head,
-    make_rope,
-    rms_norm_offset,
-    rope_parameters,
-)
+from hybridkv.engine.models.assembly import ModelDims, PreNormLayer, causal_lm, norm_loader
+from hybridkv.engine.models.attention_block import Attention, AttentionShape
+from hybridkv.engine.models.common import CausalLM, GatedMLP, activation, rms_norm_offset
 from hybridkv.engine.models.gated_deltanet import (
     GatedDeltaNet,
     GDNShape,
     qwen3_5_projector,
     qwen3_next_projector,
 )
-from hybridkv.engine.models.qwen3 import PreNormLayer, attention_shape
+from hybridkv.engine.models.moe import dispatch_experts, fused_glu, load_stacked_experts
+from hybridkv.engine.models.rope import make_rope, rope_parameters
 from hybridkv.errors import EngineError
 
 
@@ -57,12 +49,9 @@ class SparseMoE:
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         weights = weights.to(x.dtype)
-        out = torch.zeros_like(x)
-        for e in experts.unique().tolist():
-            token_idx, slot = torch.where(experts == e)
-            gate, up = F.linear(x[token_idx], self.gate_up[e]).chunk(2, dim=-1)
-            y = F.linear(act(gate) * up, self.down[e]) * weights[token_idx, slot, None]
-            out.index_add_(0, token_idx, y)
+        out = dispatch_experts(
+            x, experts, weights, lambda e, xs: fused_glu(xs, self.gate_up[e], self.down[e], act)
+        )
         if self.shared is not None and self.shared_gate is not None:
             out = out + torch.sigmoid(F.linear(x, self.shared_gate)) * self.shared(x)
         return out
@@ -79,7 +68,7 @@ def _load_moe(ckpt: Checkpoint, prefix: str, config: dict[str, Any]) -> SparseMo
     if shared_inter:
         shared = GatedMLP.load(ckpt, f"{prefix}.shared_expert", hidden, shared_inter, act)
         shared_gate = ckpt.take(f"{prefix}.shared_expert_gate.weight", (1, hidden))
-    gate_up, down = _load_experts(ckpt, f"{prefix}.experts", num_experts, hidden, inter)
+    gate_up, down = load_stacked_experts(ckpt, f"{prefix}.experts", num_experts, hidden, inter)
     return SparseMoE(
         router=ckpt.take(f"{prefix}.gate.weight", (num_experts, hidden)),
         gate_up=gate_up,
@@ -90,28 +79,6 @@ def _load_moe(ckpt: Checkpoint, prefix: str, config: dict[str, Any]) -> SparseMo
         shared=shared,
         shared_gate=shared_gate,
     )
-
-
-def _load_experts(
-    ckpt: Checkpoint, prefix: str, num_experts: int, hidden: int, inter: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Expert weights stacked ``[E, 2*inter, hidden]`` / ``[E, hidden, inter]``.
-
-    Checkpoints store them either fused (``experts.gate_up_proj``) or one module per
-    expert (``experts.{e}.gate_proj.weight`` ...); both load to the fused layout.
-    """
-    if ckpt.has(f"{prefix}.gate_up_proj"):
-        return (
-            ckpt.take(f"{prefix}.gate_up_proj", (num_experts, 2 * inter, hidden)),
-            ckpt.take(f"{prefix}.down_proj", (num_experts, hidden, inter)),
-        )
-    gate_up, down = [], []
-    for e in range(num_experts):
-        gate = ckpt.take(f"{prefix}.{e}.gate_proj.weight", (inter, hidden))
-        up = ckpt.take(f"{prefix}.{e}.up_proj.weight", (inter, hidden))
-        gate_up.append(torch.cat([gate, up], dim=0))
-        down.append(ckpt.take(f"{prefix}.{e}.down_proj.weight", (hidden, inter)))
-    return torch.stack(gate_up), torch.stack(down)
 
 
 def _is_moe_layer(config: dict[str, Any], index: int) -> bool:
@@ -126,57 +93,43 @@ def _is_moe_layer(config: dict[str, Any], index: int) -> bool:
 
 def load_qwen3_5(config: dict[str, Any], ckpt: Checkpoint) -> CausalLM:
     next_layout = config.get("model_type") == "qwen3_next"
-    hidden = int(cfg_require(config, "hidden_size"))
-    vocab = int(cfg_require(config, "vocab_size"))
-    eps = float(cfg_get(config, "rms_norm_eps", default=1e-6))
-    num_layers = int(cfg_require(config, "num_hidden_layers"))
+    dims = ModelDims.from_config(config, eps_default=1e-6)
     layer_types = cfg_require(config, "layer_types")
-    if len(layer_types) < num_layers:
-        raise EngineError(f"layer_types has {len(layer_types)} entries for {num_layers} layers")
-    attn_shape = attention_shape(config, gated=True)
+    if len(layer_types) < dims.num_layers:
+        raise EngineError(
+            f"layer_types has {len(layer_types)} entries for {dims.num_layers} layers"
+        )
+    attn_shape = AttentionShape.from_config(config, gated=True, qk_norm=True)
     rope = make_rope(rope_parameters(config), attn_shape.head_dim, ckpt.device)
     gdn_shape = GDNShape.from_config(config) if "linear_attention" in layer_types else None
     projector = qwen3_next_projector if next_layout else qwen3_5_projector
     act = str(cfg_get(config, "hidden_act", default="silu"))
-
-    def norm(name: str) -> Any:
-        return bind_norm(rms_norm_offset, ckpt.take(name, (hidden,)), eps)
+    norm = norm_loader(ckpt, rms_norm_offset, dims)
 
     blocks = []
-    for i in range(num_layers):
+    for i in range(dims.num_layers):
         prefix = f"model.layers.{i}"
-        mixer: Any
+        mixer: GatedDeltaNet | Attention
         if layer_types[i] == "linear_attention":
             assert gdn_shape is not None
-            mixer = GatedDeltaNet.load(ckpt, f"{prefix}.linear_attn", gdn_shape, projector, eps)
+            mixer = GatedDeltaNet.load(
+                ckpt, f"{prefix}.linear_attn", gdn_shape, projector, dims.eps
+            )
         elif layer_types[i] == "full_attention":
             mixer = Attention.load(
                 ckpt,
                 f"{prefix}.self_attn",
                 attn_shape,
                 norm=rms_norm_offset,
-                eps=eps,
+                eps=dims.eps,
                 rope=rope,
-                scale=inv_sqrt(attn_shape.head_dim),
             )
         else:
             raise EngineError(f"layer {i}: layer type {layer_types[i]!r} is not supported")
         if _is_moe_layer(config, i):
-            mlp: Any = _load_moe(ckpt, f"{prefix}.mlp", config)
+            mlp: SparseMoE | GatedMLP = _load_moe(ckpt, f"{prefix}.mlp", config)
         else:
             inter = int(cfg_require(config, "intermediate_size"))
-            mlp = GatedMLP.load(ckpt, f"{prefix}.mlp", hidden, inter, act)
-        blocks.append(
-            PreNormLayer(
-                desc=mixer.desc(i),
-                input_norm=norm(f"{prefix}.input_layernorm.weight"),
-                mixer=mixer,
-                post_norm=norm(f"{prefix}.post_attention_layernorm.weight"),
-                mlp=mlp,
-            )
-        )
-    embed = ckpt.take("model.embed_tokens.weight", (vocab, hidden))
-    final_norm = norm("model.norm.weight")
-    return CausalLM(
-        config, ckpt.dtype, embed, blocks, final_norm, load_lm_head(ckpt, config, embed)
-    )
+            mlp = GatedMLP.load(ckpt, f"{prefix}.mlp", dims.hidden, inter, act)
+        blocks.append(PreNormLayer.load(norm, prefix, i, mixer, mlp))
+    return causal_lm(config, ckpt, dims, blocks, norm("model.norm.weight"))
