@@ -14,6 +14,7 @@ from hybridkv.errors import (
     EngineError,
     HybridKVError,
     PlanError,
+    SimulationError,
     SpecError,
     TraceError,
 )
@@ -32,6 +33,7 @@ __all__ = [
     "ModelSpec",
     "PlanError",
     "PlanOptions",
+    "SimulationError",
     "SpecError",
     "TraceError",
     "load_model_spec",
