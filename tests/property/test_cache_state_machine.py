@@ -310,6 +310,13 @@ for _cls in MACHINES:
 def test_soak(machine):
     from hypothesis.stateful import run_state_machine_as_test
 
+    # long runs: Hypothesis' speed and data-size health checks are not what this tests
     run_state_machine_as_test(
-        machine, settings=settings(max_examples=400, stateful_step_count=80, deadline=None)
+        machine,
+        settings=settings(
+            max_examples=400,
+            stateful_step_count=80,
+            deadline=None,
+            suppress_health_check=list(HealthCheck),
+        ),
     )
