@@ -5,7 +5,7 @@ from __future__ import annotations
 from rich.console import Console, Group
 from rich.table import Table
 
-from hybridkv.plan.types import CachePlan
+from hybridkv.plan.types import CachePlan, GroupPlan
 
 
 def format_bytes(num_bytes: float) -> str:
@@ -18,20 +18,43 @@ def format_bytes(num_bytes: float) -> str:
 def _layer_span(names: list[str]) -> str:
     if len(names) <= 2:
         return ",".join(names)
-    return f"{len(names)}: {names[0]}..{names[-1].split('.')[-1]}"
+    return f"{names[0]}..{names[-1].split('.')[-1]}"
+
+
+def _row_key(g: GroupPlan) -> tuple[object, ...]:
+    return (
+        g.model,
+        g.spec,
+        g.block_size,
+        g.page_bytes,
+        g.padded_page_bytes,
+        g.pool_id,
+        len(g.layers),
+    )
 
 
 def groups_table(plan: CachePlan) -> Table:
+    """One row per run of consecutive groups that differ only in their layers."""
     table = Table(title=f"groups (layout {plan.layout})", title_justify="left")
-    for col in ("id", "model", "kind", "spec", "layers", "block", "page", "padded", "pool"):
-        table.add_column(col, justify="right" if col in ("id", "block", "pool") else "left")
+    for col in ("ids", "model", "kind", "spec", "layers", "block", "page", "padded", "pool"):
+        table.add_column(col, justify="right" if col in ("block", "pool") else "left")
+    runs: list[list[GroupPlan]] = []
     for g in plan.groups:
+        if runs and _row_key(runs[-1][-1]) == _row_key(g):
+            runs[-1].append(g)
+        else:
+            runs.append([g])
+    for run in runs:
+        g = run[0]
+        ids = str(g.group_id) if len(run) == 1 else f"{g.group_id}-{run[-1].group_id}"
+        layers = [r.name for group in run for r in group.layers]
+        per_group = f"{len(run)} x {len(g.layers)}" if len(run) > 1 else str(len(g.layers))
         table.add_row(
-            str(g.group_id),
+            ids,
             g.model,
             g.kind + (f":{g.state_family}" if g.state_family else ""),
             g.spec.describe(),
-            _layer_span([r.name for r in g.layers]),
+            f"{per_group}: {_layer_span(layers)}",
             str(g.block_size),
             format_bytes(g.page_bytes),
             format_bytes(g.padded_page_bytes),
@@ -42,16 +65,22 @@ def groups_table(plan: CachePlan) -> Table:
 
 def pools_table(plan: CachePlan) -> Table:
     table = Table(title="pools", title_justify="left")
-    for col in ("pool", "page", "pages", "tensors", "bytes", "groups"):
+    for col in ("pool", "packing", "page", "pages", "tensors", "bytes", "groups"):
         table.add_column(col)
     for p in plan.pools:
+        groups = ",".join(map(str, p.group_ids))
+        if len(p.group_ids) > 4 and list(p.group_ids) == list(
+            range(p.group_ids[0], p.group_ids[-1] + 1)
+        ):
+            groups = f"{p.group_ids[0]}-{p.group_ids[-1]}"
         table.add_row(
             str(p.pool_id),
+            p.packing,
             format_bytes(p.page_bytes),
             str(p.num_pages),
             str(p.num_tensors),
             format_bytes(p.total_bytes),
-            ",".join(map(str, p.group_ids)),
+            groups,
         )
     return table
 

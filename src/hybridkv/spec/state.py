@@ -72,7 +72,11 @@ class StateSpec(LayerSpec):
         return dataclasses.replace(self, **changes) if changes else self
 
     def describe(self) -> str:
-        return f"{self.family} conv {self.conv_dtype} ssm {self.effective_ssm_dtype()}"
+        """Geometry and dtypes; the family is shown beside it as the group's kind."""
+        channels, rows = self.conv_shape()
+        conv = f"conv {channels}x{rows} {self.conv_dtype}, " if channels else ""
+        ssm = "x".join(map(str, self.ssm_shape()))
+        return f"{conv}ssm {ssm} {self.effective_ssm_dtype()}" if ssm else conv.rstrip(", ")
 
 
 @dataclass(frozen=True, kw_only=True)
