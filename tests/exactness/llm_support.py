@@ -68,7 +68,7 @@ def _nemotron_h():
 
 
 BUILDERS = {"qwen3": _qwen3, "qwen3_5": _qwen3_5, "gemma3": _gemma3, "nemotron_h": _nemotron_h}
-HYBRIDS = ("qwen3_5", "nemotron_h", "granite", "falcon_h1")
+HYBRIDS = ("qwen3_5", "nemotron_h", "granite", "falcon_h1", "lfm2", "jamba")
 
 
 def _perturb(model, names: tuple[str, ...], scale: float = 0.5, seed: int = 5) -> None:
@@ -138,12 +138,47 @@ def _gpt_oss():
     )
 
 
+def _lfm2():
+    """LFM2: gated short convs (L_cache 3) + q/k-normed GQA attention, untied head."""
+    return transformers.Lfm2ForCausalLM, transformers.Lfm2Config(
+        **COMMON,
+        num_hidden_layers=5,
+        layer_types=["conv", "full_attention", "conv", "conv", "full_attention"],
+        conv_L_cache=3,
+        block_auto_adjust_ff_dim=True,
+        block_ffn_dim_multiplier=1.5,
+        block_multiple_of=32,
+        tie_word_embeddings=False,
+        initializer_range=0.1,
+    )
+
+
+def _jamba():
+    """Jamba: Mamba1 (dt/B/C norms) + NoPE attention, MoE on even layers, MLP on odd."""
+    return transformers.JambaForCausalLM, transformers.JambaConfig(
+        **{**COMMON, "intermediate_size": 48},
+        num_hidden_layers=4,
+        attn_layer_period=2,
+        attn_layer_offset=1,
+        expert_layer_period=2,
+        expert_layer_offset=0,
+        num_experts=4,
+        num_experts_per_tok=2,
+        mamba_d_state=8,
+        mamba_d_conv=4,
+        mamba_expand=2,
+        initializer_range=0.1,
+    )
+
+
 # Built on demand by `build_case` (not part of the shared LLM sweeps in test_llm_exact.py);
 # the third entry perturbs parameters before saving.
 MORE_BUILDERS = {
     "granite": (_granite, ()),
     "falcon_h1": (_falcon_h1, ()),
     "gpt_oss": (_gpt_oss, ("sinks",)),
+    "lfm2": (_lfm2, ("norm",)),
+    "jamba": (_jamba, ("norm",)),
 }
 
 

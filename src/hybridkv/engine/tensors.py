@@ -208,9 +208,12 @@ def _state_view(
         )
     stride = place.page_stride_bytes
     conv = _typed_view(pool, conv_dtype, conv_shape, place.offset_bytes, stride, where, num_pages)
-    ssm = _typed_view(
-        pool, ssm_dtype, ssm_shape, place.offset_bytes + conv_bytes, stride, where, num_pages
-    )
+    if ssm_shape:
+        ssm = _typed_view(
+            pool, ssm_dtype, ssm_shape, place.offset_bytes + conv_bytes, stride, where, num_pages
+        )
+    else:  # conv-only family (LFM2 short conv): no bytes, an empty per-slot tensor
+        ssm = torch.empty((num_pages, 0), dtype=ssm_dtype, device=pool.device)
     return StateCache(conv=conv, ssm=ssm, group=group_key(group.group_id))
 
 

@@ -24,6 +24,8 @@ def _loaders() -> dict[str, Loader]:
     from hybridkv.engine.models.gemma3 import load_gemma3
     from hybridkv.engine.models.gpt_oss import load_gpt_oss
     from hybridkv.engine.models.granite import load_granite
+    from hybridkv.engine.models.jamba import load_jamba
+    from hybridkv.engine.models.lfm2 import load_lfm2
     from hybridkv.engine.models.nemotron_h import load_nemotron_h
     from hybridkv.engine.models.qwen3 import load_qwen3
     from hybridkv.engine.models.qwen3_5 import load_qwen3_5
@@ -37,6 +39,8 @@ def _loaders() -> dict[str, Loader]:
         "granitemoehybrid": load_granite,
         "falcon_h1": load_falcon_h1,
         "gpt_oss": load_gpt_oss,
+        "lfm2": load_lfm2,
+        "jamba": load_jamba,
     }
 
 
