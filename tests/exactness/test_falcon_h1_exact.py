@@ -12,13 +12,9 @@ transformers = pytest.importorskip("transformers")
 from exactness_harness import engine_greedy, hf_greedy, prompts_for, save_tiny  # noqa: E402
 from llm_support import NUM_NEW, _perturb  # noqa: E402
 
-from hybridkv.engine import LLM  # noqa: E402
 from hybridkv.engine.models import load_model  # noqa: E402
 
 CASE = "falcon_h1"
-HYBRID = True
-TIGHT_MEMORY = 170 << 10  # bytes at max_model_len 128: dozens of preemptions
-LONG_NEW = 64
 
 
 def test_falcon_h1_layers_match_the_planner(llm_case):
@@ -91,42 +87,4 @@ def test_falcon_h1_mamba_norm_harness(falcon_h1_rms_norm, chunk_size, block_size
     assert got == expected
 
 
-# ----------------------------------------------------------------------------- LLM (planned cache)
-
-
-def _llm_tokens(llm, prompts, num_new=NUM_NEW):
-    return [r.token_ids for r in llm.generate(prompts, num_new)]
-
-
-@pytest.mark.parametrize("chunk_size", [1, 7, None])
-def test_llm_any_chunk_size(llm_case, chunk_size):
-    case = llm_case(CASE)
-    llm = LLM(case.folder, chunk_size=chunk_size, max_num_batched_tokens=64)
-    assert _llm_tokens(llm, case.prompts) == case.expected
-
-
-def test_llm_second_round_hits_prefix_cache(llm_case):
-    case = llm_case(CASE)
-    llm = LLM(case.folder, chunk_size=6)
-    assert _llm_tokens(llm, case.prompts) == case.expected
-    before = llm.stats().prefix_hit_tokens
-    assert _llm_tokens(llm, case.prompts) == case.expected
-    hits = llm.stats().prefix_hit_tokens
-    assert hits["attention"] > before["attention"]
-    if HYBRID:
-        assert hits["state"] > before["state"]
-        assert llm.stats().num_checkpoints_used > 0
-    else:
-        assert hits["state"] == 0
-
-
-def test_llm_preemptions_give_the_same_tokens(llm_case):
-    case = llm_case(CASE)
-    free = LLM(case.folder, max_model_len=128, prefix_caching=False, chunk_size=5)
-    expected = _llm_tokens(free, case.prompts, LONG_NEW)
-    assert [t[:NUM_NEW] for t in expected] == case.expected
-    tight = LLM(case.folder, memory_bytes=TIGHT_MEMORY, chunk_size=3, max_model_len=128)
-    assert _llm_tokens(tight, case.prompts, LONG_NEW) == expected  # cold cache
-    assert _llm_tokens(tight, case.prompts, LONG_NEW) == expected  # warm cache
-    assert tight.stats().num_preemptions >= 20
-    tight.manager.check_invariants()
+# LLM-level tests (planned cache) for this case: tests/exactness/test_llm_more_archs.py
