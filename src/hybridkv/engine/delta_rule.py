@@ -58,13 +58,17 @@ def delta_rule_recurrent(
     state = state.float()
     kept: dict[int, torch.Tensor] = {0: state}
     out = torch.empty_like(v)
+    num_rows, _, heads, dk = q.shape
+    dv = v.shape[-1]
     for t in range(q.shape[1]):
         state = state * g[:, t].exp()[..., None, None]
-        k_t = k[:, t, :, :, None]  # [R, H, dk, 1]
-        predicted = (state * k_t).sum(dim=2)  # [R, H, dv]
+        k_t = k[:, t, :, None, :]  # [R, H, 1, dk]
+        predicted = (k_t @ state)[:, :, 0]  # [R, H, dv]
         delta = (v[:, t] - predicted) * beta[:, t, :, None]
-        state = state + k_t * delta[:, :, None, :]
-        out[:, t] = (state * q[:, t, :, :, None]).sum(dim=2)
+        state = torch.baddbmm(
+            state.view(-1, dk, dv), k_t.reshape(-1, dk, 1), delta.reshape(-1, 1, dv)
+        ).view(num_rows, heads, dk, dv)
+        out[:, t] = (q[:, t, :, None, :] @ state)[:, :, 0]
         if t + 1 in capture_at:
             kept[t + 1] = state
     stacked = torch.stack([kept[c] for c in capture_at])  # [num_k, R, H, dk, dv]
@@ -108,7 +112,13 @@ def delta_rule_chunked(
         system = bc[..., None] * (strict * (kc @ kc.transpose(-1, -2)))
         system = system + torch.eye(size, dtype=q.dtype, device=q.device)
         rhs = bc[..., None] * (vc - cum.exp()[..., None] * (kc @ state))
-        u = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
+        # Flattened to [R * H, C, C]: the batched solve is several times faster in 3-d.
+        u = torch.linalg.solve_triangular(
+            system.reshape(-1, size, size),
+            rhs.reshape(-1, size, rhs.shape[-1]),
+            upper=False,
+            unitriangular=True,
+        ).view(rhs.shape)
         out[:, :, start:end] = cum.exp()[..., None] * (qc @ state) + (
             decay * (qc @ kc.transpose(-1, -2))
         ) @ u

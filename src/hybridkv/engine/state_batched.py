@@ -47,6 +47,7 @@ class StatePart:
     point_slots: torch.Tensor  # [P], slot written
     point_k_host: tuple[int, ...]
     point_rows_host: tuple[int, ...]
+    all_initial: bool  # every row reads a slot (decode): no zero rows to select
 
 
 def state_parts(batch: ForwardBatch, group: str) -> list[StatePart]:
@@ -90,6 +91,7 @@ def _build_parts(batch: ForwardBatch, group: str) -> list[StatePart]:
                 point_slots=dev(targets),
                 point_k_host=tuple(ks),
                 point_rows_host=tuple(rows),
+                all_initial=all(has_initial[r] for r in reqs),
             )
         )
     return parts
@@ -99,6 +101,8 @@ def gather_state(buffer: torch.Tensor, part: StatePart) -> torch.Tensor:
     """``buffer[read_slot]`` per row, zeros for rows without an initial state (selected,
     not multiplied: NaN in an unused slot cannot leak)."""
     read = buffer[part.read_slots]
+    if part.all_initial:
+        return read
     keep = part.has_initial.view(-1, *([1] * (read.dim() - 1)))
     return torch.where(keep, read, torch.zeros((), dtype=read.dtype, device=read.device))
 

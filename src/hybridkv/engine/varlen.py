@@ -33,6 +33,7 @@ class Padded:
     scatter: torch.Tensor  # [N], grid cell of each of the requests' tokens
     tokens: torch.Tensor  # [N], stream index of each of them (same order as scatter)
     valid: torch.Tensor  # [R, max_len], bool: the cell holds a token
+    identity: bool  # the grid is the stream itself (all requests, equal lengths)
 
     @classmethod
     def build(
@@ -71,6 +72,7 @@ class Padded:
             scatter=dev(scatter),
             tokens=dev(tokens),
             valid=valid.to(device),
+            identity=tokens == gather == list(range(num_tokens)),
         )
 
     @property
@@ -79,12 +81,17 @@ class Padded:
 
     def pad(self, x: torch.Tensor) -> torch.Tensor:
         """Stream ``[T, *rest]`` -> grid ``[R, L, *rest]`` (zeros in padding cells)."""
+        if self.identity:
+            return x.reshape(self.num_rows, self.max_len, *x.shape[1:])
         extended = torch.cat([x, x.new_zeros(1, *x.shape[1:])])
         return extended[self.gather].view(self.num_rows, self.max_len, *x.shape[1:])
 
     def unpad_into(self, out: torch.Tensor, grid: torch.Tensor) -> None:
         """Write the token cells of ``grid [R, L, *rest]`` into stream ``out [T, *rest]``."""
         flat = grid.reshape(self.num_rows * self.max_len, *grid.shape[2:])
+        if self.identity:
+            out.copy_(flat)
+            return
         out[self.tokens] = flat[self.scatter].to(out.dtype)
 
 
