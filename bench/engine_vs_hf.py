@@ -57,8 +57,10 @@ def build_model(folder: Path, seed: int = 0) -> torch.nn.Module:
         linear_num_value_heads=8,
         linear_key_head_dim=64,
         linear_value_head_dim=64,
-        layer_types=["linear_attention"] * 3 + ["full_attention"]
-        + ["linear_attention"] * 3 + ["full_attention"],
+        layer_types=["linear_attention"] * 3
+        + ["full_attention"]
+        + ["linear_attention"] * 3
+        + ["full_attention"],
         max_position_embeddings=4096,
     )
     torch.manual_seed(seed)

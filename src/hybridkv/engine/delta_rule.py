@@ -88,7 +88,7 @@ def delta_rule_chunked(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The chunked form (module docstring); point p is the state after ``ks[p]`` tokens
     of row ``rows[p]``. Inputs already `prepare`d."""
-    num_rows, length, heads, _ = q.shape
+    _, length, heads, _ = q.shape
     # [R, H, L, d] so that matmuls run per (row, head)
     q, k, v = (x.transpose(1, 2) for x in (q, k, v))
     g, beta = g.transpose(1, 2), beta.transpose(1, 2)
@@ -119,9 +119,9 @@ def delta_rule_chunked(
             upper=False,
             unitriangular=True,
         ).view(rhs.shape)
-        out[:, :, start:end] = cum.exp()[..., None] * (qc @ state) + (
-            decay * (qc @ kc.transpose(-1, -2))
-        ) @ u
+        out[:, :, start:end] = (
+            cum.exp()[..., None] * (qc @ state) + (decay * (qc @ kc.transpose(-1, -2))) @ u
+        )
         in_chunk = ((ks_t > start) & (ks_t <= end)).nonzero().flatten()
         if in_chunk.numel():
             _capture(captured, in_chunk, rows, ks_t - start, state, cum, decay, kc, u)

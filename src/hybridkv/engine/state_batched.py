@@ -148,5 +148,3 @@ def capture_steps(part: StatePart) -> tuple[list[int], torch.Tensor]:
     where = {k: i for i, k in enumerate(distinct)}
     index = torch.tensor([where[k] for k in part.point_k_host], dtype=torch.long)
     return distinct, index.to(part.point_k.device)
-
-

@@ -22,13 +22,6 @@ from hybridkv.engine import delta_rule
 from hybridkv.engine.context import ForwardBatch, LayerCache, StateCache
 from hybridkv.engine.loader import Checkpoint, cfg_get, cfg_require
 from hybridkv.engine.models.common import STATE, LayerDesc
-from hybridkv.engine.state_ops import (
-    causal_conv1d_history,
-    gated_delta_rule_capture,
-    read_state,
-    request_slots,
-    write_states,
-)
 from hybridkv.engine.state_batched import (
     SHORT_MAX_TOKENS,
     capture_steps,
@@ -37,6 +30,13 @@ from hybridkv.engine.state_batched import (
     state_parts,
     write_conv,
     write_ssm,
+)
+from hybridkv.engine.state_ops import (
+    causal_conv1d_history,
+    gated_delta_rule_capture,
+    read_state,
+    request_slots,
+    write_states,
 )
 from hybridkv.errors import EngineError
 
@@ -189,7 +189,8 @@ class GatedDeltaNet:
     def _split_heads(
         self, conv_out: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``[..., conv_dim]`` -> q, k ``[..., Hv, dk]`` (key heads repeated), v ``[..., Hv, dv]``."""
+        """``[..., conv_dim]`` -> q, k ``[..., Hv, dk]`` (key heads repeated), v
+        ``[..., Hv, dv]``."""
         s = self.shape
         lead = conv_out.shape[:-1]
         ratio = s.num_v_heads // s.num_k_heads
@@ -216,9 +217,7 @@ class GatedDeltaNet:
             q, k, v = self._split_heads(F.silu(conv_out))
             # The ssm buffer is [Hv, dv, dk]; the rule works on [Hv, dk, dv].
             state = gather_state(cache.ssm, part).transpose(-1, -2)
-            q, k, v, g_grid, beta_grid = delta_rule.prepare(
-                q, k, v, grid.pad(g), grid.pad(beta)
-            )
+            q, k, v, g_grid, beta_grid = delta_rule.prepare(q, k, v, grid.pad(g), grid.pad(beta))
             if grid.max_len <= SHORT_MAX_TOKENS:
                 at, index = capture_steps(part)
                 out, states = delta_rule.delta_rule_recurrent(
