@@ -18,6 +18,9 @@ from hybridkv.engine.attention import paged_attention  # noqa: E402
 from hybridkv.engine.attention_reference import paged_attention_reference  # noqa: E402
 from hybridkv.engine.context import BlockTable, KVCache, StateCache, StateSlots, make_batch  # noqa: E402
 from hybridkv.engine.models.gated_deltanet import GatedDeltaNet, GDNShape  # noqa: E402
+from hybridkv.engine.models.mamba1 import Mamba1  # noqa: E402
+from hybridkv.engine.models.mamba2 import Mamba2, Mamba2Shape  # noqa: E402
+from hybridkv.engine.models.short_conv import ShortConv  # noqa: E402
 from hybridkv.engine.state_ops import gated_delta_rule_capture  # noqa: E402
 
 NULL = 0
@@ -105,18 +108,17 @@ def gdn_layer(gen: torch.Generator) -> GatedDeltaNet:
     )
 
 
-@pytest.mark.parametrize("seed", range(16))
-def test_batched_gated_deltanet_matches_reference(seed):
-    """Outputs and every slot (read, written at checkpoints, spec points, untouched) agree."""
+def check_state_layer(layer, seed: int, hidden: int, conv_shape, ssm_shape) -> None:
+    """Outputs and every slot (read, written at checkpoints, spec points, untouched) of
+    ``layer.forward(batched=True)`` agree with the per-request loop."""
     rng = random.Random(seed)
-    gen = torch.Generator().manual_seed(seed)
-    layer = gdn_layer(gen)
+    gen = torch.Generator().manual_seed(1000 + seed)
     rows = random_rows(rng, rng.randrange(1, 7))
     num_slots = 1 + 4 * len(rows)
     slots = list(range(1, num_slots))
     rng.shuffle(slots)
-    conv = torch.full((num_slots, layer.shape.conv_dim, 3 + 2), float("nan"))
-    ssm = torch.full((num_slots, 4, 4, 8), float("nan"))
+    conv = torch.full((num_slots, *conv_shape), float("nan"))
+    ssm = torch.full((num_slots, *ssm_shape), float("nan"))
     reads, writes = [], []
     for computed, new in rows:
         mine = [slots.pop() for _ in range(4)]
@@ -135,7 +137,7 @@ def test_batched_gated_deltanet_matches_reference(seed):
         [([1] * n, c) for c, n in rows],
         state_slots={"s": StateSlots.from_points(reads, writes)},
     )
-    x = torch.randn(sum(n for _, n in rows), 16, generator=gen)
+    x = torch.randn(sum(n for _, n in rows), hidden, generator=gen)
     ref = StateCache(conv.clone(), ssm.clone(), "s")
     got_cache = StateCache(conv, ssm, "s")
     got = layer.forward(x, batch, got_cache, batched=True)
@@ -144,6 +146,93 @@ def test_batched_gated_deltanet_matches_reference(seed):
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(got_cache.conv, ref.conv, equal_nan=True)
     torch.testing.assert_close(got_cache.ssm, ref.ssm, equal_nan=True, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("seed", range(16))
+def test_batched_gated_deltanet_matches_reference(seed):
+    layer = gdn_layer(torch.Generator().manual_seed(seed))
+    check_state_layer(layer, seed, 16, (layer.shape.conv_dim, 3 + 2), (4, 4, 8))
+
+
+def rand(gen: torch.Generator, *shape: int, scale: float = 0.3) -> torch.Tensor:
+    return torch.randn(*shape, generator=gen) * scale
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_batched_mamba2_matches_reference(seed):
+    gen = torch.Generator().manual_seed(seed)
+    shape = Mamba2Shape(
+        hidden_size=16,
+        num_heads=4,
+        head_dim=4,
+        state_size=6,
+        n_groups=2,
+        conv_kernel=4,
+        use_conv_bias=True,
+        use_bias=False,
+    )
+    layer = Mamba2(
+        shape=shape,
+        in_proj=rand(gen, shape.inner + shape.conv_dim + shape.num_heads, 16),
+        in_bias=None,
+        conv_weight=rand(gen, shape.conv_dim, 4, scale=0.5),
+        conv_bias=rand(gen, shape.conv_dim),
+        dt_bias=rand(gen, 4),
+        A_log=rand(gen, 4),
+        D=rand(gen, 4, scale=1.0),
+        norm_weight=rand(gen, shape.inner, scale=1.0),
+        out_proj=rand(gen, 16, shape.inner),
+        out_bias=None,
+        eps=1e-6,
+        dt_min=0.0,
+        ssm_dtype=None,
+    )
+    check_state_layer(layer, seed, 16, (shape.conv_dim, 3), (4, 4, 6))
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_batched_mamba1_matches_reference(seed):
+    gen = torch.Generator().manual_seed(seed)
+    inner, n, rank = 12, 5, 3
+    layer = Mamba1(
+        hidden_size=16,
+        inner=inner,
+        state_size=n,
+        dt_rank=rank,
+        conv_kernel=4,
+        in_proj=rand(gen, 2 * inner, 16),
+        in_bias=None,
+        conv_weight=rand(gen, inner, 4, scale=0.5),
+        conv_bias=rand(gen, inner),
+        x_proj=rand(gen, rank + 2 * n, inner),
+        dt_proj=rand(gen, inner, rank),
+        dt_bias=rand(gen, inner),
+        A_log=rand(gen, inner, n),
+        D=rand(gen, inner, scale=1.0),
+        dt_norm=rand(gen, rank, scale=1.0),
+        b_norm=rand(gen, n, scale=1.0),
+        c_norm=rand(gen, n, scale=1.0),
+        out_proj=rand(gen, 16, inner),
+        out_bias=None,
+        eps=1e-6,
+    )
+    check_state_layer(layer, seed, 16, (inner, 3 + 1), (inner, n))
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_batched_short_conv_matches_reference(seed):
+    gen = torch.Generator().manual_seed(seed)
+    layer = ShortConv(
+        hidden_size=16,
+        kernel=3,
+        in_proj=rand(gen, 48, 16),
+        in_bias=rand(gen, 48),
+        conv_weight=rand(gen, 16, 3, scale=0.5),
+        conv_bias=None,
+        out_proj=rand(gen, 16, 16),
+        out_bias=None,
+    )
+    check_state_layer(layer, seed, 16, (16, 2 + 2), (0,))
 
 
 @pytest.mark.parametrize("seed", range(8))
