@@ -28,10 +28,10 @@ import torch
 from hybridkv.cache import CacheManager
 from hybridkv.engine.proposers import Proposer
 from hybridkv.engine.runner import ModelRunner, StepInput
-from hybridkv.engine.sampler import make_generator, sample
+from hybridkv.engine.sampler import greedy_ids, make_generator, sample
 from hybridkv.engine.scheduler import Request, ScheduledChunk, Scheduler
 from hybridkv.engine.speculative import DraftModelDrafter, Drafts, SpecCounters
-from hybridkv.engine.verify import Verdict, verify_greedy, verify_sampling
+from hybridkv.engine.verify import Verdict, accept_greedy, verify_sampling
 from hybridkv.errors import EngineError
 from hybridkv.plan.types import CachePlan
 from hybridkv.spec.layers import STATE
@@ -127,8 +127,9 @@ class Stepper:
                     drafts[c.request.req_id] = self.drafts.pop(c.request.req_id)
         logits = self.runner.execute([self._step_input(c, drafts) for c in chunks])
         self.num_steps += 1
+        best = greedy_ids(logits)  # every row's argmax at once (greedy requests use it)
         finished = []
-        for chunk, rows in zip(chunks, logits, strict=True):
+        for chunk, rows, argmax in zip(chunks, logits, best, strict=True):
             req = chunk.request
             req.num_steps += 1
             self.num_tokens += chunk.num_new_tokens + chunk.num_lookahead
@@ -136,7 +137,7 @@ class Stepper:
                 req.num_computed = chunk.num_computed + chunk.num_new_tokens
                 self.manager.commit(req.req_id)
                 continue
-            verdict = emitted(self._verify(req, rows, drafts.get(req.req_id)), req)
+            verdict = emitted(self._verify(req, rows, argmax, drafts.get(req.req_id)), req)
             req.num_computed = chunk.num_computed + chunk.num_new_tokens + verdict.num_accepted
             req.emit(verdict.token_ids)
             self.num_output += len(verdict.token_ids)
@@ -152,16 +153,19 @@ class Stepper:
                 finished.append(req)
         return finished
 
-    def _verify(self, req: Request, logits: torch.Tensor, drafts: Drafts | None) -> Verdict:
-        """Accepted drafts + one sampled token from the main model's ``[1 + L, vocab]``."""
+    def _verify(
+        self, req: Request, logits: torch.Tensor, argmax: list[int], drafts: Drafts | None
+    ) -> Verdict:
+        """Accepted drafts + one sampled token from the main model's ``[1 + L, vocab]``
+        (``argmax``: its rows' argmax ids, for greedy requests)."""
         temperature = req.params.temperature
+        if temperature <= 0:
+            draft_ids = [] if drafts is None else drafts.token_ids
+            return accept_greedy(argmax[len(argmax) - 1 - len(draft_ids) :], draft_ids)
         generator = self.generators.get(req.req_id)
-        if temperature > 0:
-            logits = logits.cpu()  # drawn with the request's CPU generator
+        logits = logits.cpu()  # drawn with the request's CPU generator
         if drafts is None or not drafts.token_ids:
             return Verdict(0, [sample(logits[-1], temperature, generator)])
-        if temperature <= 0:
-            return verify_greedy(logits, drafts.token_ids)
         assert generator is not None
         return verify_sampling(logits, drafts.token_ids, temperature, generator, drafts.probs)
 
