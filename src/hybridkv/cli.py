@@ -34,6 +34,12 @@ def emit_json(payload: Any) -> None:
     sys.stdout.write(json.dumps(payload, indent=2, sort_keys=False) + "\n")
 
 
+def say_notes(notes: list[str]) -> None:
+    """Defaults the command chose for the user, on stderr (stdout stays JSON-clean)."""
+    for note in notes:
+        Console(stderr=True).print(f"note: {note}", highlight=False)
+
+
 def run_guarded(as_json: bool, body: Callable[[], None]) -> None:
     """Run ``body``; turn every failure into exit status 2 with a readable message."""
     try:
@@ -67,7 +73,7 @@ def plan_command(
     model: o.Model,
     draft: o.Draft = None,
     spec_method: o.SpecMethod = None,
-    num_spec: o.NumSpec = 0,
+    num_spec: o.NumSpec = None,
     speculative_config: o.SpecConfig = None,
     kv_dtype: o.KvDtype = "auto",
     conv_dtype: o.ConvDtype = "auto",
@@ -96,6 +102,7 @@ def plan_command(
         from hybridkv.plan.report import render
 
         main_spec, draft_spec, options = args.resolve()
+        say_notes(args.notes)
         result = plan(main_spec, draft_spec, options)
         if as_json:
             emit_json(result.to_dict())
