@@ -28,6 +28,11 @@ app = typer.Typer(
 )
 
 EXIT_USAGE = 2
+ENGINE_MODULES = ("torch", "transformers", "safetensors")  # the engine extra
+
+
+class EngineExtraMissing(HybridKVError):
+    """A command needs the engine extra (torch, transformers, safetensors)."""
 
 
 def emit_json(payload: Any) -> None:
@@ -43,7 +48,15 @@ def say_notes(notes: list[str]) -> None:
 def run_guarded(as_json: bool, body: Callable[[], None]) -> None:
     """Run ``body``; turn every failure into exit status 2 with a readable message."""
     try:
-        body()
+        try:
+            body()
+        except ModuleNotFoundError as err:
+            if (err.name or "").split(".")[0] not in ENGINE_MODULES:
+                raise
+            raise EngineExtraMissing(
+                f"this command needs {err.name}, which is not installed: install the engine "
+                "extra: pip install 'hybridkv[engine]'"
+            ) from None
     except (HybridKVError, ValueError, OSError, KeyError) as err:
         if os.environ.get("HYBRIDKV_DEBUG"):
             raise

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass, field
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
 

@@ -68,15 +68,14 @@ class DemoOptions:
 
 def run_demo(options: DemoOptions, progress: bool = True) -> tuple[Any, dict[str, Any]]:
     """Serve the demo batch; returns (the `LLM`, the JSON-ready report)."""
-    import torch
 
     from hybridkv.engine.llm import LLM
     from hybridkv.engine.sampler import SamplingParams
+    from hybridkv.engine.threads import apply_threads
 
     if options.num_requests < 1 or options.max_new_tokens < 1 or options.num_spec_tokens < 1:
         raise ValueError("--num-requests, --max-new-tokens and --num-spec must be >= 1")
-    if options.threads:
-        torch.set_num_threads(options.threads)
+    apply_threads(options.threads, (DEMO_MAIN, DEMO_DRAFT))  # tiny models: 1 thread
     start = time.perf_counter()
     llm = LLM(
         DEMO_MAIN,

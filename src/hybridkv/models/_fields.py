@@ -126,8 +126,9 @@ class ConfigReader:
         if value > limit:
             what = "layers" if key in LAYER_COUNT_KEYS else "for any config field"
             raise self.error(
-                key, f"is {_short(value)}, above hybridkv's limit of {limit} {what}; is the "
-                "config corrupt?"
+                key,
+                f"is {_short(value)}, above hybridkv's limit of {limit} {what}; is the "
+                "config corrupt?",
             )
         return value
 

@@ -162,9 +162,7 @@ def parse_trace_line(text: str, line_no: int) -> TraceRequest:
         raise TraceError(f"line {line_no}: missing key(s) {', '.join(map(repr, missing))}")
     req_id = obj["id"]
     if not isinstance(req_id, str) or not req_id:
-        raise TraceError(
-            f"line {line_no}: 'id' must be a non-empty string, got {_short(req_id)}"
-        )
+        raise TraceError(f"line {line_no}: 'id' must be a non-empty string, got {_short(req_id)}")
     arrival = obj["arrival_s"]
     if (
         not isinstance(arrival, int | float)
@@ -216,7 +214,9 @@ def read_trace(path: str | Path) -> list[TraceRequest]:
         with open(path, encoding="utf-8") as handle:
             return parse_trace(handle)
     except UnicodeDecodeError as err:
-        raise TraceError(f"trace {path} is not UTF-8 text (byte {err.start}): {err.reason}") from None
+        raise TraceError(
+            f"trace {path} is not UTF-8 text (byte {err.start}): {err.reason}"
+        ) from None
 
 
 def iter_trace_lines(requests: Iterable[TraceRequest]) -> Iterator[str]:
