@@ -11,6 +11,7 @@ import json
 import os
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import typer
@@ -161,24 +162,56 @@ def models_command(as_json: o.Json = False) -> None:
 @app.command("bench", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def bench_command(
     ctx: typer.Context,
-    name: str = typer.Argument(help="a script in bench/ without .py, e.g. planner"),
+    name: str = typer.Argument(help="a benchmark without .py, e.g. planner"),
 ) -> None:
-    """Run one benchmark from the repository's bench/ folder (a source checkout)."""
+    """Run one benchmark script (bench/NAME.py; installed with the package too)."""
     import runpy
-    from pathlib import Path
 
     def body() -> None:
-        root = Path(__file__).resolve().parents[2] / "bench"
-        script = root / f"{name}.py"
-        if not script.is_file():
-            available = sorted(p.stem for p in root.glob("*.py") if not p.stem.startswith("_"))
-            raise FileNotFoundError(
-                f"no benchmark {name!r} in {root}; available: {', '.join(available) or 'none'}"
-            )
+        script = find_benchmark(name)
         sys.argv = [str(script), *ctx.args]
-        runpy.run_path(str(script), run_name="__main__")
+        try:
+            runpy.run_path(str(script), run_name="__main__")
+        except ModuleNotFoundError as err:
+            if (err.name or "").split(".")[0] in ENGINE_MODULES:
+                raise
+            raise FileNotFoundError(
+                f"benchmark {name!r} needs the module {err.name!r}, which is not installed"
+            ) from None
 
     run_guarded(False, body)
+
+
+def benchmark_dirs() -> list[Path]:
+    """Where benchmark scripts live: the source checkout's bench/ (editable install or
+    a clone), then the copy `pip install .` puts under <prefix>/share/hybridkv/bench."""
+    import site
+
+    candidates = [
+        Path(__file__).resolve().parents[2] / "bench",
+        Path(sys.prefix) / "share" / "hybridkv" / "bench",
+        Path(site.getuserbase()) / "share" / "hybridkv" / "bench",
+    ]
+    return [d for d in candidates if d.is_dir()]
+
+
+def find_benchmark(name: str) -> Path:
+    dirs = benchmark_dirs()
+    for folder in dirs:
+        script = folder / f"{name}.py"
+        if script.is_file() and not name.startswith("_"):
+            return script
+    available = sorted({p.stem for d in dirs for p in d.glob("*.py") if not p.stem.startswith("_")})
+    if not dirs:
+        raise FileNotFoundError(
+            "no benchmark scripts found: they ship in the source checkout's bench/ folder "
+            "and are installed under <prefix>/share/hybridkv/bench by pip install; reinstall "
+            "hybridkv, or run python bench/NAME.py from a clone"
+        )
+    raise FileNotFoundError(
+        f"no benchmark {name!r}; available: {', '.join(available) or 'none'} "
+        f"(in {', '.join(map(str, dirs))})"
+    )
 
 
 def _register_optional_commands() -> None:
