@@ -20,12 +20,16 @@ from rich.table import Table
 
 from hybridkv import cli_options as o
 from hybridkv.errors import HybridKVError
+from hybridkv.plan.report import LEGEND, short_kind
 
 app = typer.Typer(
     add_completion=False,
     no_args_is_help=True,
     help="Plan, manage and prove KV-cache / recurrent-state memory for hybrid LLMs.",
     pretty_exceptions_enable=False,
+    # plain click help: rich's help panels cut option names ("--num-spec,--num-sp…") at
+    # 80 columns; click's wraps the descriptions and never cuts an option
+    rich_markup_mode=None,
 )
 
 EXIT_USAGE = 2
@@ -149,14 +153,36 @@ def models_command(as_json: o.Json = False) -> None:
                 ]
             )
             return
-        table = Table(title=f"{len(presets)} presets")
-        for col in ("name", "family", "layer mix", "hf id"):
-            table.add_column(col)
-        for p in presets:
-            table.add_row(p.name, p.family, p.layer_mix, p.hf_id)
-        Console().print(table)
+        console = Console()
+        table = Table(title=f"{len(presets)} presets", title_justify="left")
+        if console.width >= WIDE_COLUMNS:
+            for col in ("name", "family", "layer mix", "hf id"):
+                table.add_column(col, no_wrap=col in ("name", "hf id"))
+            for p in presets:
+                table.add_row(p.name, p.family, short_mix(p.layer_mix), p.hf_id)
+        else:  # stacked: the name and its Hugging Face id in one cell, never cut
+            table.add_column("name / hf id", no_wrap=True)
+            table.add_column("family: layer mix", overflow="fold")
+            for p in presets:
+                table.add_row(
+                    f"{p.name}\n[dim]{p.hf_id}[/dim]", f"{p.family}: {short_mix(p.layer_mix)}"
+                )
+        console.print(table, LEGEND, highlight=False)
+        return
 
     run_guarded(as_json, body)
+
+
+WIDE_COLUMNS = 120  # below this, `hybridkv models` stacks name and hf id
+
+
+def short_mix(layer_mix: str) -> str:
+    """'12 full_attention, 36 state:gated_delta_net' -> '12 full, 36 gdn' (see LEGEND)."""
+    parts = []
+    for part in layer_mix.split(", "):
+        count, _, kind = part.partition(" ")
+        parts.append(f"{count} {short_kind(kind)}")
+    return ", ".join(parts)
 
 
 @app.command("bench", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
