@@ -37,8 +37,8 @@ DTYPE_SHORT = {
     "fp8_e5m2": "e5m2",
 }
 LEGEND = (
-    "page: raw (padded); kinds: full/swa/chunk = full/sliding/chunked attention, gdn = Gated DeltaNet, "
-    "sconv = short conv; dtypes: bf16, fp16, fp32, e4m3/e5m2 = fp8"
+    "page: raw (padded); kinds: full/swa/chunk = full/sliding/chunked attention, "
+    "gdn = Gated DeltaNet, sconv = short conv; dtypes: bf16, fp16, fp32, e4m3/e5m2 = fp8"
 )
 
 
