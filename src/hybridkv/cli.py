@@ -16,6 +16,7 @@ from typing import Any
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from hybridkv import cli_options as o
@@ -47,7 +48,7 @@ def emit_json(payload: Any) -> None:
 def say_notes(notes: list[str]) -> None:
     """Defaults the command chose for the user, on stderr (stdout stays JSON-clean)."""
     for note in notes:
-        Console(stderr=True).print(f"note: {note}", highlight=False)
+        Console(stderr=True).print(f"note: {escape(note)}", highlight=False)
 
 
 def run_guarded(as_json: bool, body: Callable[[], None]) -> None:
@@ -69,7 +70,8 @@ def run_guarded(as_json: bool, body: Callable[[], None]) -> None:
         message = str(err) if not isinstance(err, KeyError) else f"missing key {err}"
         if as_json:
             emit_json({"error": {"type": kind, "message": message}})
-        Console(stderr=True).print(f"[red]error ({kind}):[/red] {message}", highlight=False)
+        # escaped: messages hold brackets ("hybridkv[engine]", "[4, 2]") that rich would eat
+        Console(stderr=True).print(f"[red]error ({kind}):[/red] {escape(message)}", highlight=False)
         raise typer.Exit(EXIT_USAGE) from None
     except typer.Exit:
         raise
@@ -79,7 +81,7 @@ def run_guarded(as_json: bool, body: Callable[[], None]) -> None:
         if as_json:
             emit_json({"error": {"type": "InternalError", "message": repr(err)}})
         Console(stderr=True).print(
-            f"[red]internal error:[/red] {err!r} (rerun with HYBRIDKV_DEBUG=1 for a traceback "
+            f"[red]internal error:[/red] {escape(repr(err))} (rerun with HYBRIDKV_DEBUG=1 for a traceback "
             "and please report it)",
             highlight=False,
         )

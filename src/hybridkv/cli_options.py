@@ -65,8 +65,8 @@ def parse_bytes(text: str, *, what: str = "--memory") -> int:
     if not unit:
         if not number.isdigit() or int(number) < MIN_BARE_BYTES:
             raise PlanError(
-                f"{what}={text!r} has no unit; a bare number is read as bytes and must be a "
-                f"whole number >= {MIN_BARE_BYTES}; {example}"
+                f"{what}={text!r} has no unit (did you mean {number}GiB?); a bare number is "
+                f"read as bytes and must be a whole number >= {MIN_BARE_BYTES}; {example}"
             )
         value = int(number)
     else:
