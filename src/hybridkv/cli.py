@@ -81,8 +81,8 @@ def run_guarded(as_json: bool, body: Callable[[], None]) -> None:
         if as_json:
             emit_json({"error": {"type": "InternalError", "message": repr(err)}})
         Console(stderr=True).print(
-            f"[red]internal error:[/red] {escape(repr(err))} (rerun with HYBRIDKV_DEBUG=1 for a traceback "
-            "and please report it)",
+            f"[red]internal error:[/red] {escape(repr(err))} (rerun with HYBRIDKV_DEBUG=1 for a "
+            "traceback and please report it)",
             highlight=False,
         )
         raise typer.Exit(EXIT_USAGE) from None
