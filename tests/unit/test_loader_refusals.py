@@ -75,3 +75,36 @@ def test_integer_weights_are_refused(draft_copy: Path, dtype: str) -> None:
     safetensors_torch.save_file(tensors, str(path))
     with pytest.raises(EngineError, match=rf"{name}.*is torch\.{dtype}"):
         load_model(draft_copy)
+
+
+# ------------------------------------------------------------------ thread choice
+
+
+def test_small_models_run_on_one_thread_unless_asked(tmp_path: Path) -> None:
+    from hybridkv.engine.threads import SMALL_MODEL_BYTES, choose_threads
+
+    assert choose_threads(None, [DEMO_DRAFT]) == 1
+    assert choose_threads(3, [DEMO_DRAFT]) == 3
+    big = tmp_path / "big"
+    big.mkdir()
+    with open(big / WEIGHTS, "wb") as handle:  # sparse: no disk used
+        handle.truncate(SMALL_MODEL_BYTES + 1)
+    assert choose_threads(None, [big]) is None  # torch's default
+    with pytest.raises(EngineError, match="--threads=0"):
+        choose_threads(0, [DEMO_DRAFT])
+
+
+def test_generate_takes_threads() -> None:
+    from typer.testing import CliRunner
+
+    import hybridkv.engine.cli  # noqa: F401  (registers generate)
+    from hybridkv.cli import app
+
+    runner = CliRunner()
+    args = ["generate", "demo-draft", "--prompt-ids", "1,2,3", "--max-new-tokens", "2"]
+    result = runner.invoke(app, [*args, "--threads", "1", "--json"])
+    assert result.exit_code == 0, result.output
+    assert len(json.loads(result.stdout)["outputs"][0]["token_ids"]) == 2
+    result = runner.invoke(app, [*args, "--threads", "0"])
+    assert result.exit_code == 2
+    assert "--threads=0 must be from 1" in " ".join(result.output.split())
