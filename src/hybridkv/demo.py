@@ -26,6 +26,7 @@ DEMO_MAIN = DEMO_MODELS / "main"
 DEMO_DRAFT = DEMO_MODELS / "draft"
 DEMO_MEMORY_BYTES = 32 << 20
 DEMO_MAX_MODEL_LEN = 1024
+MAX_DEMO_REQUESTS = 1024
 
 HEADER = (
     '"""Command line tool: read files, count lines, print a report."""\n'
@@ -75,6 +76,10 @@ def run_demo(options: DemoOptions, progress: bool = True) -> tuple[Any, dict[str
 
     if options.num_requests < 1 or options.max_new_tokens < 1 or options.num_spec_tokens < 1:
         raise ValueError("--num-requests, --max-new-tokens and --num-spec must be >= 1")
+    if options.num_requests > MAX_DEMO_REQUESTS:  # prompts are built up front
+        raise ValueError(
+            f"--num-requests={options.num_requests}: the demo serves at most {MAX_DEMO_REQUESTS}"
+        )
     apply_threads(options.threads, (DEMO_MAIN, DEMO_DRAFT))  # tiny models: 1 thread
     start = time.perf_counter()
     llm = LLM(
