@@ -1,8 +1,8 @@
 """Write the built-in presets (``src/hybridkv/models/presets/<name>.json``) from models.json.
 
 Usage: ``python scripts/make_presets.py [--models PATH] [--out DIR]``. By default reads
-``scripts/data/models.json`` (the model table, each entry with its sources). Each preset is an HF-style
-``config.json`` holding the fields the adapter reads, laid out the way the family's real
+``scripts/data/models.json`` (the model table, each entry with its sources). Each preset is an
+HF-style ``config.json`` holding the fields the adapter reads, laid out the way the family's real
 checkpoints state them (patterns as ``layer_types`` / ``hybrid_override_pattern`` /
 ``attn_layer_period`` ... built from the table's layer indices), plus a ``"_hybridkv"``
 key with the name, hf_id, family, sources and notes. Entries that lack a number the

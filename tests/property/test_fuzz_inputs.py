@@ -262,3 +262,33 @@ def test_fuzz_simulate_exits_0_or_2_long(
     tmp_path_factory, lines: list[str], flags: list[str]
 ) -> None:
     _simulate(tmp_path_factory.mktemp("fuzz"), lines, flags)
+
+
+# --------------------------------------------------------------------- trace-gen
+
+RANGES = st.sampled_from(["1:8", "8:64", "64:8", "0:4", "5", "1:100000000", "x", "3:"])
+TRACE_GEN_FLAGS: dict[str, st.SearchStrategy[str]] = {
+    "--num-requests": st.sampled_from(["0", "1", "20", "-1", str(10**9)]),
+    "--seed": st.sampled_from(["0", "7", "-1", str(2**70)]),
+    "--max-drafts": st.sampled_from(["0", "4", "-2", "100000"]),
+    "--rate": st.sampled_from(["0", "8", "-1", "nan", "inf", "1e300"]),
+    "--prefix-len": RANGES,
+    "--suffix-len": RANGES,
+    "--output-len": RANGES,
+    "--num-prefixes": st.sampled_from(["1", "3", "0", "1000000"]),
+    "--max-turns": st.sampled_from(["1", "4", "0", "100000"]),
+}
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    st.sampled_from(["chat", "agentic", "suffix", "documents", "poetry"]),
+    st.lists(st.sampled_from(sorted(TRACE_GEN_FLAGS)), max_size=5, unique=True),
+    st.data(),
+)
+def test_fuzz_trace_gen_exits_0_or_2(tmp_path_factory, kind: str, flags: list, data) -> None:
+    out = tmp_path_factory.mktemp("gen") / "t.jsonl"
+    args = ["trace-gen", kind, str(out), "--num-requests", "20", "--prefix-len", "1:64"]
+    for flag in flags:
+        args += [flag, data.draw(TRACE_GEN_FLAGS[flag])]
+    _check_cli(args)
