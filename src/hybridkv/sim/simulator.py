@@ -17,7 +17,8 @@ from typing import Any
 from hybridkv.plan.types import CachePlan
 from hybridkv.sim.cost import StepCost
 from hybridkv.sim.metrics import MetricsRecorder, SimResult, finalize
-from hybridkv.sim.scheduler import Scheduler, SchedulerConfig
+from hybridkv.sched import chunk_align_for
+from hybridkv.sim.scheduler import SchedulerConfig, TraceReplay
 from hybridkv.sim.trace import TraceRequest, read_trace
 
 EAGLE_METHODS = ("eagle", "mtp")  # drafters that read their own KV at the hit position
@@ -41,16 +42,16 @@ def leaked_blocks(manager: Any, plan: CachePlan) -> int:
 
 
 def scheduler_config(plan: CachePlan, **overrides: Any) -> SchedulerConfig:
-    """Limits from the plan's options: max_num_seqs, the token budget, K drafts, and
+    """Limits from the plan's options, read as the engine reads them
+    (`hybridkv.sched.config_from_plan`): max_num_seqs, the token budget, K drafts, and
     chunk alignment to the hit granularity when state groups checkpoint (``align``)."""
     opts = plan.options
-    align = any(g.kind == "state" and g.state_mode == "align" for g in plan.groups)
     base = SchedulerConfig(
         max_num_seqs=opts.max_num_seqs,
         max_num_batched_tokens=opts.max_num_batched_tokens,
         # Without a speculative method the plan reserves no draft slots or states.
         max_spec_tokens=opts.num_spec_tokens if opts.spec_method else 0,
-        chunk_align_tokens=plan.hit_granularity_tokens if align and opts.prefix_caching else 0,
+        chunk_align_tokens=chunk_align_for(plan),
     )
     return dataclasses.replace(base, **overrides)
 
@@ -84,7 +85,7 @@ def simulate(
     if manager is None:
         manager = build_manager(plan, enable_prefix_caching=enable_prefix_caching)
     recorder = MetricsRecorder()
-    scheduler = Scheduler(manager, requests, config, cost or StepCost(), recorder)
+    scheduler = TraceReplay(manager, requests, config, cost or StepCost(), recorder)
     start = perf_counter()
     scheduler.run()
     wall_s = perf_counter() - start
