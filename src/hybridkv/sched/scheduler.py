@@ -77,8 +77,8 @@ class Scheduler:
             )
         limit = self.config.max_model_len
         if limit is not None:
-            req.max_total_tokens = limit if req.max_total_tokens is None else min(
-                limit, req.max_total_tokens
+            req.max_total_tokens = (
+                limit if req.max_total_tokens is None else min(limit, req.max_total_tokens)
             )
         if req.max_total_tokens is not None and req.num_tokens >= req.max_total_tokens:
             req.status = Status.REFUSED
@@ -426,9 +426,7 @@ class Scheduler:
             raise InvariantError(
                 f"waiting request {req.req_id!r} has {req.num_computed} computed tokens"
             )
-        pending = self._pending is not None and any(
-            c.request is req for c in self._pending.chunks
-        )
+        pending = self._pending is not None and any(c.request is req for c in self._pending.chunks)
         if req.status is Status.RUNNING and not pending:
             held = self.manager.num_computed_tokens(req.req_id)
             if held != req.num_computed or not 0 < req.num_computed < req.num_tokens + 1:

@@ -15,9 +15,9 @@ from time import perf_counter
 from typing import Any
 
 from hybridkv.plan.types import CachePlan
+from hybridkv.sched import chunk_align_for
 from hybridkv.sim.cost import StepCost
 from hybridkv.sim.metrics import MetricsRecorder, SimResult, finalize
-from hybridkv.sched import chunk_align_for
 from hybridkv.sim.scheduler import SchedulerConfig, TraceReplay
 from hybridkv.sim.trace import TraceRequest, read_trace
 
