@@ -9,13 +9,13 @@ summed over pools, and `check_invariants()` runs once more at the end.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from time import perf_counter
 from typing import Any
 
 from hybridkv.plan.types import CachePlan
-from hybridkv.sched import chunk_align_for
+from hybridkv.sched import SchedulerOutput, StepReport, chunk_align_for
 from hybridkv.sim.cost import StepCost
 from hybridkv.sim.metrics import MetricsRecorder, SimResult, finalize
 from hybridkv.sim.scheduler import SchedulerConfig, TraceReplay
@@ -67,13 +67,15 @@ def simulate(
     enable_prefix_caching: bool | None = None,
     config: SchedulerConfig | None = None,
     manager: Any = None,
+    on_step: Callable[[SchedulerOutput, StepReport], None] | None = None,
 ) -> SimResult:
     """Replay ``trace`` (requests or a JSONL path) under ``plan``; returns the metrics.
 
     ``check_every=N`` calls the manager's `check_invariants()` every N steps (always
     once at the end). ``batched`` drives the running requests through
     `allocate_batch` / `commit_batch`. ``config`` overrides the scheduler limits that
-    otherwise come from ``plan.options``; ``manager`` lets a caller pass its own.
+    otherwise come from ``plan.options``; ``manager`` lets a caller pass its own;
+    ``on_step(output, report)`` sees every step's decisions (to compare with an engine).
     Raises `TraceError` for a bad trace file and `SimulationError` when a request
     cannot fit alone.
     """
@@ -85,7 +87,7 @@ def simulate(
     if manager is None:
         manager = build_manager(plan, enable_prefix_caching=enable_prefix_caching)
     recorder = MetricsRecorder()
-    scheduler = TraceReplay(manager, requests, config, cost or StepCost(), recorder)
+    scheduler = TraceReplay(manager, requests, config, cost or StepCost(), recorder, on_step)
     start = perf_counter()
     scheduler.run()
     wall_s = perf_counter() - start
