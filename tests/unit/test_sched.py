@@ -265,3 +265,22 @@ def test_results_that_contradict_the_step_are_refused():
         s.update(out, {"a": StepResult(3, [1, 2, 3, 4])})
     with pytest.raises(SchedulerError, match="awaits update"):
         s.schedule({})
+
+
+def test_waiters_are_not_serialised_when_hits_come_in_larger_granules():
+    """Hash unit 16, hit granule 64 (state checkpoints): after the blocker, the hit is
+    192 for everyone (224 shared); the granule 192-256 is only partly shared, so nobody
+    waits for anyone else's suffix and all three are admitted in the same step."""
+    s, _ = make(
+        groups=[ToyGroup("state", 64), ToyGroup("full", 16)],
+        num_blocks=400,
+        chunk_align_tokens=64,
+    )
+    assert s.manager.hash_unit_tokens == 16 and s.manager.plan.hit_granularity_tokens == 64
+    for r in shared_prefix_requests(4, suffix_len=32):
+        s.add(r)
+    out, _ = step(s)
+    assert decisions(out) == [("r0", 0, 256, 0)] and len(out.deferred) == 3
+    out, _ = step(s)
+    admitted = [(c.request.req_id, c.prefix_hit) for c in out.chunks if c.prefix_hit is not None]
+    assert admitted == [("r1", 192), ("r2", 192), ("r3", 192)] and out.deferred == ()

@@ -55,6 +55,12 @@ class Scheduler:
         self._pending: SchedulerOutput | None = None
         self._dedupe = config.cache_aware and bool(getattr(manager, "caching", True))
         self._unit = int(manager.hash_unit_tokens) if self._dedupe else 0
+        # Hits come in granules (state checkpoints, attention blocks): waiting pays only
+        # when a running prefill computes the whole next granule of a waiting request.
+        granule = getattr(getattr(manager, "plan", None), "hit_granularity_tokens", None)
+        self._granule: int = self._unit
+        if isinstance(granule, int) and self._unit and granule % self._unit == 0:
+            self._granule = granule
 
     # ------------------------------------------------------------------ requests
     @property
@@ -306,11 +312,16 @@ class Scheduler:
         return inflight
 
     def _computed_by_others(self, req: Request, hit: int, inflight: set[bytes]) -> bool:
-        """Whether ``req``'s next uncached unit is one a running prefill computes now:
-        then it waits for that commit and hits it instead of computing it twice."""
+        """Whether a running prefill computes ``req``'s next hit granule, up to its last
+        unit: then ``req`` waits for that commit and hits it instead of computing it
+        twice. (Deferring for a partly shared granule would gain nothing: the hit stays
+        at the granule start, and the waiters would prefill one after another.)
+
+            G = 64, unit 16, hit 192: wait iff the unit [240, 256) is in flight
+        """
         if not inflight:
             return False
-        index = hit // self._unit
+        index = (hit // self._granule + 1) * self._granule // self._unit - 1
         nxt = self.manager.block_hashes(req.req_id, index, index + 1)
         return bool(nxt) and nxt[0] in inflight
 
