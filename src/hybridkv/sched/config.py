@@ -34,10 +34,17 @@ class SchedulerConfig:
     max_spec_tokens: int | None = None
     cache_aware: bool = True
     reorder_window: int = 32
+    reorder_refresh_steps: int = 8  # steps an ordering hit is reused before a new lookup
     batch_commits: bool = True  # one `commit_batch` call per step when the manager has it
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "chunk_size", "max_model_len"):
+        for name in (
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "chunk_size",
+            "max_model_len",
+            "reorder_refresh_steps",
+        ):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise SchedulerError(f"SchedulerConfig.{name}={value}: needs >= 1")

@@ -52,6 +52,7 @@ class Scheduler:
         self.num_deferrals = 0  # waiting-request steps deferred by in-batch dedupe
         self._seq = itertools.count()
         self._live: dict[str, Request] = {}
+        self._order_hits: dict[str, tuple[int, int]] = {}  # req -> (step, hit) for ordering
         self._pending: SchedulerOutput | None = None
         self._dedupe = config.cache_aware and bool(getattr(manager, "caching", True))
         self._unit = int(manager.hash_unit_tokens) if self._dedupe else 0
@@ -236,12 +237,12 @@ class Scheduler:
         cfg = self.config
         if not self.waiting or budget <= 0 or len(self.running) >= cfg.max_num_seqs:
             return
-        order, hits = self._admission_order()
+        order = self._admission_order()
         inflight = self._inflight_hashes() if self._dedupe else None
         for req in order:
             if budget <= 0 or len(self.running) >= cfg.max_num_seqs:
                 break
-            hit = hits[req.req_id] if req.req_id in hits else self.manager.lookup(req.req_id)
+            hit = self.manager.lookup(req.req_id)
             if inflight is not None and self._computed_by_others(req, hit, inflight):
                 deferred.append(req.req_id)
                 self.num_deferrals += 1
@@ -266,6 +267,7 @@ class Scheduler:
                     )
                 break
             self.waiting.remove(req)
+            self._order_hits.pop(req.req_id, None)
             req.status = Status.RUNNING
             req.num_computed = hit
             req.prefix_hit_tokens += hit
@@ -284,17 +286,27 @@ class Scheduler:
             )
         return self.chunk(hit, req.num_tokens - hit, self._prefill_budget(budget))
 
-    def _admission_order(self) -> tuple[list[Request], dict[str, int]]:
-        """Waiting requests in admission order, and the hits looked up to order them:
-        (priority, longest cached prefix first, arrival) among the first
-        ``reorder_window``, arrival order after them (bounded lookups per step)."""
+    def _admission_order(self) -> list[Request]:
+        """Waiting requests in admission order: (priority, longest cached prefix first,
+        arrival) among the first ``reorder_window``, arrival order after them.
+
+        The ordering hit of a request is looked up again only every
+        ``reorder_refresh_steps`` steps (lookups cost a prefix scan each; a stale key
+        only changes the order, admission itself looks up afresh)."""
         window = self.config.reorder_window if self._dedupe else 0
         if window < 2 or len(self.waiting) < 2:
-            return list(self.waiting), {}
+            return list(self.waiting)
         head = self.waiting[:window]
-        hits = {r.req_id: self.manager.lookup(r.req_id) for r in head}
+        refresh = self.config.reorder_refresh_steps
+        hits: dict[str, int] = {}
+        for r in head:
+            memo = self._order_hits.get(r.req_id)
+            if memo is None or self.num_steps - memo[0] >= refresh:
+                memo = (self.num_steps, self.manager.lookup(r.req_id))
+                self._order_hits[r.req_id] = memo
+            hits[r.req_id] = memo[1]
         head.sort(key=lambda r: (r.priority, -hits[r.req_id], r.seq))
-        return head + self.waiting[window:], hits
+        return head + self.waiting[window:]
 
     def _uncomputed_hashes(self, req: Request) -> list[bytes]:
         """Hashes of the full units a running prefill has still to compute and commit."""
@@ -399,6 +411,7 @@ class Scheduler:
             self.manager.commit(req_id, a, new)
 
     def _retire(self, req: Request, status: Status) -> None:
+        self._order_hits.pop(req.req_id, None)
         self.manager.free(req.req_id)
         del self._live[req.req_id]
         req.status = status

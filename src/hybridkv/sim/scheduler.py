@@ -60,6 +60,7 @@ class SchedulerConfig:
     max_model_len: int | None = None
     cache_aware: bool = True
     reorder_window: int = 32
+    reorder_refresh_steps: int = 8
 
     def policy(self) -> sched.SchedulerConfig:
         """The scheduler's config (the limits above)."""
@@ -72,6 +73,7 @@ class SchedulerConfig:
             max_spec_tokens=self.max_spec_tokens,
             cache_aware=self.cache_aware,
             reorder_window=self.reorder_window,
+            reorder_refresh_steps=self.reorder_refresh_steps,
             batch_commits=self.batched,
         )
 
