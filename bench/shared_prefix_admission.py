@@ -9,7 +9,7 @@ alternating repetitions; the table prints medians with [min, max] and the ratio,
 checks that both modes produce the same tokens (greedy).
 
     python bench/shared_prefix_admission.py [--requests 32] [--prefix 224] [--suffix 32]
-        [--new 16] [--reps 3] [--json]
+        [--new 16] [--reps 3] [--memory-mib 64] [--json]
 """
 
 from __future__ import annotations
@@ -37,20 +37,22 @@ def prompts(num: int, prefix_len: int, suffix_len: int, seed: int = 0) -> list[l
     return [prefix + [rng.choice(VOCAB_TEXT) for _ in range(suffix_len)] for _ in range(num)]
 
 
-def run_once(cache_aware: bool, batch: list[list[int]], num_new: int) -> dict:
+def run_once(cache_aware: bool, batch: list[list[int]], num_new: int, memory: int) -> dict:
     llm = LLM(
         DEMO_MAIN,
-        memory_bytes=32 << 20,
+        memory_bytes=memory,
         max_model_len=1024,
         max_num_seqs=len(batch),
         max_num_batched_tokens=8192,
         cache_aware=cache_aware,
     )
-    counters = {"prefill_tokens": 0, "decode_tokens": 0, "deferred": 0}
+    counters = {"prefill_tokens": 0, "decode_tokens": 0, "deferred": 0, "hit_tokens": 0}
 
     def count(output: SchedulerOutput, report: StepReport) -> None:
         for c in output.chunks:
             counters["decode_tokens" if c.decode else "prefill_tokens"] += c.num_new_tokens
+            if c.prefix_hit is not None and not c.request.num_preemptions:
+                counters["hit_tokens"] += c.prefix_hit  # first admissions only
         counters["deferred"] += len(output.deferred)
 
     llm.stepper.hooks.append(count)
@@ -58,13 +60,12 @@ def run_once(cache_aware: bool, batch: list[list[int]], num_new: int) -> dict:
     results = llm.generate(batch, num_new, ignore_eos=True)
     wall_s = time.perf_counter() - start
     prompt_tokens = sum(len(p) for p in batch)
-    hit = sum(r.stats.prefix_hit_tokens for r in results)
     return {
         **counters,
         "wall_s": wall_s,
         "steps": llm.stats().num_steps,
-        "hit_tokens": hit,
-        "hit_rate": hit / prompt_tokens,
+        "preemptions": llm.stats().num_preemptions,
+        "hit_rate": counters["hit_tokens"] / prompt_tokens,
         "tokens": [r.token_ids for r in results],
     }
 
@@ -77,6 +78,7 @@ def main() -> None:
     parser.add_argument("--new", type=int, default=16)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--memory-mib", type=int, default=64)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -84,10 +86,10 @@ def main() -> None:
     runs: dict[bool, list[dict]] = {False: [], True: []}
     for _ in range(args.reps):
         for mode in (False, True):  # alternating, same process
-            runs[mode].append(run_once(mode, batch, args.new))
+            runs[mode].append(run_once(mode, batch, args.new, args.memory_mib << 20))
     same = all(r["tokens"] == runs[False][0]["tokens"] for rs in runs.values() for r in rs)
     rows = []
-    for key in ("prefill_tokens", "hit_rate", "steps", "deferred", "wall_s"):
+    for key in ("prefill_tokens", "hit_rate", "steps", "preemptions", "deferred", "wall_s"):
         values = {m: [r[key] for r in runs[m]] for m in runs}
         med = {m: statistics.median(v) for m, v in values.items()}
         rows.append(
