@@ -111,7 +111,7 @@ def run_demo(options: DemoOptions, progress: bool = True) -> tuple[Any, dict[str
                     llm.add_request(p, params, i) for i, p in enumerate(prompts[1:], start=1)
                 )
             # a request stopped at EOS leaves its remaining tokens to the bar
-            now = sum(r.params.max_new_tokens if r.done else len(r.output) for r in requests)
+            now = sum(r.max_new_tokens if r.done else len(r.output) for r in requests)
             advance(now - done)
             done = now
 
