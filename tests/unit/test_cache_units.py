@@ -84,8 +84,15 @@ def test_hashes_are_deterministic_across_processes():
     assert runs == {out[-1].hex() + "\n"}
 
 
+def test_xxhash_is_refused_with_the_reason():
+    """A non-cryptographic chain would let a forced collision cross tenants and
+    prefixes; the option is refused rather than half-verified."""
+    with pytest.raises(CacheError, match="collision"):
+        CacheManager(toy_plan([ToyGroup("full", 4)]), hash_algo="xxhash")
+
+
 def test_extra_keys_separate_chains():
-    hasher = BlockHasher("xxhash", 4)
+    hasher = BlockHasher("sha256", 4)
     chains = set()
     for salt, lora in ((None, None), ("a", None), (None, 1), ("a", 1)):
         out: list[bytes] = []
