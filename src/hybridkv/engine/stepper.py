@@ -34,7 +34,6 @@ from hybridkv.engine.speculative import DraftModelDrafter, Drafts, SpecCounters
 from hybridkv.engine.verify import Verdict, verify_greedy, verify_sampling
 from hybridkv.errors import EngineError
 from hybridkv.plan.types import CachePlan
-from hybridkv.spec.layers import STATE
 
 
 def emitted(verdict: Verdict, req: Request) -> Verdict:
@@ -84,8 +83,8 @@ class Stepper:
         self.req_spec: dict[str, SpecCounters] = {}
         self.num_steps = self.num_tokens = self.num_output = 0
         self.hits = {"attention": 0, "state": 0}
-        self._has_attention = any(g.kind != STATE for g in plan.groups)
-        self._state_groups = [g.group_id for g in plan.groups if g.kind == STATE]
+        self._has_attention = any(not g.is_state for g in plan.groups)
+        self._state_groups = [g.group_id for g in plan.groups if g.is_state]
 
     # ------------------------------------------------------------------ requests
     def add(self, req: Request) -> None:
