@@ -24,6 +24,7 @@ persistent tables. Misuse raises `CacheError` before anything changes.
 from __future__ import annotations
 
 import operator
+from array import array
 from collections import Counter
 from collections.abc import Sequence
 
@@ -435,7 +436,13 @@ def _token_list(req_id: str, name: str, tokens: object) -> list[int]:
             f"{type(tokens).__name__}"
         )
     out = list(tokens)  # type: ignore[call-overload]
-    for i, t in enumerate(out):
+    if set(map(type, out)) <= {int}:  # the common case, checked at C speed
+        try:
+            if not out or min(array("q", out)) >= 0:
+                return out
+        except OverflowError:
+            pass
+    for i, t in enumerate(out):  # slow path: find and name the culprit (or convert)
         if type(t) is not int:
             if isinstance(t, bool) or not hasattr(t, "__index__"):
                 raise CacheError(

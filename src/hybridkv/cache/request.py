@@ -48,11 +48,14 @@ class RequestRecord:
 
     __slots__ = (
         "commit_below",
+        "commit_limits",
+        "end_limits",
         "fast_end",
         "fast_lookahead",
         "fast_verified",
         "hashes",
         "limits",
+        "lookahead_limits",
         "max_accept",
         "nulled",
         "num_computed",
@@ -67,6 +70,7 @@ class RequestRecord:
         "started",
         "states",
         "tokens",
+        "verified_limits",
     )
 
     def __init__(self, req_id: str, tokens: list[int], root: bytes, max_accept: int) -> None:
@@ -143,27 +147,42 @@ class RequestRecord:
         """No fast path (no blocks held)."""
         self.fast_end = self.fast_verified = self.fast_lookahead = self.commit_below = 0
         self.limits = []
+        # the limits as ints, per group (None -> _UNBOUNDED), for C-speed minima
+        self.end_limits: list[int] = []
+        self.verified_limits: list[int] = []
+        self.lookahead_limits: list[int] = []
+        self.commit_limits: list[int] = []
 
     def start(self, managers: Sequence[GroupManager], states: list[Any]) -> None:
         """Hold ``states`` (one per group), as the first allocate after a lookup does."""
         self.started = True
         self.states = states
-        self.settlers = [
-            (m.settle_fast, s)
-            for m, s in zip(managers, states, strict=True)
-            if m.moves_on_fast_commit
-        ]
-        self.limits = [_NO_FAST] * len(managers)
+        pairs = zip(managers, states, strict=True)
+        self.settlers = [(m.settle_fast, s) for m, s in pairs if m.moves_on_fast_commit]
+        num = len(managers)
+        self.limits = [_NO_FAST] * num
+        self.end_limits = [0] * num
+        self.verified_limits = [0] * num
+        self.lookahead_limits = [0] * num
+        self.commit_limits = [0] * num
 
     def refresh_limits(self, managers: Sequence[GroupManager], groups: Sequence[int]) -> None:
         """Recompute the limits of ``groups`` (indexes into ``managers``), then the minimum."""
         limits, c, states = self.limits, self.num_computed, self.states
+        ends, verified = self.end_limits, self.verified_limits
+        lookahead, commit = self.lookahead_limits, self.commit_limits
         for g in groups:
-            limits[g] = managers[g].fast_limits(states[g], c)
-        self.fast_end = min(_num(x.end_tokens) for x in limits)
-        self.fast_verified = min(_num(x.verified_tokens) for x in limits)
-        self.fast_lookahead = min(_num(x.lookahead_tokens) for x in limits)
-        self.commit_below = min(_num(x.commit_below) for x in limits)
+            x = limits[g] = managers[g].fast_limits(states[g], c)
+            ends[g] = _UNBOUNDED if x[0] is None else x[0]
+            verified[g] = _UNBOUNDED if x[1] is None else x[1]
+            lookahead[g] = _UNBOUNDED if x[2] is None else x[2]
+            commit[g] = _UNBOUNDED if x[3] is None else x[3]
+        if len(limits) == 1:
+            self.fast_end, self.fast_verified = ends[0], verified[0]
+            self.fast_lookahead, self.commit_below = lookahead[0], commit[0]
+        else:
+            self.fast_end, self.fast_verified = min(ends), min(verified)
+            self.fast_lookahead, self.commit_below = min(lookahead), min(commit)
 
     def check_limits(self, managers: Sequence[GroupManager]) -> None:
         """The cached limits are each manager's own, and the minima theirs."""
@@ -178,36 +197,34 @@ class RequestRecord:
                     f"request {self.req_id!r} group {g}: cached fast limits {cached} but the "
                     f"manager says {fresh} at {self.num_computed} computed tokens"
                 )
-        minima = (
-            min(_num(x.end_tokens) for x in self.limits),
-            min(_num(x.verified_tokens) for x in self.limits),
-            min(_num(x.lookahead_tokens) for x in self.limits),
-            min(_num(x.commit_below) for x in self.limits),
-        )
-        if minima != (self.fast_end, self.fast_verified, self.fast_lookahead, self.commit_below):
+        as_ints = [[_num(x[i]) for x in self.limits] for i in range(4)]
+        stored = [self.end_limits, self.verified_limits, self.lookahead_limits, self.commit_limits]
+        minima = tuple(min(values) for values in as_ints)
+        if as_ints != stored or minima != (
+            self.fast_end,
+            self.fast_verified,
+            self.fast_lookahead,
+            self.commit_below,
+        ):
             raise InvariantError(f"request {self.req_id!r}: fast-path minima {minima} are stale")
 
     def groups_to_allocate(self, n: int, lookahead: int) -> list[int]:
         """Groups whose own limits the step ``(n, lookahead)`` crosses (called once the
         fast path failed for a running request)."""
-        limits = self.limits
-        if len(limits) == 1:
+        ends = self.end_limits
+        if len(ends) == 1:
             return [0]
         top = self.num_computed + n
         end = top + lookahead
+        verified, spec = self.verified_limits, self.lookahead_limits
         return [
-            g
-            for g, x in enumerate(limits)
-            if end > _num(x.end_tokens)
-            or top > _num(x.verified_tokens)
-            or lookahead > _num(x.lookahead_tokens)
+            g for g in range(len(ends)) if end > ends[g] or top > verified[g] or lookahead > spec[g]
         ]
 
     def groups_to_commit(self, c2: int, always: Sequence[bool]) -> list[int]:
         """Groups with something to cache or release at ``c2``, plus the ``always`` ones
         (state groups)."""
-        return [
-            g
-            for g, (x, forced) in enumerate(zip(self.limits, always, strict=True))
-            if forced or c2 >= _num(x.commit_below)
-        ]
+        commit = self.commit_limits
+        if len(commit) == 1:
+            return [0]  # called once the fast commit failed: the one group has work
+        return [g for g, forced in enumerate(always) if forced or c2 >= commit[g]]

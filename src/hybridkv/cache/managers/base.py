@@ -9,8 +9,7 @@ set of state blocks) is an object the manager creates and the request keeps. Pos
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 from hybridkv.cache.block_pool import BlockPool
 from hybridkv.cache.delta import GroupDelta
@@ -18,8 +17,7 @@ from hybridkv.ids import BlockId
 from hybridkv.plan.types import GroupPlan
 
 
-@dataclass(frozen=True, slots=True)
-class FastLimits:
+class FastLimits(NamedTuple):
     """How far a request's step may go in one group without this group's slow path.
 
     ``None`` means this group sets no bound of that kind. With ``c`` computed, ``n``
@@ -32,6 +30,7 @@ class FastLimits:
 
     Example, full attention B 16 holding 3 blocks, 2 cached: ``end_tokens 48,
     commit_below 48`` (the third block fills at 48 and is then cached).
+    An immutable named tuple: built on every slow step, so it must be cheap.
     """
 
     end_tokens: int | None = None
