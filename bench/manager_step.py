@@ -14,9 +14,10 @@ its own venv (``/work/vllm-venv`` or ``--vllm-python``) via ``_vllm_driver.py``;
 it the table shows hybridkv only and says so.
 
 Pools: each side is first run on a large pool to measure its peak of blocks in use,
-then every timed run gets ``peak * (1 + --slack)`` blocks: tight enough that cached
-blocks are evicted on both sides, loose enough that no allocation fails (a failure
-would change the work; the run aborts instead). The work counters of both sides
+then every timed run gets the smallest of ``peak * (1 + slack * 2^i)`` blocks whose run
+does exactly the work of the large pool and evicts: tight enough that cached blocks are
+evicted on both sides, loose enough that no allocation fails and no hit is lost (either
+would change the work). The work counters of both sides
 (steps, request-steps, tokens, drafts, hit tokens, allocate calls, evictions) are
 printed so that anyone can see the work was equal. ``--reps`` alternating repetitions
 (ours, vLLM, ours, ...); medians with the range.
@@ -438,8 +439,69 @@ def _report(
 
 
 # ---------------------------------------------------------------------- main
+def _tight_pool(sizing: dict, attempt: Callable[[int], dict | None], slack: float) -> int:
+    """Smallest of peak * (1 + slack * 2^i), i = 0..4, whose run does the same work as
+    on a large pool (same counters: evictions must not cost a hit) and evicts."""
+    peak = sizing["peak_used_blocks"]
+    for i in range(5):
+        blocks = int(peak * (1 + slack * 2**i)) + 1
+        try:
+            result = attempt(blocks)
+        except SystemExit:
+            continue
+        if result and result["counts"] == sizing["counts"] and result.get("evictions"):
+            return blocks
+    raise SystemExit(f"no pool between {peak} and {blocks} blocks keeps the work equal")
+
+
 def _fmt(values: list[float]) -> str:
     return f"{statistics.median(values):.2f} [{min(values):.2f}-{max(values):.2f}]"
+
+
+def _run_config(name: str, args: argparse.Namespace, use_vllm: bool, console: Console) -> None:
+    k = args.max_drafts
+    big = build_plan(name, k)
+    block = max(g.block_size for g in big.groups)
+    unit = hash_unit_tokens(big)
+    trace = make_trace(args.num_requests, k, block, args.max_running, args.seed)
+    sizing = run_ours(big, trace, track_peak=True)
+    ours_blocks = _tight_pool(
+        sizing,
+        lambda blocks: run_ours(with_pool_blocks(big, blocks), trace, track_peak=True),
+        args.slack,
+    )
+    ours_plan = with_pool_blocks(big, ours_blocks)
+    groups = vllm_groups(big, k)
+    vllm_blocks = None
+    check = None
+    vsizing: dict = {}
+    if use_vllm:
+        vsizing = run_vllm(args.vllm_python, groups, 1 << 22, trace, measure_peak=True) or {}
+        if vsizing:
+            vllm_blocks = _tight_pool(
+                vsizing,
+                lambda blocks: run_vllm(args.vllm_python, groups, blocks, trace, measure_peak=True),
+                args.slack,
+            )
+            check = run_vllm(args.vllm_python, groups, vllm_blocks, trace, measure_peak=True)
+    ours_runs: list[dict] = []
+    vllm_runs: list[dict] = []
+    for _ in range(args.reps):
+        ours_runs.append(run_ours(ours_plan, trace))
+        if vllm_blocks is not None:
+            ref = run_vllm(args.vllm_python, groups, vllm_blocks, trace)
+            if ref is not None:
+                vllm_runs.append(ref)
+    costs = unit_costs(unit)
+    _report(console, name, big, block, args, ours_runs, vllm_runs, check, costs, unit)
+    console.print(
+        f"pools: hybridkv {ours_blocks} blocks (peak in use {sizing['peak_used_blocks']}), "
+        + (
+            f"vLLM {vllm_blocks} blocks (peak in use {vsizing['peak_used_blocks']})"
+            if vllm_blocks
+            else "vLLM absent"
+        )
+    )
 
 
 def main() -> None:
@@ -448,49 +510,16 @@ def main() -> None:
     parser.add_argument("--max-running", type=int, default=256)
     parser.add_argument("--max-drafts", type=int, default=7)
     parser.add_argument("--reps", type=int, default=5)
-    parser.add_argument("--slack", type=float, default=0.05)
+    parser.add_argument("--slack", type=float, default=0.1)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--configs", default="full,hybrid")
     parser.add_argument("--vllm-python", default=DEFAULT_VLLM_PYTHON)
     parser.add_argument("--no-vllm", action="store_true")
     args = parser.parse_args()
-    k = args.max_drafts
     use_vllm = not args.no_vllm and Path(args.vllm_python).exists()
     console = Console(width=140)
     for name in args.configs.split(","):
-        big = build_plan(name, k)
-        block = max(g.block_size for g in big.groups)
-        unit = hash_unit_tokens(big)
-        trace = make_trace(args.num_requests, k, block, args.max_running, args.seed)
-        sizing = run_ours(big, trace, track_peak=True)
-        ours_blocks = int(sizing["peak_used_blocks"] * (1 + args.slack)) + 1
-        ours_plan = with_pool_blocks(big, ours_blocks)
-        groups = vllm_groups(big, k)
-        vllm_blocks = None
-        check = None
-        if use_vllm:
-            vsizing = run_vllm(args.vllm_python, groups, 1 << 22, trace, measure_peak=True)
-            if vsizing is not None:
-                vllm_blocks = int(vsizing["peak_used_blocks"] * (1 + args.slack)) + 1
-                check = run_vllm(args.vllm_python, groups, vllm_blocks, trace, measure_peak=True)
-        ours_runs: list[dict] = []
-        vllm_runs: list[dict] = []
-        for _ in range(args.reps):
-            ours_runs.append(run_ours(ours_plan, trace))
-            if vllm_blocks is not None:
-                ref = run_vllm(args.vllm_python, groups, vllm_blocks, trace)
-                if ref is not None:
-                    vllm_runs.append(ref)
-        costs = unit_costs(unit)
-        _report(console, name, big, block, args, ours_runs, vllm_runs, check, costs, unit)
-        console.print(
-            f"pools: hybridkv {ours_blocks} blocks (peak in use {sizing['peak_used_blocks']}), "
-            + (
-                f"vLLM {vllm_blocks} blocks (peak in use {vsizing['peak_used_blocks']})"
-                if vllm_blocks
-                else "vLLM absent"
-            )
-        )
+        _run_config(name, args, use_vllm, console)
     if not use_vllm:
         console.print(
             "vLLM not found: hybridkv only (install: bash "

@@ -15,7 +15,8 @@ path) and their minimum over groups::
 A step within the minimum costs a few comparisons (`try_fast_allocate`,
 `try_fast_commit`); a fast commit lets each manager whose state moves on it
 (`GroupManager.moves_on_fast_commit`: state groups) settle its own state with
-`GroupManager.settle_fast` -- the record never touches manager internals. A step past
+`GroupManager.settle_fast_all` (one call per manager kind) -- the record never touches
+manager internals. A step past
 the minimum runs only the groups whose own limits it crosses (`groups_to_allocate`,
 `groups_to_commit`) and refreshes only their limits.
 
@@ -82,8 +83,9 @@ class RequestRecord:
         self.num_computed = 0
         self.started = False  # holds per-group states (first allocate done)
         self.states: list[Any] = []
-        # (settle_fast, state) of the groups whose state moves on a fast commit
-        self.settlers: list[tuple[Callable[[Any, int], None], Any]] = []
+        # (settle_fast_all of a manager kind, states of its groups) for the groups whose
+        # state moves on a fast commit
+        self.settlers: list[tuple[Callable[[Sequence[Any], int], None], list[Any]]] = []
         self.pending = False
         self.pend_n = 0
         self.pend_lookahead = 0
@@ -136,8 +138,8 @@ class RequestRecord:
                     return False
             self.tokens.extend(new_token_ids)
         if accepted:
-            for settle, state in self.settlers:
-                settle(state, accepted)
+            for settle, states in self.settlers:
+                settle(states, accepted)
         self.num_computed = c2
         self.pending = False
         return True
@@ -157,8 +159,11 @@ class RequestRecord:
         """Hold ``states`` (one per group), as the first allocate after a lookup does."""
         self.started = True
         self.states = states
-        pairs = zip(managers, states, strict=True)
-        self.settlers = [(m.settle_fast, s) for m, s in pairs if m.moves_on_fast_commit]
+        by_kind: dict[type[GroupManager], list[Any]] = {}
+        for m, s in zip(managers, states, strict=True):
+            if m.moves_on_fast_commit:
+                by_kind.setdefault(type(m), []).append(s)
+        self.settlers = [(kind.settle_fast_all, group) for kind, group in by_kind.items()]
         num = len(managers)
         self.limits = [_NO_FAST] * num
         self.end_limits = [0] * num

@@ -153,6 +153,11 @@ class GroupManager:
     def settle_fast(self, state: Any, accepted: int) -> None:
         """Settle a step that stayed within `fast_limits` (``c2 < commit_below``)."""
 
+    @classmethod
+    def settle_fast_all(cls, states: Sequence[Any], accepted: int) -> None:
+        """`settle_fast` for the states of several groups of this kind at once (one
+        call per request and kind on the fast path; the rule must not need ``self``)."""
+
     def delta(self, state: Any, new_blocks: list[BlockId], whole: bool) -> GroupDelta | None:
         """What an engine's persistent table of this group must apply after `allocate`
         took ``new_blocks`` (``whole``: the request was just admitted). None: nothing

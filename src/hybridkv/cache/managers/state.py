@@ -213,12 +213,17 @@ class StateManager(GroupManager):
 
             running r, spares [s0, s1, s2], a = 2  ->  running s1, spares [s0, r, s2]
         """
+        self.settle_fast_all((state,), accepted)
+
+    @classmethod
+    def settle_fast_all(cls, states: Sequence[StateBlocks], accepted: int) -> None:
         if accepted:
-            spares = state.spares
             i = accepted - 1
-            block = spares[i]
-            spares[i] = state.running  # type: ignore[assignment]  # running is set: c > 0
-            state.running = state.write = block
+            for state in states:
+                spares = state.spares
+                block = spares[i]
+                spares[i] = state.running  # type: ignore[assignment]  # set: c > 0
+                state.running = state.write = block
 
     def _settles_in_place(self, state: StateBlocks, c: int, n: int, c2: int) -> bool:
         """True when the step wrote in place and no state it produced at or before ``c2``
