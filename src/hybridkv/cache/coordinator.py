@@ -188,12 +188,9 @@ class Coordinator:
                     deltas[g] = delta
         elif nulled:
             for g, span in nulled.items():
-                old = deltas.get(g)
-                deltas[g] = (
-                    GroupDelta(len(states[g].blocks), (), span)
-                    if old is None
-                    else GroupDelta(old.start, old.new_blocks, span)
-                )
+                base = deltas.get(g) or managers[g].delta(states[g], [], False)
+                if base is not None:
+                    deltas[g] = base._replace(nulled_range=span)
         if not deltas and not taken:
             return NO_CHANGE
         return StepDelta(groups=deltas, taken=taken, admitted=touch)

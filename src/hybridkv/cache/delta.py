@@ -16,13 +16,14 @@ slots per step instead (`CacheManager.state_slots`), so they never appear here.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from hybridkv.ids import BlockId
 
+_EMPTY: Mapping[int, tuple[BlockId, ...]] = {}
 
-@dataclass(frozen=True, slots=True)
-class GroupDelta:
+
+class GroupDelta(NamedTuple):
     """One group's change: ``new_blocks`` go at positions ``start, start + 1, ...``
     (null blocks included on admission); positions in ``nulled_range`` (``[lo, hi)``,
     released since the previous delta) now hold the null block."""
@@ -45,18 +46,17 @@ class GroupDelta:
         row[self.start : end] = self.new_blocks
 
 
-@dataclass(frozen=True, slots=True)
-class StepDelta:
+class StepDelta(NamedTuple):
     """Changes of one allocated step, per token-indexed group (unchanged groups are
     absent). ``admitted``: the deltas hold whole tables (first allocate of a run).
     ``taken``: blocks taken from the pools this step, per group (state groups too),
     for accounting; unlike ``groups`` it never lists hit blocks."""
 
-    groups: Mapping[int, GroupDelta] = field(default_factory=dict)
-    taken: Mapping[int, tuple[BlockId, ...]] = field(default_factory=dict)
+    groups: Mapping[int, GroupDelta] = _EMPTY  # type: ignore[assignment]
+    taken: Mapping[int, tuple[BlockId, ...]] = _EMPTY
     admitted: bool = False
 
-    def __bool__(self) -> bool:
+    def __bool__(self) -> bool:  # a named tuple is immutable and cheap to build
         return bool(self.groups) or bool(self.taken)
 
     def new_block_ids(self) -> dict[int, list[BlockId]]:

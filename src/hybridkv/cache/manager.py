@@ -313,8 +313,9 @@ class CacheManager:
     ) -> StepDelta | None:
         if r is None:
             r = self._get(req_id)
-        n = _count(req_id, "num_new_tokens", n)
-        lookahead = _count(req_id, "num_lookahead_tokens", lookahead)
+        if not (type(n) is int is type(lookahead) and n >= 0 and 0 <= lookahead <= MAX_TOKEN_ID):
+            n = _count(req_id, "num_new_tokens", n)
+            lookahead = _count(req_id, "num_lookahead_tokens", lookahead)
         if r.pending:
             raise CacheError(
                 f"allocate of request {req_id!r}: the step allocated before ({r.pend_n} new, "
@@ -371,7 +372,8 @@ class CacheManager:
             r = self._get(req_id)
         if not r.pending:
             raise CacheError(f"commit of request {req_id!r} without an allocated step")
-        a = _count(req_id, "num_accepted_tokens", a)
+        if type(a) is not int or a < 0:
+            a = _count(req_id, "num_accepted_tokens", a)
         new_tokens = _token_list(req_id, "new_token_ids", new_token_ids)
         if a > r.pend_lookahead:
             raise CacheError(
@@ -436,7 +438,13 @@ def _token_list(req_id: str, name: str, tokens: object) -> list[int]:
             f"{type(tokens).__name__}"
         )
     out = list(tokens)  # type: ignore[call-overload]
-    if set(map(type, out)) <= {int}:  # the common case, checked at C speed
+    if len(out) <= 8:  # a decode step's tokens: a plain loop is cheapest
+        for t in out:
+            if type(t) is not int or not 0 <= t <= MAX_TOKEN_ID:
+                break
+        else:
+            return out
+    elif set(map(type, out)) <= {int}:  # the common case, checked at C speed
         try:
             if not out or min(array("q", out)) >= 0:
                 return out

@@ -187,9 +187,7 @@ class FullAttentionManager(GroupManager):
     def release_all(self, state: TableBlocks) -> None:
         # Tail first: the end of a sequence is the least likely to be shared, so it
         # is evicted first.
-        for block in reversed(state.blocks):
-            if block != NULL_BLOCK:
-                self.pool.release(block)
+        self.pool.release_many(reversed(state.blocks))
         state.blocks = []
         state.num_cached = 0
         state.first_live = 0

@@ -259,8 +259,7 @@ class StateManager(GroupManager):
         return True
 
     def release_all(self, state: StateBlocks) -> None:
-        for block in self.held(state)[::-1]:
-            self.pool.release(block)
+        self.pool.release_many(self.held(state)[::-1])
         state.running = state.write = state.ckpt_block = None
         state.spares = []
         state.ckpt_pos = 0
