@@ -6,7 +6,7 @@ below follow from the order of allocations.
 
 from __future__ import annotations
 
-from hybridkv.cache import CacheManager
+from hybridkv.cache import NULL_BLOCK, CacheManager
 from hybridkv.cache.toy import ToyGroup, toy_plan
 
 FULL4, STATE8 = ToyGroup("full", 4), ToyGroup("state", 8)
@@ -138,4 +138,26 @@ def test_failed_allocate_changes_nothing_and_hits_are_touched_first():
     assert cm.num_free_blocks() == 5 and cm.block_info(0, 1).block_hash is not None
     assert cm.allocate("b", 12).new_block_ids() == {0: [3, 4, 5]}
     assert cm.block_table("b", 0) == [1, 2, 3, 4, 5]
+    cm.check_invariants()
+
+
+def test_sliding_delta_nulls_positions_that_left_the_window():
+    """`allocate` hands an engine only what changed: the block taken for the next
+    position and the table positions released by the previous commit (out of the
+    window), never a whole-table copy after admission."""
+    cm = CacheManager(toy_plan([ToyGroup("sliding", 4, 5)], num_blocks=16))
+    cm.add_request("a", list(range(1, 9)))  # 8 prompt tokens
+    assert cm.lookup("a") == 0
+    first = cm.allocate("a", 8)
+    assert first.admitted and first.groups[0].start == 0
+    row = []
+    first.groups[0].apply(row, NULL_BLOCK)
+    assert row == [1, 2]  # positions 0..7
+    cm.commit("a", 0, [9])  # c = 8: the next token reads 4..8, block 0 left the window
+    step = cm.allocate("a", 1)  # position 8 -> block 2
+    delta = step.groups[0]
+    assert (delta.start, delta.new_blocks, delta.nulled_range) == (2, (3,), (0, 1))
+    delta.apply(row, NULL_BLOCK)
+    assert row == cm.block_table("a", 0) == [NULL_BLOCK, 2, 3]
+    cm.commit("a", 0, [10])
     cm.check_invariants()
