@@ -33,7 +33,7 @@ from hybridkv.cache.coordinator import Coordinator
 from hybridkv.cache.delta import NO_CHANGE, StepDelta
 from hybridkv.cache.events import CacheEvent, CacheStats
 from hybridkv.cache.hashing import MAX_TOKEN_ID
-from hybridkv.cache.managers import Counters, StateManager, StepSlots
+from hybridkv.cache.managers import Counters, StepSlots
 from hybridkv.cache.request import RequestRecord
 from hybridkv.errors import CacheError, InvariantError
 from hybridkv.ids import BlockId
@@ -232,7 +232,7 @@ class CacheManager:
         r = self._get(req_id)
         self._check_group(group_id)
         manager = self._managers[group_id]
-        if not isinstance(manager, StateManager):  # narrows the type; is_state says the same
+        if not manager.is_state:
             raise CacheError(f"group {group_id} is {manager.group.kind}, not a state group")
         if not r.pending:
             raise CacheError(

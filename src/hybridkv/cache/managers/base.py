@@ -9,12 +9,35 @@ set of state blocks) is an object the manager creates and the request keeps. Pos
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, ClassVar, NamedTuple
 
 from hybridkv.cache.block_pool import BlockPool
 from hybridkv.cache.delta import GroupDelta
+from hybridkv.errors import CacheError
 from hybridkv.ids import BlockId
 from hybridkv.plan.types import GroupPlan
+
+
+@dataclass(frozen=True)
+class StepSlots:
+    """Which blocks of a state group the engine uses in the step just allocated (the
+    cache's per-group view; the engine's batched tensor of slots is
+    `hybridkv.engine.context.StateSlots`).
+
+    Read the initial state from ``read_block`` (None: start from zeros -- never from a
+    block's old contents), write the state after ``write_num_tokens`` tokens into
+    ``write_block`` (may equal ``read_block``: in place), the state after draft ``i + 1``
+    into ``spec_blocks[i]``, and, when ``checkpoint`` is ``(num_tokens, block)``, the
+    state after exactly ``num_tokens`` tokens into that block.
+    """
+
+    num_computed_tokens: int
+    read_block: BlockId | None
+    write_block: BlockId
+    write_num_tokens: int
+    spec_blocks: tuple[BlockId, ...]
+    checkpoint: tuple[int, BlockId] | None
 
 
 class FastLimits(NamedTuple):
@@ -174,6 +197,10 @@ class GroupManager:
     def fast_limits(self, state: Any, c: int) -> FastLimits:
         """This group's bounds on the fast path for ``state`` at ``c`` computed tokens."""
         raise NotImplementedError
+
+    def slots(self, state: Any, c: int, n: int, lookahead: int) -> StepSlots:
+        """The blocks a state group reads and writes in the allocated step."""
+        raise CacheError(f"group {self.group_id} is {self.group.kind}, not a state group")
 
     def check_state(self, state: Any, c: int) -> None:
         """Raise InvariantError if the per-request state is inconsistent."""

@@ -37,30 +37,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from hybridkv.cache.managers.base import FastLimits, GroupManager
+from hybridkv.cache.managers.base import FastLimits, GroupManager, StepSlots
 from hybridkv.errors import InvariantError
 from hybridkv.ids import BlockId
-
-
-@dataclass(frozen=True)
-class StepSlots:
-    """Which blocks of a state group the engine uses in the step just allocated (the
-    cache's per-group view; the engine's batched tensor of slots is
-    `hybridkv.engine.context.StateSlots`).
-
-    Read the initial state from ``read_block`` (None: start from zeros -- never from a
-    block's old contents), write the state after ``write_num_tokens`` tokens into
-    ``write_block`` (may equal ``read_block``: in place), the state after draft ``i + 1``
-    into ``spec_blocks[i]``, and, when ``checkpoint`` is ``(num_tokens, block)``, the
-    state after exactly ``num_tokens`` tokens into that block.
-    """
-
-    num_computed_tokens: int
-    read_block: BlockId | None
-    write_block: BlockId
-    write_num_tokens: int
-    spec_blocks: tuple[BlockId, ...]
-    checkpoint: tuple[int, BlockId] | None
 
 
 @dataclass
