@@ -8,8 +8,9 @@ One deterministic trace per config (``--num-requests`` requests, 8 prompt famili
 shared prefixes, arrivals over time, up to ``--max-running`` at once, chunked prefill
 under a token budget, decode steps with 0..K drafts and 0..d accepted), replayed by the
 same scheduler loop (`_trace_loop.py`) through each manager; only manager calls are
-timed: admission (request creation / prompt hashing, lookup, first allocate),
-allocate, commit (accept drafts, append tokens, cache full blocks), free. vLLM runs in
+timed, in process CPU time (the machine may be shared): admission (request creation /
+prompt hashing, lookup, first allocate), allocate, commit (accept drafts, append
+tokens, cache full blocks), free. vLLM runs in
 its own venv (``/work/vllm-venv`` or ``--vllm-python``) via ``_vllm_driver.py``; without
 it the table shows hybridkv only and says so.
 
@@ -278,9 +279,9 @@ class _FastCall:
 def _per_call_seconds(fn: Callable[[], None], number: int) -> float:
     best = float("inf")
     for _ in range(5):
-        start = time.perf_counter()
+        start = time.process_time()
         fn()
-        best = min(best, time.perf_counter() - start)
+        best = min(best, time.process_time() - start)
     return best / number
 
 
