@@ -202,7 +202,8 @@ class FullAttentionManager(GroupManager):
         fill = (state.num_cached + 1) * B if self.caching else None
         release = self.next_release(state.first_live)
         commit_below = release if fill is None else fill if release is None else min(fill, release)
-        return FastLimits(end_tokens=len(state.blocks) * B, commit_below=commit_below)
+        # positional: end_tokens, verified_tokens, lookahead_tokens, commit_below
+        return FastLimits(len(state.blocks) * B, None, None, commit_below)
 
     def check_state(self, state: TableBlocks, c: int) -> None:
         for j, block in enumerate(state.blocks):

@@ -261,11 +261,11 @@ class StateManager(GroupManager):
         boundary = (c // self.block_size + 1) * self.block_size if self.checkpoints else None
         spares = len(state.spares)
         in_place = state.write == state.running and state.ckpt_block is None
-        return FastLimits(
-            end_tokens=None if self._running_private(state) else c,
-            verified_tokens=boundary,
-            lookahead_tokens=None if spares >= self.num_spec_states else spares,
-            commit_below=(boundary if in_place else c) if c > 0 else 0,
+        return FastLimits(  # positional (cheaper): end, verified, lookahead, commit_below
+            None if self._running_private(state) else c,
+            boundary,
+            None if spares >= self.num_spec_states else spares,
+            (boundary if in_place else c) if c > 0 else 0,
         )
 
     def check_state(self, state: StateBlocks, c: int) -> None:
