@@ -440,23 +440,30 @@ def _report(
 
 
 # ---------------------------------------------------------------------- main
+def _fmt(values: list[float]) -> str:
+    return f"{statistics.median(values):.2f} [{min(values):.2f}-{max(values):.2f}]"
+
+
 def _tight_pool(sizing: dict, attempt: Callable[[int], dict | None], slack: float) -> int:
     """Smallest of peak * (1 + slack * 2^i), i = 0..4, whose run does the same work as
-    on a large pool (same counters: evictions must not cost a hit) and evicts."""
+    on a large pool (same counters: evictions must not cost a hit) and evicts; else the
+    smallest that does the same work (small traces may never evict)."""
     peak = sizing["peak_used_blocks"]
+    equal: int | None = None
     for i in range(5):
         blocks = int(peak * (1 + slack * 2**i)) + 1
         try:
             result = attempt(blocks)
         except SystemExit:
             continue
-        if result and result["counts"] == sizing["counts"] and result.get("evictions"):
-            return blocks
-    raise SystemExit(f"no pool between {peak} and {blocks} blocks keeps the work equal")
-
-
-def _fmt(values: list[float]) -> str:
-    return f"{statistics.median(values):.2f} [{min(values):.2f}-{max(values):.2f}]"
+        if result and result["counts"] == sizing["counts"]:
+            if result.get("evictions"):
+                return blocks
+            equal = blocks if equal is None else equal
+    if equal is None:
+        raise SystemExit(f"no pool between {peak} and {blocks} blocks keeps the work equal")
+    Console(stderr=True).print(f"[yellow]no eviction at equal work; pool {equal} blocks[/yellow]")
+    return equal
 
 
 def _run_config(name: str, args: argparse.Namespace, use_vllm: bool, console: Console) -> None:

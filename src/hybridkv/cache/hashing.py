@@ -59,7 +59,8 @@ class BlockHasher:
         if begin >= end:
             return
         parent = hashes[-1] if hashes else root
-        payload = array("q", tokens[begin:end]).tobytes()
+        chunk = tokens[begin:end]
+        payload = (chunk if isinstance(chunk, array) else array("q", chunk)).tobytes()
         unit_bytes = unit * 8
         append = hashes.append
         for start in range(0, len(payload), unit_bytes):

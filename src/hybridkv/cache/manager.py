@@ -92,7 +92,7 @@ class CacheManager:
     ) -> None:
         if req_id in self._requests:
             raise CacheError(f"request {req_id!r} was already added")
-        tokens = _token_list(req_id, "prompt_token_ids", prompt_token_ids)
+        tokens = _token_array(req_id, "prompt_token_ids", prompt_token_ids)
         if not tokens:
             raise CacheError(f"request {req_id!r} has 0 prompt tokens; needs >= 1")
         if cache_salt is not None and not isinstance(cache_salt, str):
@@ -374,7 +374,7 @@ class CacheManager:
             raise CacheError(f"commit of request {req_id!r} without an allocated step")
         if type(a) is not int or a < 0:
             a = _count(req_id, "num_accepted_tokens", a)
-        new_tokens = _token_list(req_id, "new_token_ids", new_token_ids)
+        new_tokens = _token_array(req_id, "new_token_ids", new_token_ids)
         if a > r.pend_lookahead:
             raise CacheError(
                 f"commit of request {req_id!r}: {a} accepted tokens but {r.pend_lookahead} "
@@ -430,40 +430,36 @@ def _count(req_id: str, name: str, value: object) -> int:
     return number
 
 
-def _token_list(req_id: str, name: str, tokens: object) -> list[int]:
-    """``tokens`` as a list of ints in [0, 2^63), or a CacheError naming the first bad one."""
+def _token_array(req_id: str, name: str, tokens: object) -> array[int]:
+    """``tokens`` packed as signed 64-bit ints (the request's own storage; hashing reads
+    its bytes directly), or a CacheError naming the first bad one. Any integer type
+    converts (numpy integers, and bools as 0 / 1); floats, negative ids and ids >= 2^63
+    are refused."""
     if isinstance(tokens, str | bytes) or not hasattr(tokens, "__iter__"):
         raise CacheError(
             f"request {req_id!r}: {name} must be a sequence of token ids, got "
             f"{type(tokens).__name__}"
         )
-    out = list(tokens)  # type: ignore[call-overload]
-    if len(out) <= 8:  # a decode step's tokens: a plain loop is cheapest
-        for t in out:
-            if type(t) is not int or not 0 <= t <= MAX_TOKEN_ID:
-                break
-        else:
-            return out
-    elif set(map(type, out)) <= {int}:  # the common case, checked at C speed
-        try:
-            if not out or min(array("q", out)) >= 0:
-                return out
-        except OverflowError:
-            pass
-    for i, t in enumerate(out):  # slow path: find and name the culprit (or convert)
-        if type(t) is not int:
-            if isinstance(t, bool) or not hasattr(t, "__index__"):
-                raise CacheError(
-                    f"request {req_id!r}: {name}[{i}] is {type(t).__name__} {t!r}; token ids "
-                    "are ints"
-                )
-            t = out[i] = operator.index(t)
-        if not 0 <= t <= MAX_TOKEN_ID:
+    if not isinstance(tokens, list | tuple | array):
+        tokens = list(tokens)  # type: ignore[call-overload]  # iterate once
+    try:
+        packed = array("q", tokens)  # type: ignore[arg-type]  # C speed, checks types and range
+    except (TypeError, OverflowError):
+        packed = None
+    if packed is not None and (not packed or min(packed) >= 0):
+        return packed
+    for i, t in enumerate(tokens):  # type: ignore[arg-type]  # name the culprit
+        if not hasattr(t, "__index__"):
             raise CacheError(
-                f"request {req_id!r}: {name}[{i}] = {t} is outside [0, 2^63); token ids "
+                f"request {req_id!r}: {name}[{i}] is {type(t).__name__} {t!r}; token ids are ints"
+            )
+        value = operator.index(t)
+        if not 0 <= value <= MAX_TOKEN_ID:
+            raise CacheError(
+                f"request {req_id!r}: {name}[{i}] = {value} is outside [0, 2^63); token ids "
                 "are non-negative 64-bit ints"
             )
-    return out
+    raise AssertionError("unreachable: array() refused a valid token list")
 
 
 def _same_lengths(call: str, req_ids: Sequence[str], **others: Sequence[object]) -> None:

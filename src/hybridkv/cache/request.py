@@ -28,6 +28,7 @@ commit stays below it, and every slow commit runs every state group.
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -74,7 +75,7 @@ class RequestRecord:
         "verified_limits",
     )
 
-    def __init__(self, req_id: str, tokens: list[int], root: bytes, max_accept: int) -> None:
+    def __init__(self, req_id: str, tokens: array[int], root: bytes, max_accept: int) -> None:
         self.req_id = req_id
         self.tokens = tokens
         self.root = root
