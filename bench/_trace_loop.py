@@ -46,6 +46,9 @@ class Adapter(Protocol):
 
     def free(self, indexes: list[int]) -> None: ...
 
+    # Optional: ``begin_step()``, called first in every step inside the allocate timer
+    # (vLLM's scheduler tells its manager that a step starts).
+
 
 def chunk_end(start: int, budget: int, prompt_len: int, block: int, junction: int) -> int:
     """End of the next prefill chunk (see the module docstring), or ``start`` if none."""
@@ -88,6 +91,7 @@ def run(trace: dict[str, Any], adapter: Any) -> dict[str, Any]:
     # CPU time of this process, not wall time: the machine is shared, and a manager
     # call that waits for a core is not slower work. Both sides use the same clock.
     clock = time.process_time
+    begin_step = getattr(adapter, "begin_step", None)
     while next_arrival < len(prompts) or waiting or running:
         step = counts["steps"]
         while next_arrival < len(prompts) and arrival[next_arrival] <= step:
@@ -117,6 +121,8 @@ def run(trace: dict[str, Any], adapter: Any) -> dict[str, Any]:
                 work_d.append((i, 1, a, outputs[i][p : p + a + 1]))
                 budget -= 1 + d
         t0 = clock()
+        if begin_step is not None:
+            begin_step()
         ok = adapter.allocate(alloc_p)
         t1 = clock()
         ok = adapter.allocate(alloc_d) and ok

@@ -5,7 +5,8 @@ line: the timers and counters of `_trace_loop.run`. SPEC.json (written by
 ``bench/manager_step.py``) holds the groups, pool size and trace. Standalone: imports
 vLLM and `_trace_loop`, not hybridkv.
 
-The calls mirror vLLM's scheduler: a new request is built (its block hasher hashes the
+The calls mirror vLLM's scheduler: every step starts with ``new_step_starts()``; a new
+request is built (its block hasher hashes the
 prompt) and admitted with ``get_computed_blocks`` + ``allocate_slots(req, n, hit,
 blocks)``; a prefill chunk is ``allocate_slots(req, n)``; a decode step with d drafts is
 ``allocate_slots(req, 1 + d)`` with the drafts in ``spec_token_ids``; after the step
@@ -97,6 +98,9 @@ class VllmAdapter:
         used = self.pool.num_gpu_blocks - self.pool.get_num_free_blocks()
         if used > self.peak_used:
             self.peak_used = used
+
+    def begin_step(self) -> None:
+        self.manager.new_step_starts()  # as vLLM's scheduler does at every step
 
     def admit(self, index: int, prompt: list[int], chunk: Callable[[int], int]) -> int | None:
         req = Request(f"r{index}", prompt, self.params, None, block_hasher=self.hasher)
