@@ -108,8 +108,9 @@ class BlockPool:
     def release_many(self, block_ids: Iterable[int]) -> None:
         """`release` for each block in order (null blocks skipped): a request's whole
         table at `free`, in one loop over local names."""
-        refs, hashes, free = self.ref_counts, self.hashes, self.free
-        push_fresh, push_cached = free.push_fresh, free.push_cached
+        refs, hashes = self.ref_counts, self.hashes
+        fresh: list[int] = []
+        cached: list[int] = []
         for block in block_ids:
             if block == NULL_BLOCK:
                 continue
@@ -118,10 +119,11 @@ class BlockPool:
                 raise InvariantError(f"pool {self.pool_id}: block {block} released while free")
             refs[block] = count
             if count == 0:
-                if block in hashes:
-                    push_cached(block)  # type: ignore[arg-type]
-                else:
-                    push_fresh(block)  # type: ignore[arg-type]
+                (cached if block in hashes else fresh).append(block)
+        if fresh:
+            self.free.push_fresh_many(fresh)
+        if cached:
+            self.free.push_cached_many(cached)
 
     def cache(
         self,
