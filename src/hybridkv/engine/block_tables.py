@@ -27,10 +27,11 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from hybridkv.cache import NULL_BLOCK as CACHE_NULL_BLOCK
 from hybridkv.engine.context import BlockTable
 from hybridkv.errors import EngineError
 
-NULL_BLOCK = 0
+NULL_BLOCK = int(CACHE_NULL_BLOCK)  # the id the manager puts in released positions
 
 
 class PersistentBlockTable:
