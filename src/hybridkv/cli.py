@@ -163,7 +163,7 @@ def bench_command(
 
 def _register_optional_commands() -> None:
     """Commands whose modules may be absent in a partial install register themselves."""
-    for module in ("hybridkv.sim.cli", "hybridkv.engine.cli"):
+    for module in ("hybridkv.sim.cli", "hybridkv.engine.cli", "hybridkv.serve.cli"):
         try:
             importlib.import_module(module)
         except ModuleNotFoundError as err:

@@ -6,7 +6,7 @@ torch is imported inside the command, so `hybridkv plan` never pays for it.
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -23,6 +23,40 @@ def parse_prompt_ids(text: str, option: str = "--prompt-ids") -> list[int]:
             raise ValueError(f"{option} {text!r}: {part!r} is not an integer token id")
         ids.append(int(part))
     return ids
+
+
+def load_llm(
+    model: str,
+    *,
+    draft: str | None = None,
+    spec_method: str | None = None,
+    num_spec: int | None = None,
+    memory: str | None = None,
+    dtype: str = "float32",
+    device: str = "cpu",
+    max_model_len: int | None = None,
+    max_num_seqs: int | None = None,
+) -> Any:
+    """The `LLM` of `generate` / `serve` flags: MODEL and ``--draft`` may name the demo
+    models, ``--draft`` or ``--spec-method`` without ``--num-spec`` drafts 4 per step."""
+    from hybridkv.demo import resolve_model
+    from hybridkv.engine.llm import DEFAULT_MEMORY_BYTES, LLM
+
+    budget = DEFAULT_MEMORY_BYTES if memory is None else parse_bytes(memory)
+    speculative = draft is not None or spec_method is not None
+    num_spec_tokens = (4 if speculative else 0) if num_spec is None else num_spec
+    extra: dict[str, Any] = {} if max_num_seqs is None else {"max_num_seqs": max_num_seqs}
+    return LLM(
+        resolve_model(model),
+        dtype=dtype,
+        memory_bytes=budget,
+        draft=None if draft is None else resolve_model(draft),
+        spec_method=spec_method,
+        num_spec_tokens=num_spec_tokens,
+        device=device,
+        max_model_len=max_model_len,
+        **extra,
+    )
 
 
 @app.command("generate")
@@ -69,19 +103,13 @@ def generate_command(
     def body() -> None:
         if bool(prompt) == bool(prompt_ids):
             raise ValueError("give --prompt TEXT or --prompt-ids 1,2,3 (one of them, repeatable)")
-        from hybridkv.demo import resolve_model
-        from hybridkv.engine.llm import DEFAULT_MEMORY_BYTES, LLM
-
-        budget = DEFAULT_MEMORY_BYTES if memory is None else parse_bytes(memory)
-        speculative = draft is not None or spec_method is not None
-        num_spec_tokens = (4 if speculative else 0) if num_spec is None else num_spec
-        llm = LLM(
-            resolve_model(model),
-            dtype=dtype,
-            memory_bytes=budget,
-            draft=None if draft is None else resolve_model(draft),
+        llm = load_llm(
+            model,
+            draft=draft,
             spec_method=spec_method,
-            num_spec_tokens=num_spec_tokens,
+            num_spec=num_spec,
+            memory=memory,
+            dtype=dtype,
             device=device,
         )
         prompts: list[list[int] | str] = (

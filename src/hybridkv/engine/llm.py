@@ -197,6 +197,11 @@ class LLM:
             self._tokenizer_loaded = True
         return self._tokenizer
 
+    def encode(self, prompt: Sequence[int] | str) -> list[int]:
+        """The prompt's token ids as `add_request` sees them (text goes through the
+        checkpoint's tokenizer; ids are passed through)."""
+        return self._encode(prompt)
+
     def _encode(self, prompt: Sequence[int] | str) -> list[int]:
         if not isinstance(prompt, str):
             return [int(t) for t in prompt]
@@ -205,9 +210,35 @@ class LLM:
         return list(self.tokenizer.encode(prompt))
 
     # ------------------------------------------------------------------ requests
+    @property
+    def max_model_len(self) -> int:
+        """Prompt plus generated tokens of one request, at most (the plan's limit)."""
+        limit = self.plan.options.max_model_len
+        if limit is None:  # __init__ always sets one
+            raise EngineError("the plan has no max_model_len")
+        return limit
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.model.vocab_size)
+
+    def num_requests(self) -> tuple[int, int]:
+        """(running, waiting) requests right now."""
+        return len(self.scheduler.running), len(self.scheduler.waiting)
+
     def add_request(
-        self, prompt: Sequence[int] | str, params: SamplingParams, index: int = 0
+        self,
+        prompt: Sequence[int] | str,
+        params: SamplingParams,
+        index: int = 0,
+        *,
+        cache_salt: str | None = None,
     ) -> Request:
+        """Queue one request. ``index`` seeds its sampler with ``params.seed``;
+        ``cache_salt`` keys its prefix-cache blocks, so it only hits blocks computed
+        under the same salt (per-tenant isolation; None is a salt of its own)."""
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise EngineError(f"cache_salt must be a string or None, got {cache_salt!r}")
         tokens = self._encode(prompt)
         if not tokens:
             raise EngineError("empty prompt: needs >= 1 token")
@@ -219,7 +250,12 @@ class LLM:
         if not params.ignore_eos:
             stop.update(self.eos_token_ids)
         req = Request(
-            f"req-{next(self._ids)}", index, tokens, params, stop_token_ids=frozenset(stop)
+            f"req-{next(self._ids)}",
+            index,
+            tokens,
+            params,
+            stop_token_ids=frozenset(stop),
+            cache_salt=cache_salt,
         )
         self.stepper.add(req)
         return req
@@ -241,13 +277,19 @@ class LLM:
         *,
         ignore_eos: bool = False,
         stop_token_ids: Sequence[int] = (),
+        cache_salt: str | Sequence[str | None] | None = None,
     ) -> list[GenerationResult]:
         """Generate for every prompt (a batch under continuous batching), in order. Each
-        stops after ``max_new_tokens``, or after its first EOS / stop token (module doc)."""
+        stops after ``max_new_tokens``, or after its first EOS / stop token (module doc).
+        ``cache_salt``: one salt for every prompt, or one per prompt (`add_request`)."""
         params = SamplingParams(
             max_new_tokens, temperature, seed, ignore_eos, tuple(int(t) for t in stop_token_ids)
         )
-        requests = [self.add_request(p, params, i) for i, p in enumerate(prompts)]
+        salts = per_prompt_salts(cache_salt, len(prompts))
+        requests = [
+            self.add_request(p, params, i, cache_salt=salt)
+            for i, (p, salt) in enumerate(zip(prompts, salts, strict=True))
+        ]
         while any(r.status in (Status.WAITING, Status.RUNNING) for r in requests):
             self.step()
         return [self.result(r) for r in requests]
@@ -298,6 +340,21 @@ class LLM:
             mean_accepted_length=loop.spec.mean_accepted_length,
             tokens_per_step=loop.num_output / loop.num_steps if loop.num_steps else 0.0,
         )
+
+
+def per_prompt_salts(
+    cache_salt: str | Sequence[str | None] | None, num_prompts: int
+) -> list[str | None]:
+    """``generate``'s ``cache_salt`` as one salt (or None) per prompt."""
+    if cache_salt is None or isinstance(cache_salt, str):
+        return [cache_salt] * num_prompts
+    salts = list(cache_salt)
+    if len(salts) != num_prompts:
+        raise EngineError(
+            f"cache_salt has {len(salts)} entries for {num_prompts} prompts; give one salt "
+            "per prompt, or a single string for all of them"
+        )
+    return salts
 
 
 def resolve_device(device: str | torch.device) -> torch.device:

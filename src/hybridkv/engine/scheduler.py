@@ -50,6 +50,7 @@ class Request:
     num_steps: int = 0
     stop_token_ids: frozenset[int] = frozenset()  # emitting one of these finishes it
     finish_reason: str | None = None  # "stop" (a stop id emitted) | "length"
+    cache_salt: str | None = None  # hashed into its prefix: only equal salts share blocks
 
     @property
     def tokens(self) -> list[int]:
@@ -134,7 +135,7 @@ class Scheduler:
 
     # ------------------------------------------------------------------ requests
     def add(self, request: Request) -> None:
-        self.manager.add_request(request.req_id, request.prompt)
+        self.manager.add_request(request.req_id, request.prompt, cache_salt=request.cache_salt)
         self.waiting.append(request)
 
     def cancel(self, request: Request) -> None:
