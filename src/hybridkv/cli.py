@@ -15,6 +15,7 @@ from typing import Any
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from hybridkv import cli_options as o
@@ -45,7 +46,8 @@ def run_guarded(as_json: bool, body: Callable[[], None]) -> None:
         message = str(err) if not isinstance(err, KeyError) else f"missing key {err}"
         if as_json:
             emit_json({"error": {"type": kind, "message": message}})
-        Console(stderr=True).print(f"[red]error ({kind}):[/red] {message}", highlight=False)
+        # escape: a message may hold brackets ("pip install 'hybridkv[serve]'"), not markup
+        Console(stderr=True).print(f"[red]error ({kind}):[/red] {escape(message)}", highlight=False)
         raise typer.Exit(EXIT_USAGE) from None
     except typer.Exit:
         raise
@@ -55,8 +57,8 @@ def run_guarded(as_json: bool, body: Callable[[], None]) -> None:
         if as_json:
             emit_json({"error": {"type": "InternalError", "message": repr(err)}})
         Console(stderr=True).print(
-            f"[red]internal error:[/red] {err!r} (rerun with HYBRIDKV_DEBUG=1 for a traceback "
-            "and please report it)",
+            f"[red]internal error:[/red] {escape(repr(err))} (rerun with HYBRIDKV_DEBUG=1 for a "
+            "traceback and please report it)",
             highlight=False,
         )
         raise typer.Exit(EXIT_USAGE) from None

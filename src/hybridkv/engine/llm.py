@@ -348,7 +348,14 @@ def per_prompt_salts(
     """``generate``'s ``cache_salt`` as one salt (or None) per prompt."""
     if cache_salt is None or isinstance(cache_salt, str):
         return [cache_salt] * num_prompts
+    if not isinstance(cache_salt, Sequence):
+        raise EngineError(
+            f"cache_salt must be a string, None, or one of those per prompt; got {cache_salt!r}"
+        )
     salts = list(cache_salt)
+    bad = [s for s in salts if s is not None and not isinstance(s, str)]
+    if bad:
+        raise EngineError(f"cache_salt entries must be strings or None; got {bad[:3]!r}")
     if len(salts) != num_prompts:
         raise EngineError(
             f"cache_salt has {len(salts)} entries for {num_prompts} prompts; give one salt "

@@ -107,7 +107,7 @@ def parse_body(raw: bytes, model: type[_Body]) -> Any:
         return model.model_validate(data)
     except ValidationError as err:
         first = err.errors(include_url=False)[0]
-        param = ".".join(str(part) for part in first["loc"]) or None
+        param = ".".join(str(part) for part in first["loc"] if not _is_union_tag(part)) or None
         message = f"{param}: {first['msg']}" if param else first["msg"]
         if first["type"] == "extra_forbidden":
             message = f"unknown or unsupported field {param!r}"
@@ -116,6 +116,12 @@ def parse_body(raw: bytes, model: type[_Body]) -> Any:
         else:
             message += f" (got {first.get('input')!r})"
         raise RequestError(message, param=param, code=first["type"]) from None
+
+
+def _is_union_tag(part: int | str) -> bool:
+    """Whether a pydantic error location part names a union member ("str",
+    "list[TextPart]") rather than a field or an index."""
+    return isinstance(part, str) and (part in ("str", "int", "float", "bool") or "[" in part)
 
 
 def check_common(body: _Sampling) -> None:

@@ -7,7 +7,7 @@ the text that can no longer change:
 
     decoded    "def main():\\n    pri\\ufffd"      (the last token is half a UTF-8 char)
     held back  the trailing U+FFFD (an incomplete character) and, with stop strings,
-               the last (longest stop - 1) characters: they may start a stop string
+               the longest end of the text that is the start of a stop string
     sent       everything before that, once; the concatenation of all sends is the
                final text
 
@@ -57,10 +57,18 @@ class TextStream:
             self.done = True
             return self._send(full, stopped=False)
         safe = full.rstrip(INCOMPLETE_CHAR)
-        safe = safe[: max(0, len(safe) - self._hold)]
+        safe = safe[: len(safe) - self._stop_prefix(safe)]
         if len(safe) <= len(self.sent) or not safe.startswith(self.sent):
             return TextDelta("", False)
         return self._send(safe, stopped=False)
+
+    def _stop_prefix(self, text: str) -> int:
+        """Length of the longest end of ``text`` that begins some stop string."""
+        for k in range(min(self._hold, len(text)), 0, -1):
+            tail = text[-k:]
+            if any(s.startswith(tail) for s in self.stop):
+                return k
+        return 0
 
     def _first_stop(self, text: str) -> int | None:
         found = [i for i in (text.find(s) for s in self.stop) if i >= 0]
