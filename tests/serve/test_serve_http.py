@@ -16,6 +16,7 @@ pytest.importorskip("fastapi")
 from serve_support import metrics, wait_idle  # noqa: E402
 
 from hybridkv.demo import HEADER, demo_prompts  # noqa: E402
+from hybridkv.errors import EngineError  # noqa: E402
 from hybridkv.serve.chat import render_demo_chat  # noqa: E402
 
 pytestmark = pytest.mark.engine
@@ -335,3 +336,35 @@ def test_metrics_count_queries_hits_tokens_and_drafts(client):
     text = client.get("/metrics")
     assert text.headers["content-type"].startswith("text/plain; version=0.0.4")
     assert "# TYPE hybridkv:prefix_cache_hits_total counter" in text.text
+
+
+# ---------------------------------------------------------------------- engine errors
+def test_an_engine_error_mid_request_is_clean_json_and_the_loop_recovers(
+    server, client, monkeypatch
+):
+    """A typed error raised by an engine step fails that step's requests with OpenAI's
+    error body (whole: HTTP 400; streamed: an error event, then [DONE]); the requests
+    are cancelled, their blocks freed, and the next request is served normally."""
+    llm = server.engine.llm
+    real_step = llm.step
+    failures = iter([EngineError("injected step failure"), EngineError("injected again")])
+
+    def failing_step():
+        err = next(failures, None)
+        if err is not None:
+            raise err
+        return real_step()
+
+    monkeypatch.setattr(llm, "step", failing_step)
+    body = {"prompt": HEADER, "max_tokens": 8, "temperature": 0}
+    error = check_error(client.post("/v1/completions", json=body), 400, None)
+    assert "injected step failure" in error["message"] and error["code"] == "engine_error"
+    with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as response:
+        assert response.status_code == 200
+        payloads = sse_events(response)
+    assert json.loads(payloads[0])["error"]["message"].endswith("injected again")
+    assert payloads[-1] == "[DONE]"
+    monkeypatch.undo()
+    assert client.post("/v1/completions", json=body).json()["choices"][0]["finish_reason"]
+    assert wait_idle(client, 0.0)["hybridkv:kv_cache_usage_perc"] == 0.0
+    server.engine.call(server.engine.check_invariants).result(timeout=30)

@@ -272,9 +272,15 @@ class EngineLoop:
             self.llm.step()
         except Exception as err:
             # The step's requests are in an unknown state: fail and cancel all of them,
-            # keep serving new ones.
+            # keep serving new ones. A typed error is the engine refusing what it was
+            # asked (e.g. a request that cannot fit the cache): 400; anything else is ours.
             log.exception("engine step failed; failing %d requests", len(self._active))
-            self._fail_all(f"the engine step failed: {type(err).__name__}: {err}", 500)
+            typed = isinstance(err, HybridKVError)
+            self._fail_all(
+                f"the engine step failed: {type(err).__name__}: {err}",
+                400 if typed else 500,
+                "invalid_request_error" if typed else "server_error",
+            )
             return
         for rid in list(self._active):
             self._publish(rid, self._active[rid])
@@ -305,14 +311,14 @@ class EngineLoop:
             )
         )
 
-    def _fail_all(self, message: str, status: int) -> None:
+    def _fail_all(self, message: str, status: int, kind: str = "server_error") -> None:
         for active in self._active.values():
             try:
                 self.llm.cancel(active.request)
             except Exception:
                 log.exception("cancelling request %s failed", active.handle.request_id)
             active.handle.push(
-                Failed(RequestError(message, status=status, kind="server_error", code="engine"))
+                Failed(RequestError(message, status=status, kind=kind, code="engine_error"))
             )
             self.counters.finished["abort"] += 1
         self._active.clear()
