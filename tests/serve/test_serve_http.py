@@ -129,6 +129,18 @@ def test_concurrent_streams_get_exactly_the_offline_greedy_text(server, offline)
     assert [g[:3] for g in got] == [tuple(e) for e in expected]
 
 
+def test_sampling_with_a_seed_is_reproducible_and_matches_offline(client, offline):
+    """temperature > 0 with a seed: the request's random stream is its own (seeded by
+    the seed alone), so the server repeats itself and agrees with `LLM.generate`."""
+    prompt = HEADER + "def count_words(text):\n"
+    body = {"prompt": prompt, "max_tokens": 24, "temperature": 0.8, "seed": 1234}
+    first = client.post("/v1/completions", json=body).json()["choices"][0]["text"]
+    chunks, _ = stream(client, "/v1/completions", body)
+    assert "".join(c["choices"][0]["text"] for c in chunks) == first
+    expected = offline.generate([prompt], 24, temperature=0.8, seed=1234)[0].text
+    assert first == expected
+
+
 # ---------------------------------------------------------------------- chat
 def test_chat_uses_the_demo_template_streamed_and_whole(client, offline):
     messages = [
