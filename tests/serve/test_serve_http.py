@@ -380,3 +380,22 @@ def test_an_engine_error_mid_request_is_clean_json_and_the_loop_recovers(
     assert client.post("/v1/completions", json=body).json()["choices"][0]["finish_reason"]
     assert wait_idle(client, 0.0)["hybridkv:kv_cache_usage_perc"] == 0.0
     server.engine.call(server.engine.check_invariants).result(timeout=30)
+
+
+def test_a_bug_after_a_step_is_a_500_and_the_loop_keeps_serving(server, client, monkeypatch):
+    """An unexpected exception in the loop (here: reading a result) fails the requests
+    in flight with a 500 ``server_error`` body; the thread survives and serves on."""
+    llm = server.engine.llm
+
+    def broken_result(request):
+        raise RuntimeError("injected bug")
+
+    monkeypatch.setattr(llm, "result", broken_result)
+    body = {"prompt": HEADER, "max_tokens": 8, "temperature": 0}
+    error = check_error(client.post("/v1/completions", json=body), 500, None)
+    assert error["type"] == "server_error" and "injected bug" in error["message"]
+    monkeypatch.undo()
+    assert client.get("/health").json() == {"status": "ok"}
+    assert client.post("/v1/completions", json=body).status_code == 200
+    assert wait_idle(client, 0.0)["hybridkv:kv_cache_usage_perc"] == 0.0
+    server.engine.call(server.engine.check_invariants).result(timeout=30)

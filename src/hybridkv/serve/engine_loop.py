@@ -235,9 +235,22 @@ class EngineLoop:
                 if isinstance(command, _Stop):
                     self._stop(commands[i + 1 :])
                     return
-                self._handle(command)
+                self._guarded(self._handle, command)
             if self._active:
-                self._step()
+                self._guarded(self._step)
+
+    def _guarded(self, fn: Callable[..., None], *args: Any) -> None:
+        """Run ``fn``; a bug of ours fails the requests in flight (500) instead of
+        killing the thread, which would leave every client waiting forever."""
+        try:
+            fn(*args)
+        except Exception as err:
+            log.exception("engine loop error; failing %d requests", len(self._active))
+            self._fail_all(f"internal error: {type(err).__name__}: {err}", 500)
+            if isinstance(args[0] if args else None, _Submit):
+                args[0].handle.push(
+                    Failed(RequestError(f"internal error: {err}", status=500, kind="server_error"))
+                )
 
     def _handle(self, command: _Command) -> None:
         if isinstance(command, _Submit):
