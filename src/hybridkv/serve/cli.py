@@ -65,9 +65,11 @@ def serve_command(
     ] = None,
     log_level: Annotated[str, typer.Option("--log-level", help="uvicorn's log level")] = "info",
 ) -> None:
-    """Serve MODEL over an OpenAI-compatible HTTP API (completions, chat, streaming,
-    /v1/models, /health, /metrics) with continuous batching, prefix caching and
-    speculative decoding."""
+    """Serve MODEL over an OpenAI-compatible HTTP API.
+
+    Completions and chat (streamed or whole), /v1/models, /health and Prometheus
+    /metrics, on the engine's continuous batching with prefix caching and speculative
+    decoding (docs/serving.md)."""
 
     def body() -> None:
         check_serve_deps()
