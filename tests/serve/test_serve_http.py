@@ -399,3 +399,97 @@ def test_a_bug_after_a_step_is_a_500_and_the_loop_keeps_serving(server, client, 
     assert client.post("/v1/completions", json=body).status_code == 200
     assert wait_idle(client, 0.0)["hybridkv:kv_cache_usage_perc"] == 0.0
     server.engine.call(server.engine.check_invariants).result(timeout=30)
+
+
+def test_a_mixed_crowd_with_disconnects_leaves_the_engine_clean(server, client):
+    """16 clients at once, a fixed mix: streamed or whole, greedy or sampled, with and without
+    stop strings and salts, some hanging up after a few chunks or after a short timeout,
+    some sending bad bodies. Every completed answer is well formed; afterwards nothing
+    runs, no block is held and every invariant holds."""
+    idle = wait_idle(client, 0.0)
+    prompts = demo_prompts(8)
+    ways = [("stream", None), ("stream", 1), ("stream", 3), ("whole", None), ("whole", 0.3)]
+    plans = []
+    for i in range(16):
+        way, hang_up_after = ways[i % len(ways)]
+        body = {
+            "prompt": prompts[i % len(prompts)],
+            "max_tokens": (24, 160, 4)[i % 3],
+            "temperature": (0, 0.7)[i % 2],
+            "seed": i,
+            "ignore_eos": True,
+        }
+        if i % 4 == 3:
+            body["stop"] = ["\n\n"]
+        if i % 3:
+            body["cache_salt"] = "ab"[i % 2]
+        plans.append(
+            {
+                "stream": way == "stream",
+                "hang_up_after": hang_up_after,
+                "bad": i % 7 == 6,
+                "body": body,
+            }
+        )
+    # Hang-ups that cannot finish first: 160 tokens, no stop string, a hang-up planned.
+    sure = sum(
+        1
+        for p in plans
+        if p["hang_up_after"]
+        and not p["bad"]
+        and p["body"]["max_tokens"] == 160
+        and "stop" not in p["body"]
+    )
+    problems: list[str] = []
+    hung_up = []
+    gate = threading.Barrier(len(plans))
+
+    def run(plan: dict) -> None:
+        body = dict(plan["body"])
+        if plan["bad"]:
+            body["max_tokens"] = -3
+        with httpx.Client(base_url=server.url, timeout=60) as c:
+            gate.wait()
+            if not plan["stream"]:
+                timeout = plan["hang_up_after"] or 60
+                try:
+                    r = c.post("/v1/completions", json=body, timeout=timeout)
+                except httpx.ReadTimeout:
+                    hung_up.append(plan)
+                    return
+                ok = r.status_code == (400 if plan["bad"] else 200)
+                if not ok or (not plan["bad"] and r.json()["choices"][0]["finish_reason"] is None):
+                    problems.append(f"whole: {r.status_code} {r.text[:200]}")
+                return
+            with c.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+                if plan["bad"]:
+                    if r.status_code != 400:
+                        problems.append(f"bad stream answered {r.status_code}")
+                    return
+                events = []
+                for line in r.iter_lines():
+                    if line:
+                        events.append(line)
+                    if plan["hang_up_after"] and len(events) >= plan["hang_up_after"]:
+                        hung_up.append(plan)
+                        return
+                if events[-1] != "data: [DONE]":
+                    problems.append(f"stream ended with {events[-1][:100]}")
+
+    threads = [threading.Thread(target=run, args=(p,)) for p in plans]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert problems == []
+    assert sure >= 2 and len(hung_up) >= sure  # the mix does exercise disconnects
+    after = wait_idle(client, 0.0)
+    assert after["hybridkv:num_requests_running"] == 0
+    assert after["hybridkv:num_requests_waiting"] == 0
+    assert after["hybridkv:kv_cache_usage_perc"] == 0.0
+    finished = sum(
+        after[f"hybridkv:request_success_total[{r}]"] - idle[f"hybridkv:request_success_total[{r}]"]
+        for r in ("stop", "length", "abort")
+    )
+    assert finished == sum(not p["bad"] for p in plans)
+    server.engine.call(server.engine.check_invariants).result(timeout=30)
