@@ -345,6 +345,12 @@ def test_metrics_count_queries_hits_tokens_and_drafts(client):
         <= delta["hybridkv:spec_decode_num_draft_tokens_total"]
     )
     assert delta["hybridkv:request_success_total[length]"] == 2
+    assert delta["hybridkv:time_to_first_token_seconds_count"] == 2
+    assert delta["hybridkv:e2e_request_latency_seconds_count"] == 2
+    assert (
+        m1["hybridkv:e2e_request_latency_seconds_sum"]
+        > m0["hybridkv:e2e_request_latency_seconds_sum"]
+    )
     text = client.get("/metrics")
     assert text.headers["content-type"].startswith("text/plain; version=0.0.4")
     assert "# TYPE hybridkv:prefix_cache_hits_total counter" in text.text

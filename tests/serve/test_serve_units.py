@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from hybridkv.engine.tokenizer import ByteTokenizer
 from hybridkv.errors import RequestError
 from hybridkv.serve.chat import chat_renderer, render_demo_chat
-from hybridkv.serve.metrics import MetricsSnapshot, parse, render
+from hybridkv.serve.metrics import Histogram, MetricsSnapshot, parse, render
 from hybridkv.serve.prepare import ModelInfo, prepare_chat, prepare_completion
 from hybridkv.serve.protocol import ChatBody, CompletionBody, parse_body
 from hybridkv.serve.textstream import TextStream
@@ -144,6 +144,10 @@ def test_unknown_model_is_404():
 
 # ---------------------------------------------------------------------- metrics
 def test_metrics_text_round_trips_with_labels():
+    ttft = Histogram((0.1, 1.0))
+    for seconds in (0.05, 0.1, 0.5, 3.0):
+        ttft.observe(seconds)
+    ttft.check_invariants()
     snap = MetricsSnapshot(
         model_name='m"x',
         num_requests_running=2,
@@ -158,6 +162,7 @@ def test_metrics_text_round_trips_with_labels():
         num_preemptions=0,
         num_steps=5,
         finished={"length": 3},
+        time_to_first_token=ttft.snapshot(),
     )
     text = render(snap)
     values = parse(text)
@@ -166,7 +171,15 @@ def test_metrics_text_round_trips_with_labels():
     assert values[f"hybridkv:prefix_cache_hits_total{{{label}}}"] == 40
     assert values[f'hybridkv:request_success_total{{{label},finished_reason="length"}}'] == 3
     assert values[f'hybridkv:request_success_total{{{label},finished_reason="abort"}}'] == 0
+    # Cumulative buckets, as Prometheus' "le": 0.1 holds 0.05 and 0.1 itself.
+    hist = "hybridkv:time_to_first_token_seconds"
+    assert values[f'{hist}_bucket{{{label},le="0.1"}}'] == 2
+    assert values[f'{hist}_bucket{{{label},le="1.0"}}'] == 3
+    assert values[f'{hist}_bucket{{{label},le="+Inf"}}'] == 4
+    assert values[f"{hist}_count{{{label}}}"] == 4
+    assert values[f"{hist}_sum{{{label}}}"] == pytest.approx(3.65)
     for line in text.splitlines():  # every sample has HELP and TYPE lines above it
         if not line.startswith("#"):
             name = line.split("{")[0]
-            assert f"# TYPE {name} " in text
+            base = name.removesuffix("_bucket").removesuffix("_sum").removesuffix("_count")
+            assert f"# TYPE {name} " in text or f"# TYPE {base} histogram" in text

@@ -30,6 +30,7 @@ import contextlib
 import logging
 import queue
 import threading
+import time
 import uuid
 from collections import Counter
 from collections.abc import Callable
@@ -39,7 +40,7 @@ from typing import Any, TypeVar
 from hybridkv.engine.llm import LLM
 from hybridkv.engine.sampler import SamplingParams
 from hybridkv.errors import HybridKVError, InvariantError, RequestError
-from hybridkv.serve.metrics import MetricsSnapshot
+from hybridkv.serve.metrics import Histogram, MetricsSnapshot
 from hybridkv.serve.prepare import Generation
 from hybridkv.serve.textstream import TextStream
 
@@ -101,6 +102,7 @@ class _Active:
     handle: RequestHandle
     request: Any  # what LLM.add_request returned
     text: TextStream
+    arrival_s: float  # time.monotonic() at submission
     num_sent_tokens: int = 0
 
 
@@ -134,6 +136,8 @@ class ServeCounters:
 
     num_prompt_tokens: int = 0
     finished: Counter[str] = field(default_factory=Counter)  # by finish reason / "abort"
+    time_to_first_token: Histogram = field(default_factory=Histogram)
+    e2e_request_latency: Histogram = field(default_factory=Histogram)
 
 
 class EngineLoop:
@@ -200,6 +204,8 @@ class EngineLoop:
             num_preemptions=stats.num_preemptions,
             num_steps=stats.num_steps,
             finished=dict(self.counters.finished),
+            time_to_first_token=self.counters.time_to_first_token.snapshot(),
+            e2e_request_latency=self.counters.e2e_request_latency.snapshot(),
         )
 
     def check_invariants(self) -> None:
@@ -221,6 +227,8 @@ class EngineLoop:
                     f"request {rid}: sent {active.num_sent_tokens} tokens of "
                     f"{len(result.token_ids)}"
                 )
+        self.counters.time_to_first_token.check_invariants()
+        self.counters.e2e_request_latency.check_invariants()
         self.llm.manager.check_invariants()
 
     def _run(self) -> None:
@@ -276,7 +284,9 @@ class EngineLoop:
         except HybridKVError as err:
             handle.push(Failed(RequestError(str(err), code=type(err).__name__)))
             return
-        self._active[handle.request_id] = _Active(handle, request, TextStream(self._decode, g.stop))
+        self._active[handle.request_id] = _Active(
+            handle, request, TextStream(self._decode, g.stop), time.monotonic()
+        )
         self.counters.num_prompt_tokens += len(g.prompt_token_ids)
         handle.push(Accepted(handle.request_id))
 
@@ -310,10 +320,14 @@ class EngineLoop:
         if delta.stopped:
             reason = "stop"
         new_ids = tuple(ids[active.num_sent_tokens :])
+        now = time.monotonic()
+        if active.num_sent_tokens == 0 and new_ids:
+            self.counters.time_to_first_token.observe(now - active.arrival_s)
         active.num_sent_tokens = len(ids)
         if reason is not None:
             del self._active[rid]
             self.counters.finished[reason] += 1
+            self.counters.e2e_request_latency.observe(now - active.arrival_s)
         active.handle.push(
             Output(
                 delta.text,

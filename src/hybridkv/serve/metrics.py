@@ -16,6 +16,9 @@ Names follow vLLM's ``vllm:*`` metrics with our prefix, so dashboards carry over
     hybridkv:engine_steps_total                        counter engine steps run
     hybridkv:request_success_total{finished_reason}    counter finished requests ("stop",
                                                                "length", "abort")
+    hybridkv:time_to_first_token_seconds               histogram submit -> first token
+    hybridkv:e2e_request_latency_seconds               histogram submit -> finished (not
+                                                               counting aborted requests)
 
 Every sample carries ``model_name``. A preempted request looks its prompt up again, so
 queries count each admission (as vLLM's do).
@@ -25,10 +28,71 @@ This module does not import torch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from bisect import bisect_left
+from dataclasses import dataclass, field
+
+from hybridkv.errors import InvariantError
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 PREFIX = "hybridkv:"
+
+
+# Prometheus' default latency buckets, extended for long generations on a CPU.
+LATENCY_BUCKETS_S = (
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    120.0,
+)
+
+
+@dataclass(frozen=True)
+class HistogramSnapshot:
+    """``counts[i]``: observations <= ``bounds[i]`` (cumulative, as Prometheus' ``le``);
+    ``count`` includes those above the last bound (the ``+Inf`` bucket)."""
+
+    bounds: tuple[float, ...] = LATENCY_BUCKETS_S
+    counts: tuple[int, ...] = (0,) * len(LATENCY_BUCKETS_S)
+    total: float = 0.0
+    count: int = 0
+
+
+class Histogram:
+    """Observations counted into fixed buckets (one owner thread; `snapshot` to share)."""
+
+    def __init__(self, bounds: tuple[float, ...] = LATENCY_BUCKETS_S) -> None:
+        if list(bounds) != sorted(set(bounds)) or not bounds:
+            raise InvariantError(f"histogram bounds must increase strictly: {bounds}")
+        self.bounds = bounds
+        self._per_bucket = [0] * (len(bounds) + 1)  # the last one: above every bound
+        self._total = 0.0
+
+    def observe(self, value: float) -> None:
+        self._per_bucket[bisect_left(self.bounds, value)] += 1
+        self._total += value
+
+    def snapshot(self) -> HistogramSnapshot:
+        cumulative, running = [], 0
+        for n in self._per_bucket[:-1]:
+            running += n
+            cumulative.append(running)
+        return HistogramSnapshot(self.bounds, tuple(cumulative), self._total, sum(self._per_bucket))
+
+    def check_invariants(self) -> None:
+        if any(n < 0 for n in self._per_bucket) or len(self._per_bucket) != len(self.bounds) + 1:
+            raise InvariantError(f"histogram buckets {self._per_bucket} for bounds {self.bounds}")
+        if self._total < 0:
+            raise InvariantError(f"histogram of latencies sums to {self._total} < 0")
 
 
 @dataclass(frozen=True)
@@ -46,6 +110,8 @@ class MetricsSnapshot:
     num_preemptions: int
     num_steps: int
     finished: dict[str, int]
+    time_to_first_token: HistogramSnapshot = field(default_factory=HistogramSnapshot)
+    e2e_request_latency: HistogramSnapshot = field(default_factory=HistogramSnapshot)
 
 
 def _escape(value: str) -> str:
@@ -109,6 +175,20 @@ def render(snapshot: MetricsSnapshot) -> str:
         "Finished requests by finish reason (abort: cancelled or disconnected).",
         [(f'{model},finished_reason="{_escape(r)}"', s.finished.get(r, 0)) for r in reasons],
     )
+    histograms = (
+        ("time_to_first_token_seconds", "Seconds from submission to the first token.",
+         s.time_to_first_token),
+        ("e2e_request_latency_seconds", "Seconds from submission to the end (finished only).",
+         s.e2e_request_latency),
+    )  # fmt: skip
+    for name, help_text, h in histograms:
+        lines.append(f"# HELP {PREFIX}{name} {help_text}")
+        lines.append(f"# TYPE {PREFIX}{name} histogram")
+        for bound, count in [*zip(h.bounds, h.counts, strict=True), (float("inf"), h.count)]:
+            le = "+Inf" if bound == float("inf") else repr(float(bound))
+            lines.append(f'{PREFIX}{name}_bucket{{{model},le="{le}"}} {count}')
+        lines.append(f"{PREFIX}{name}_sum{{{model}}} {_number(h.total)}")
+        lines.append(f"{PREFIX}{name}_count{{{model}}} {h.count}")
     return "\n".join(lines) + "\n"
 
 
