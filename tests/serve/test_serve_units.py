@@ -72,7 +72,6 @@ INFO = ModelInfo(
     max_model_len=64,
     vocab_size=TOK.vocab_size,
     encode=TOK.encode,
-    decode=TOK.decode,
     render_chat=chat_renderer(TOK, "demo"),
 )
 

@@ -42,7 +42,7 @@ from hybridkv.engine.sampler import SamplingParams
 from hybridkv.errors import HybridKVError, InvariantError, RequestError
 from hybridkv.serve.metrics import Histogram, MetricsSnapshot
 from hybridkv.serve.prepare import Generation
-from hybridkv.serve.textstream import TextStream
+from hybridkv.serve.textstream import TextStream, text_decoder
 
 log = logging.getLogger("hybridkv.serve")
 T = TypeVar("T")
@@ -148,8 +148,7 @@ class EngineLoop:
         self._inbox: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._active: dict[str, _Active] = {}
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        decode = getattr(llm.tokenizer, "decode", None)
-        self._decode: Callable[[Any], str] = decode if decode is not None else (lambda ids: "")
+        self._decode = text_decoder(llm.tokenizer)
 
     # ------------------------------------------------------------------ any thread
     def start(self) -> None:

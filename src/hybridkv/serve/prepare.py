@@ -12,7 +12,7 @@ This module does not import torch.
 from __future__ import annotations
 
 import secrets
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from hybridkv.errors import RequestError
@@ -37,7 +37,6 @@ class ModelInfo:
     max_model_len: int
     vocab_size: int
     encode: Callable[[str], list[int]]
-    decode: Callable[[Sequence[int]], str]
     render_chat: Callable[[list[dict[str, str]]], list[int]]
 
 

@@ -26,13 +26,11 @@ from hybridkv.serve.prepare import ModelInfo
 def model_info(llm: LLM, name: str) -> ModelInfo:
     """What the HTTP side needs of ``llm`` (loads its tokenizer now, on this thread)."""
     tokenizer = llm.tokenizer
-    decode = getattr(tokenizer, "decode", None)
     return ModelInfo(
         name=name,
         max_model_len=llm.max_model_len,
         vocab_size=llm.vocab_size,
         encode=llm.encode,
-        decode=decode if decode is not None else (lambda ids: ""),
         render_chat=chat_renderer(tokenizer, name),
     )
 

@@ -23,10 +23,21 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from hybridkv.errors import InvariantError
 
 INCOMPLETE_CHAR = "\ufffd"
+
+
+def text_decoder(tokenizer: Any) -> Callable[[Sequence[int]], str]:
+    """``ids -> text`` without special tokens (as OpenAI servers answer: no EOS marker in
+    the text). `LLM.generate`'s ``text`` is the same for the byte tokenizer, which drops
+    them anyway; a Hugging Face tokenizer's plain ``decode`` would keep them. Without a
+    tokenizer the text is empty (``return_token_ids`` still gives the tokens)."""
+    if tokenizer is None:
+        return lambda ids: ""
+    return lambda ids: str(tokenizer.decode(list(ids), skip_special_tokens=True))
 
 
 @dataclass(frozen=True)
