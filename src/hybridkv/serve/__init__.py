@@ -8,6 +8,7 @@
     responses    OpenAI response / chunk / error bodies
     metrics      Prometheus text
     app          FastAPI routes
+    listen       the listening socket (bound first: a busy port fails at once)
     server       uvicorn in the foreground or on a background thread
     cli          the `hybridkv serve` command
 

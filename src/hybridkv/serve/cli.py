@@ -79,37 +79,42 @@ def serve_command(
             raise ServeError(f"--threads {threads}: needs >= 1")
         if log_level not in LOG_LEVELS:
             raise ServeError(f"--log-level {log_level!r}: one of {', '.join(LOG_LEVELS)}")
-        import torch
+        from hybridkv.serve.listen import bind
 
-        from hybridkv.engine.cli import load_llm
-        from hybridkv.serve.server import bind, run_server
+        sock = bind(host, port)  # a busy port fails now, not after loading the model
+        try:
+            import torch
 
-        if threads is not None:
-            torch.set_num_threads(threads)
-        bind(host, port).close()  # a busy port fails now, not after loading the model
-        llm = load_llm(
-            model,
-            draft=draft,
-            spec_method=spec_method,
-            num_spec=num_spec,
-            memory=memory,
-            dtype=dtype,
-            device=device,
-            max_model_len=max_model_len,
-            max_num_seqs=max_num_seqs,
-        )
-        name = served_model_name or model
-        typer.echo(
-            f"hybridkv serve: {name} on http://{host}:{port} (max_model_len "
-            f"{llm.max_model_len}, layout {llm.plan.layout}, device {llm.device}"
-            + (
+            from hybridkv.engine.cli import load_llm
+            from hybridkv.serve.server import run_server
+
+            if threads is not None:
+                torch.set_num_threads(threads)
+            llm = load_llm(
+                model,
+                draft=draft,
+                spec_method=spec_method,
+                num_spec=num_spec,
+                memory=memory,
+                dtype=dtype,
+                device=device,
+                max_model_len=max_model_len,
+                max_num_seqs=max_num_seqs,
+            )
+            name = served_model_name or model
+            spec = (
                 f", speculative {llm.spec_method} K={llm.num_spec_tokens}"
                 if llm.spec_method
                 else ""
             )
-            + ")",
-            err=True,
-        )
-        run_server(llm, name, host, port, log_level)
+            typer.echo(
+                f"hybridkv serve: {name} on http://{host}:{sock.getsockname()[1]} "
+                f"(max_model_len {llm.max_model_len}, layout {llm.plan.layout}, device "
+                f"{llm.device}{spec})",
+                err=True,
+            )
+            run_server(llm, name, sock, log_level)
+        finally:
+            sock.close()
 
     run_guarded(False, body)

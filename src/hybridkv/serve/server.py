@@ -1,9 +1,9 @@
 """Run the app under uvicorn: in the foreground (`hybridkv serve`) or on a background
 thread (`BackgroundServer`: tests, notebooks, embedding).
 
-The listening socket is bound before uvicorn starts, so an address in use is a
-`ServeError` with the address (not a log line and exit 1), and ``port=0`` picks a free
-port that `BackgroundServer.url` then reports.
+The listening socket is bound before uvicorn starts (`hybridkv.serve.listen.bind`), so an
+address in use is a `ServeError` with the address (not a log line and exit 1), and
+``port=0`` picks a free port that `BackgroundServer.url` then reports.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from hybridkv.errors import ServeError
 from hybridkv.serve.app import build_app
 from hybridkv.serve.chat import chat_renderer
 from hybridkv.serve.engine_loop import EngineLoop
+from hybridkv.serve.listen import bind
 from hybridkv.serve.prepare import ModelInfo
 
 
@@ -35,30 +36,6 @@ def model_info(llm: LLM, name: str) -> ModelInfo:
     )
 
 
-def bind(host: str, port: int) -> socket.socket:
-    """A listening TCP socket on ``host:port`` (``port`` 0: any free port)."""
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    except (socket.gaierror, UnicodeError) as err:
-        raise ServeError(
-            f"--host {host!r}: not an address this machine can listen on: {err}"
-        ) from None
-    family, kind, proto, _, address = infos[0]
-    sock = socket.socket(family, kind, proto)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind(address)
-        sock.listen(128)
-    except OSError as err:
-        sock.close()
-        raise ServeError(
-            f"cannot listen on {host}:{port}: {err.strerror or err}; pick another --port "
-            "(or stop the process using it)"
-        ) from None
-    sock.set_inheritable(True)
-    return sock
-
-
 def _server(engine: EngineLoop, info: ModelInfo, log_level: str) -> uvicorn.Server:
     config = uvicorn.Config(
         build_app(engine, info), log_level=log_level, timeout_graceful_shutdown=5
@@ -66,17 +43,18 @@ def _server(engine: EngineLoop, info: ModelInfo, log_level: str) -> uvicorn.Serv
     return uvicorn.Server(config)
 
 
-def run_server(llm: LLM, name: str, host: str, port: int, log_level: str = "info") -> None:
-    """Serve ``llm`` until interrupted (Ctrl-C), then stop the engine loop."""
-    sock = bind(host, port)
+def run_server(llm: LLM, name: str, sock: socket.socket, log_level: str = "info") -> None:
+    """Serve ``llm`` on the listening ``sock`` (`bind`) until interrupted (Ctrl-C or
+    SIGTERM: a normal stop, so this returns), then stop the engine loop."""
     engine = EngineLoop(llm, name)
     server = _server(engine, model_info(llm, name), log_level)
     engine.start()
     try:
         server.run(sockets=[sock])
+    except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it shut down on
+        pass
     finally:
         engine.shutdown()
-        sock.close()
 
 
 class BackgroundServer:
