@@ -122,6 +122,9 @@ def test_a_tokenizer_without_template_refuses_chat_cleanly():
     [
         (b"not json", None),
         (b"[1]", None),
+        (b"\xff\xfe{}", None),
+        (b"[" * 100_000 + b"]" * 100_000, None),
+        (b'{"prompt": "a", "max_tokens": 1' + b"0" * 5000 + b"}", None),
         (b'{"prompt": "a", "max_tokens": 1e400}', "max_tokens"),
         (b'{"prompt": "a", "temperature": NaN}', "temperature"),
         (b'{"prompt": "a", "temperature": Infinity}', "temperature"),
@@ -182,3 +185,48 @@ def test_metrics_text_round_trips_with_labels():
             name = line.split("{")[0]
             base = name.removesuffix("_bucket").removesuffix("_sum").removesuffix("_count")
             assert f"# TYPE {name} " in text or f"# TYPE {base} histogram" in text
+
+
+# ---------------------------------------------------------------------- fuzz
+json_values = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**70), 2**70)
+    | st.floats(allow_nan=True, allow_infinity=True)
+    | st.text(max_size=8),
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=4)
+    ),
+    max_leaves=12,
+)
+FIELDS = sorted(set(CompletionBody.model_fields) | set(ChatBody.model_fields) | {"bogus"})
+MESSAGE = st.fixed_dictionaries(
+    {"role": st.sampled_from(["user", "system", "assistant", "tool"]), "content": json_values}
+)
+
+
+@given(
+    body=st.dictionaries(st.sampled_from(FIELDS), json_values, max_size=6),
+    prompt=st.one_of(
+        json_values, st.text(max_size=80), st.lists(st.integers(-5, 300), max_size=80)
+    ),
+    messages=st.one_of(json_values, st.lists(MESSAGE, max_size=3)),
+)
+def test_any_body_is_served_or_refused_with_a_request_error(body, prompt, messages):
+    """Whatever JSON arrives, preparing it either succeeds within the limits or raises
+    `RequestError` (an HTTP 4xx with a field), never anything else."""
+    import json
+
+    for model, extra, prepare in (
+        (CompletionBody, {"prompt": prompt}, prepare_completion),
+        (ChatBody, {"messages": messages}, prepare_chat),
+    ):
+        raw = json.dumps({**extra, **body}).encode()
+        try:
+            gen = prepare(parse_body(raw, model), INFO)
+        except RequestError as err:
+            assert 400 <= err.status < 500 and err.message
+            continue
+        assert gen.max_tokens >= 1 and len(gen.prompt_token_ids) + gen.max_tokens <= 64
+        assert all(0 <= t < TOK.vocab_size for t in gen.prompt_token_ids)
+        assert gen.temperature >= 0

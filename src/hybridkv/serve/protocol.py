@@ -97,8 +97,9 @@ def parse_body(raw: bytes, model: type[_Body]) -> Any:
     """``raw`` JSON as ``model``; `RequestError` naming the field otherwise."""
     try:
         data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise RequestError(f"the body is not valid JSON: {err}", code="invalid_json") from None
+    except (ValueError, RecursionError) as err:  # ValueError: bad JSON, bad UTF-8, huge ints
+        reason = "nested too deeply" if isinstance(err, RecursionError) else str(err)
+        raise RequestError(f"the body is not valid JSON: {reason}", code="invalid_json") from None
     if not isinstance(data, dict):
         raise RequestError(
             f"the body must be a JSON object, got {type(data).__name__}", code="invalid_type"
@@ -114,7 +115,8 @@ def parse_body(raw: bytes, model: type[_Body]) -> Any:
         elif first["type"] == "missing":
             message = f"missing required field {param!r}"
         else:
-            message += f" (got {first.get('input')!r})"
+            shown = repr(first.get("input"))
+            message += f" (got {shown[:60]}{'...' if len(shown) > 60 else ''})"
         raise RequestError(message, param=param, code=first["type"]) from None
 
 
