@@ -499,3 +499,19 @@ def test_a_mixed_crowd_with_disconnects_leaves_the_engine_clean(server, client):
     )
     assert finished == sum(not p["bad"] for p in plans)
     server.engine.call(server.engine.check_invariants).result(timeout=30)
+
+
+def test_max_model_len_flag_sets_the_served_limit():
+    """`--max-model-len` (through the CLI's loader) is the limit /v1/models reports and
+    the length checks enforce, with the numbers in the message."""
+    from hybridkv.engine.cli import load_llm
+    from hybridkv.serve.server import BackgroundServer
+
+    llm = load_llm("demo", max_model_len=256)
+    with BackgroundServer(llm, "small") as srv, httpx.Client(base_url=srv.url, timeout=60) as c:
+        assert c.get("/v1/models").json()["data"][0]["max_model_len"] == 256
+        body = {"model": "small", "prompt": "x" * 250, "max_tokens": 7}
+        error = check_error(c.post("/v1/completions", json=body), 400, "max_tokens")
+        assert "250 prompt tokens" in error["message"] and "at most 6" in error["message"]
+        ok = c.post("/v1/completions", json={**body, "max_tokens": 6, "temperature": 0})
+        assert ok.json()["usage"]["total_tokens"] <= 256
