@@ -97,6 +97,7 @@ class LLM:
             max_model_len = min(
                 spec.max_position_embeddings or DEFAULT_MAX_MODEL_LEN, DEFAULT_MAX_MODEL_LEN
             )
+        self.max_model_len = max_model_len  # prompt + generated tokens of one request
         options = PlanOptions(
             kv_dtype=cache_dtype,
             conv_dtype=cache_dtype,
@@ -210,14 +211,6 @@ class LLM:
         return list(self.tokenizer.encode(prompt))
 
     # ------------------------------------------------------------------ requests
-    @property
-    def max_model_len(self) -> int:
-        """Prompt plus generated tokens of one request, at most (the plan's limit)."""
-        limit = self.plan.options.max_model_len
-        if limit is None:  # __init__ always sets one
-            raise EngineError("the plan has no max_model_len")
-        return limit
-
     @property
     def vocab_size(self) -> int:
         return int(self.model.vocab_size)

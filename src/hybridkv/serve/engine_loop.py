@@ -283,6 +283,11 @@ class EngineLoop:
         except HybridKVError as err:
             handle.push(Failed(RequestError(str(err), code=type(err).__name__)))
             return
+        refused = self.llm.result(request).finish_reason
+        if refused is not None:  # finished before it ran: the engine refused it
+            reason = getattr(request, "refusal", None) or f"finish reason {refused!r}"
+            handle.push(Failed(RequestError(f"the engine refused the request: {reason}")))
+            return
         self._active[handle.request_id] = _Active(
             handle, request, TextStream(self._decode, g.stop), time.monotonic()
         )
