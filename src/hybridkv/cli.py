@@ -46,7 +46,7 @@ def run_guarded(as_json: bool, body: Callable[[], None]) -> None:
         message = str(err) if not isinstance(err, KeyError) else f"missing key {err}"
         if as_json:
             emit_json({"error": {"type": kind, "message": message}})
-        # escape: a message may hold brackets ("pip install 'hybridkv[serve]'"), not markup
+        # escaped: messages hold brackets ("hybridkv[engine]", "[4, 2]") that rich would eat
         Console(stderr=True).print(f"[red]error ({kind}):[/red] {escape(message)}", highlight=False)
         raise typer.Exit(EXIT_USAGE) from None
     except typer.Exit:
