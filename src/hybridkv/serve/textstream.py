@@ -12,7 +12,9 @@ the text that can no longer change:
                final text
 
 With ``stop=["\\n\\n"]`` and decoded "a\\nb\\n\\nc", the text ends at the first stop string:
-final "a\\nb", finish reason "stop" (the engine request is then cancelled). A
+final "a\\nb", finish reason "stop" (the engine request is then cancelled). The text
+ends at the first update in which any stop string is complete, before the earliest
+one present then (a step of several speculative tokens may complete several). A
 tokenizer whose decoded prefix changes as tokens arrive (rare; some HF cleanup rules)
 sends nothing further until the end, where the rest of the final text goes out.
 
