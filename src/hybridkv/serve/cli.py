@@ -12,6 +12,7 @@ from typing import Annotated
 import typer
 
 from hybridkv.cli import app, run_guarded
+from hybridkv.engine.cli import THREADS_HELP
 from hybridkv.errors import ServeError
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
@@ -56,9 +57,7 @@ def serve_command(
     memory: Annotated[str | None, typer.Option("--memory", help="cache budget, e.g. 64MiB")] = None,
     dtype: Annotated[str, typer.Option("--dtype")] = "float32",
     device: Annotated[str, typer.Option("--device", help="cpu, cuda or cuda:N")] = "cpu",
-    threads: Annotated[
-        int | None, typer.Option("--threads", help="torch CPU threads (default: torch's)")
-    ] = None,
+    threads: Annotated[int | None, typer.Option("--threads", help=THREADS_HELP)] = None,
     served_model_name: Annotated[
         str | None,
         typer.Option("--served-model-name", help="the model's name in the API (default: MODEL)"),
@@ -83,13 +82,9 @@ def serve_command(
 
         sock = bind(host, port)  # a busy port fails now, not after loading the model
         try:
-            import torch
-
             from hybridkv.engine.cli import load_llm
             from hybridkv.serve.server import run_server
 
-            if threads is not None:
-                torch.set_num_threads(threads)
             llm = load_llm(
                 model,
                 draft=draft,
@@ -100,6 +95,7 @@ def serve_command(
                 device=device,
                 max_model_len=max_model_len,
                 max_num_seqs=max_num_seqs,
+                threads=threads,
             )
             name = served_model_name or model
             spec = (
