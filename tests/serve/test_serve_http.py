@@ -498,6 +498,11 @@ def test_a_mixed_crowd_with_disconnects_leaves_the_engine_clean(server, client):
         for r in ("stop", "length", "abort")
     )
     assert finished == sum(not p["bad"] for p in plans)
+    queries = (
+        after["hybridkv:prefix_cache_queries_total"] - idle["hybridkv:prefix_cache_queries_total"]
+    )
+    hits = after["hybridkv:prefix_cache_hits_total"] - idle["hybridkv:prefix_cache_hits_total"]
+    assert 0 < hits <= queries
     server.engine.call(server.engine.check_invariants).result(timeout=30)
 
 

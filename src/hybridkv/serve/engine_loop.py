@@ -104,6 +104,7 @@ class _Active:
     text: TextStream
     arrival_s: float  # time.monotonic() at submission
     num_sent_tokens: int = 0
+    admitted: bool = False  # its first step ran (prefix-cache query and hit counted)
 
 
 @dataclass(frozen=True)
@@ -135,6 +136,10 @@ class ServeCounters:
     """Counters the HTTP layer adds to the engine's own (engine thread only)."""
 
     num_prompt_tokens: int = 0
+    # Counted once per request at its first admission: the manager's own lookup counters
+    # also count the scheduler's ordering lookups and re-admissions after preemption.
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
     finished: Counter[str] = field(default_factory=Counter)  # by finish reason / "abort"
     time_to_first_token: Histogram = field(default_factory=Histogram)
     e2e_request_latency: Histogram = field(default_factory=Histogram)
@@ -194,8 +199,8 @@ class EngineLoop:
             num_requests_running=running,
             num_requests_waiting=waiting,
             kv_cache_usage=cache.usage,
-            prefix_cache_queries=cache.num_lookup_tokens,
-            prefix_cache_hits=cache.num_hit_tokens,
+            prefix_cache_queries=self.counters.prefix_cache_queries,
+            prefix_cache_hits=self.counters.prefix_cache_hits,
             prompt_tokens=self.counters.num_prompt_tokens,
             generation_tokens=stats.num_output_tokens,
             spec_draft_tokens=stats.num_proposed_tokens,
@@ -314,6 +319,10 @@ class EngineLoop:
 
     def _publish(self, rid: str, active: _Active) -> None:
         result = self.llm.result(active.request)
+        if not active.admitted and result.stats.num_steps > 0:
+            active.admitted = True
+            self.counters.prefix_cache_queries += result.stats.num_prompt_tokens
+            self.counters.prefix_cache_hits += result.stats.prefix_hit_tokens
         ids = result.token_ids
         reason = result.finish_reason
         if len(ids) == active.num_sent_tokens and reason is None:

@@ -20,8 +20,9 @@ Names follow vLLM's ``vllm:*`` metrics with our prefix, so dashboards carry over
     hybridkv:e2e_request_latency_seconds               histogram submit -> finished (not
                                                                counting aborted requests)
 
-Every sample carries ``model_name``. A preempted request looks its prompt up again, so
-queries count each admission (as vLLM's do).
+Every sample carries ``model_name``. Prefix-cache queries and hits count each request
+once, at its first admission (its prompt tokens, and the tokens it found cached then);
+re-admissions after preemption are not counted.
 
 This module does not import torch.
 """
