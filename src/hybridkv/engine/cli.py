@@ -43,6 +43,14 @@ def generate_command(
     seed: Annotated[int, typer.Option("--seed")] = 0,
     memory: Annotated[str | None, typer.Option("--memory", help="cache budget, e.g. 64MiB")] = None,
     dtype: Annotated[str, typer.Option("--dtype")] = "float32",
+    kv_dtype: Annotated[
+        str,
+        typer.Option(
+            "--kv-dtype",
+            "--kv-cache-dtype",
+            help="KV page dtype: auto (= --dtype), fp8_e4m3, fp8_e5m2, bfloat16, ...",
+        ),
+    ] = "auto",
     draft: Annotated[
         str | None,
         typer.Option("--draft", help="draft model folder (or demo-draft): speculative decoding"),
@@ -78,6 +86,7 @@ def generate_command(
         llm = LLM(
             resolve_model(model),
             dtype=dtype,
+            kv_dtype=None if kv_dtype == "auto" else kv_dtype,
             memory_bytes=budget,
             draft=None if draft is None else resolve_model(draft),
             spec_method=spec_method,
@@ -103,6 +112,7 @@ def generate_command(
                 {
                     "model": model,
                     "layout": llm.plan.layout,
+                    "kv_dtype": str(llm.plan.options.kv_dtype),
                     "device": str(llm.device),
                     "eos_token_ids": list(llm.eos_token_ids),
                     "outputs": [

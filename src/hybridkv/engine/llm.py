@@ -42,7 +42,7 @@ from hybridkv.engine.scheduler import Request, Scheduler, Status
 from hybridkv.engine.speculative import DraftModelDrafter, SpecCounters, make_proposer
 from hybridkv.engine.stepper import Stepper
 from hybridkv.engine.tensors import build_cache_tensors, torch_dtype
-from hybridkv.errors import EngineError
+from hybridkv.errors import EngineError, SpecError
 from hybridkv.models.registry import load_model_spec
 from hybridkv.plan.planner import plan as make_plan
 from hybridkv.plan.types import CachePlan, PlanOptions
@@ -58,6 +58,7 @@ class LLM:
         model_path: str | Path,
         *,
         dtype: str = "float32",
+        kv_dtype: str | None = None,
         device: str | torch.device = "cpu",
         memory_bytes: int = DEFAULT_MEMORY_BYTES,
         block_size: int | None = None,
@@ -98,7 +99,7 @@ class LLM:
                 spec.max_position_embeddings or DEFAULT_MAX_MODEL_LEN, DEFAULT_MAX_MODEL_LEN
             )
         options = PlanOptions(
-            kv_dtype=cache_dtype,
+            kv_dtype=cache_dtype if kv_dtype is None else parse_kv_dtype(kv_dtype),
             conv_dtype=cache_dtype,
             ssm_dtype=self._ssm_dtype(cache_dtype),
             memory_bytes=memory_bytes,
@@ -298,6 +299,15 @@ class LLM:
             mean_accepted_length=loop.spec.mean_accepted_length,
             tokens_per_step=loop.num_output / loop.num_steps if loop.num_steps else 0.0,
         )
+
+
+def parse_kv_dtype(name: str) -> DType:
+    """``kv_dtype``: a cache dtype name (``fp8_e4m3``, ``fp8_e5m2``, ``bfloat16``...);
+    "auto" means the model dtype and is handled by the caller passing None."""
+    try:
+        return parse_dtype(name)
+    except SpecError as err:
+        raise EngineError(f"kv_dtype {name!r}: {err}") from None
 
 
 def resolve_device(device: str | torch.device) -> torch.device:

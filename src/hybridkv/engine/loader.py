@@ -68,6 +68,13 @@ class Checkpoint:
     def has(self, name: str) -> bool:
         return name in self._tensors
 
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The stored shape of tensor ``name`` (`EngineError` if it is missing)."""
+        tensor = self._tensors.get(name)
+        if tensor is None:
+            raise EngineError(f"checkpoint {self.folder} has no tensor {name!r}")
+        return tuple(tensor.shape)
+
     def take(
         self, name: str, shape: tuple[int, ...], dtype: torch.dtype | None = None
     ) -> torch.Tensor:

@@ -40,6 +40,8 @@ class LayerDesc:
     shapes: Mapping[str, tuple[int, ...]]
     sliding_window: int | None = None
     ssm_dtype: torch.dtype | None = None  # None: the model dtype
+    # Attention layers of fp8 checkpoints: per-tensor (k_scale, v_scale); None: 1.0 each.
+    kv_scales: tuple[float, float] | None = None
 
 
 class Block(Protocol):
