@@ -64,6 +64,7 @@ class Checkpoint:
                 for name in handle.keys():  # noqa: SIM118 - safe_open is not a mapping
                     self._tensors[name] = handle.get_tensor(name)
         self._taken: set[str] = set()
+        self._ignored: dict[str, str] = {}  # name prefix -> why the model does not take it
 
     def has(self, name: str) -> bool:
         return name in self._tensors
@@ -94,9 +95,25 @@ class Checkpoint:
     def take_optional(self, name: str, shape: tuple[int, ...]) -> torch.Tensor | None:
         return self.take(name, shape) if self.has(name) else None
 
+    def ignore(self, prefix: str, reason: str) -> None:
+        """Tensors under ``prefix`` belong to a part loaded elsewhere (an MTP head: by
+        `load_mtp` when speculative decoding asks for it); `unused` leaves them out and
+        `ignored` says why."""
+        self._ignored[prefix] = reason
+
+    def ignored(self) -> dict[str, str]:
+        """Untaken tensor names under an ignored prefix -> the reason."""
+        return {
+            name: reason
+            for name in sorted(set(self._tensors) - self._taken)
+            for prefix, reason in self._ignored.items()
+            if name.startswith(prefix)
+        }
+
     def unused(self) -> list[str]:
-        """Tensors nobody took (e.g. an MTP head we do not run)."""
-        return sorted(set(self._tensors) - self._taken)
+        """Tensors nobody took and nobody declared as loaded elsewhere."""
+        ignored = self.ignored()
+        return sorted(set(self._tensors) - self._taken - set(ignored))
 
 
 def cfg_get(config: dict[str, Any], *names: str, default: Any = None) -> Any:

@@ -26,11 +26,13 @@ from __future__ import annotations
 import torch
 
 from hybridkv.cache import CacheManager
+from hybridkv.engine.models.common import HiddenStates
 from hybridkv.engine.proposers import Proposer
+from hybridkv.engine.proposers.head import Observation
 from hybridkv.engine.runner import ModelRunner, StepInput
 from hybridkv.engine.sampler import make_generator, sample
 from hybridkv.engine.scheduler import Request, ScheduledChunk, Scheduler
-from hybridkv.engine.speculative import DraftModelDrafter, Drafts, SpecCounters
+from hybridkv.engine.speculative import Drafter, Drafts, SpecCounters
 from hybridkv.engine.verify import Verdict, verify_greedy, verify_sampling
 from hybridkv.errors import EngineError
 from hybridkv.plan.types import CachePlan
@@ -61,7 +63,7 @@ class Stepper:
         chunk_size: int | None,
         spec_method: str | None,
         num_spec_tokens: int,
-        drafter: DraftModelDrafter | None,
+        drafter: Drafter | None,
         proposer: Proposer | None,
     ) -> None:
         self.plan = plan
@@ -100,6 +102,8 @@ class Stepper:
     def forget(self, req: Request) -> None:
         self.generators.pop(req.req_id, None)
         self.drafts.pop(req.req_id, None)
+        if self.drafter is not None:
+            self.drafter.forget(req.req_id)
         if self.proposer is not None:
             self.proposer.forget(req.req_id)
 
@@ -107,8 +111,12 @@ class Stepper:
         """Drafts to reserve for ``req``'s decode step (called by the scheduler)."""
         left = req.params.max_new_tokens - len(req.output) - 1  # the bonus token is extra
         limit = max(0, min(self.num_spec_tokens, left, budget))
-        if self.proposer is None:  # draft model: it drafts after the allocation
-            return limit
+        if self.proposer is None:  # draft model / head: it drafts after the allocation
+            return (
+                self.drafter.max_drafts(req.req_id, req.num_computed, limit)
+                if self.drafter
+                else limit
+            )
         drafts = self.proposer.propose(req.req_id, req.tokens, limit)[:limit] if limit else []
         self.drafts[req.req_id] = Drafts([int(t) for t in drafts])
         return len(drafts)
@@ -125,32 +133,75 @@ class Stepper:
             for c in chunks:
                 if c.num_lookahead:
                     drafts[c.request.req_id] = self.drafts.pop(c.request.req_id)
-        logits = self.runner.execute([self._step_input(c, drafts) for c in chunks])
+        steps = [self._step_input(c, drafts) for c in chunks]
+        capture = None if self.drafter is None else self.drafter.capture
+        hidden = None
+        if capture is None:
+            logits = self.runner.execute(steps)
+        else:
+            logits, hidden = self.runner.execute_with_hidden(steps, capture)
         self.num_steps += 1
-        finished = []
+        verdicts: list[Verdict | None] = []
         for chunk, rows in zip(chunks, logits, strict=True):
             req = chunk.request
             req.num_steps += 1
             self.num_tokens += chunk.num_new_tokens + chunk.num_lookahead
             if not chunk.samples:
                 req.num_computed = chunk.num_computed + chunk.num_new_tokens
-                self.manager.commit(req.req_id)
+                verdicts.append(None)
                 continue
             verdict = emitted(self._verify(req, rows, drafts.get(req.req_id)), req)
             req.num_computed = chunk.num_computed + chunk.num_new_tokens + verdict.num_accepted
             req.emit(verdict.token_ids)
             self.num_output += len(verdict.token_ids)
-            self.manager.commit(req.req_id, verdict.num_accepted, verdict.token_ids)
+            verdicts.append(verdict)
+        if hidden is not None and self.drafter is not None:
+            self.drafter.observe(self._observations(chunks, steps, verdicts, hidden))
+        finished = []
+        for chunk, outcome in zip(chunks, verdicts, strict=True):
+            req = chunk.request
+            if outcome is None:
+                self.manager.commit(req.req_id)
+                continue
+            self.manager.commit(req.req_id, outcome.num_accepted, outcome.token_ids)
             if self.spec_method is not None:
-                self.spec.add(chunk.num_lookahead, verdict.num_accepted)
+                self.spec.add(chunk.num_lookahead, outcome.num_accepted)
                 self.req_spec.setdefault(req.req_id, SpecCounters()).add(
-                    chunk.num_lookahead, verdict.num_accepted
+                    chunk.num_lookahead, outcome.num_accepted
                 )
             if req.done:
                 self.scheduler.finish(req)
                 self.forget(req)
                 finished.append(req)
         return finished
+
+    def _observations(
+        self,
+        chunks: list[ScheduledChunk],
+        steps: list[StepInput],
+        verdicts: list[Verdict | None],
+        hidden: HiddenStates,
+    ) -> list[Observation]:
+        """Per chunk, the positions this step made computed, the token after each and
+        the drafter head's feature rows there (rows follow the steps' tokens in order)."""
+        assert self.drafter is not None
+        features = self.drafter.features(hidden)
+        out = []
+        start = 0
+        for chunk, step, verdict in zip(chunks, steps, verdicts, strict=True):
+            req = chunk.request
+            num = req.num_computed - chunk.num_computed
+            next_ids = req.tokens[chunk.num_computed + 1 : req.num_computed + 1]
+            if len(next_ids) != num:
+                raise EngineError(
+                    f"request {req.req_id!r}: {num} positions computed this step but only "
+                    f"{len(next_ids)} tokens follow them"
+                )
+            keep = verdict is not None and not req.done  # it sampled: it decodes next
+            rows = features[start : start + num]
+            out.append(Observation(req.req_id, chunk.num_computed, list(next_ids), rows, keep))
+            start += len(step.token_ids)
+        return out
 
     def _verify(self, req: Request, logits: torch.Tensor, drafts: Drafts | None) -> Verdict:
         """Accepted drafts + one sampled token from the main model's ``[1 + L, vocab]``."""

@@ -8,13 +8,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from hybridkv.engine.loader import Checkpoint, read_config
 from hybridkv.engine.models.common import CausalLM, LayerDesc
 from hybridkv.errors import EngineError
+
+if TYPE_CHECKING:
+    from hybridkv.engine.models.mtp import MTPHead
 
 Loader = Callable[[dict[str, Any], Checkpoint], CausalLM]
 
@@ -60,4 +63,15 @@ def load_model(
     return loader(config, Checkpoint(folder, dtype, device))
 
 
-__all__ = ["CausalLM", "LayerDesc", "load_model"]
+def load_mtp(
+    folder: str | Path, main: CausalLM, device: str | torch.device | None = None
+) -> MTPHead:
+    """The MTP head shipped in ``folder`` (Qwen3.5 / Qwen3-Next), sharing ``main``'s
+    embedding and LM head, in ``main``'s dtype on its device."""
+    from hybridkv.engine.models.mtp import load_mtp_head
+
+    ckpt = Checkpoint(folder, main.dtype, main.device if device is None else device)
+    return load_mtp_head(read_config(folder), ckpt, main)
+
+
+__all__ = ["CausalLM", "LayerDesc", "load_model", "load_mtp"]

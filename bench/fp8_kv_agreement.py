@@ -1,0 +1,75 @@
+"""How far does fp8 KV take greedy tokens from transformers (float32)?
+
+Question: with K/V pages in fp8 (e4m3 / e5m2, scale 1.0) and everything else float32,
+how many greedy tokens agree with transformers' float32 ``generate``, and where is the
+first divergence? fp8 is not exact; this measures it instead of pinning it in a test.
+Also checks, per run, that the fp8 engine equals its float32-pages rounding oracle.
+
+Tiny random-weight checkpoints (the exactness tests' configs), 8 prompts of 1-61
+tokens, 32 new tokens each. Run: ``PYTHONPATH=src python bench/fp8_kv_agreement.py``
+(``--models qwen3,gemma3,qwen3_5``, ``--num-new N``). Prints one row per model and
+dtype: prompts identical to transformers, mean tokens before the first divergence,
+earliest divergence, and whether the oracle matched.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "exactness"))
+
+from exactness_harness import hf_greedy, save_tiny
+from llm_support import BUILDERS, shared_prefix_prompts
+
+from hybridkv.engine import LLM
+from hybridkv.engine.tensors import simulate_fp8_kv
+
+FP8 = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+
+
+def first_divergence(a: list[int], b: list[int]) -> int | None:
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--models", default="qwen3,gemma3,qwen3_5")
+    parser.add_argument("--num-new", type=int, default=32)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    prompts = shared_prefix_prompts()
+    print(
+        f"{'model':10} {'kv dtype':9} {'identical':>9} {'mean agree':>10} "
+        f"{'first div':>9} {'oracle':>6}"
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in args.models.split(","):
+            model_cls, config = BUILDERS[name]()
+            folder = Path(tmp) / name
+            hf = save_tiny(model_cls, config, folder)
+            want = hf_greedy(hf, prompts, args.num_new)
+            for kv_dtype, fp8 in FP8.items():
+                llm = LLM(folder, kv_dtype=kv_dtype)
+                got = [r.token_ids for r in llm.generate(prompts, args.num_new)]
+                oracle = LLM(folder)
+                simulate_fp8_kv(oracle.tensors, fp8, oracle.model.layers)
+                same = got == [r.token_ids for r in oracle.generate(prompts, args.num_new)]
+                divs = [first_divergence(g, w) for g, w in zip(got, want, strict=True)]
+                agree = [args.num_new if d is None else d for d in divs]
+                first = min((d for d in divs if d is not None), default=None)
+                print(
+                    f"{name:10} {kv_dtype:9} {divs.count(None):>5}/{len(prompts):<3} "
+                    f"{sum(agree) / len(agree):>10.1f} {first!s:>9} {same!s:>6}"
+                )
+
+
+if __name__ == "__main__":
+    main()
