@@ -53,10 +53,18 @@ def generate_command(
     ] = "auto",
     draft: Annotated[
         str | None,
-        typer.Option("--draft", help="draft model folder (or demo-draft): speculative decoding"),
+        typer.Option(
+            "--draft",
+            help="draft model folder (or demo-draft), or an EAGLE head with --spec-method eagle",
+        ),
     ] = None,
     spec_method: Annotated[
-        str | None, typer.Option("--spec-method", help="draft (needs --draft), ngram or suffix")
+        str | None,
+        typer.Option(
+            "--spec-method",
+            help="draft (--draft MODEL), mtp (the checkpoint's MTP head), eagle (--draft "
+            "EAGLE_FOLDER), ngram or suffix",
+        ),
     ] = None,
     num_spec: Annotated[
         int | None,
