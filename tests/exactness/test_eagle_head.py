@@ -77,7 +77,7 @@ def test_eagle_folder_errors(eagle_case, tmp_path):
     main, head, _hf, _ref = eagle_case(False)
     with pytest.raises(EngineError, match="needs an EAGLE head folder"):
         LLM(main, spec_method="eagle", num_spec_tokens=2)
-    with pytest.raises(EngineError, match="no eagle_config.json"):
+    with pytest.raises(EngineError, match=r"no eagle_config\.json"):
         LLM(main, spec_method="eagle", draft=tmp_path, num_spec_tokens=2)
     bad = tmp_path / "bad"
     shutil.copytree(head, bad)
