@@ -71,6 +71,12 @@ def generate_command(
         typer.Option("--num-spec", "--num-speculative-tokens", help="K: drafts per step at most"),
     ] = None,
     device: Annotated[str, typer.Option("--device", help="cpu, cuda or cuda:N")] = "cpu",
+    max_num_seqs: Annotated[
+        int, typer.Option("--max-num-seqs", help="requests running at once (1: one by one)")
+    ] = 16,
+    chunk_size: Annotated[
+        int | None, typer.Option("--chunk-size", help="prefill chunk (tokens); none: whole")
+    ] = None,
     ignore_eos: Annotated[
         bool, typer.Option("--ignore-eos", help="do not stop at the checkpoint's EOS id")
     ] = False,
@@ -100,6 +106,8 @@ def generate_command(
             spec_method=spec_method,
             num_spec_tokens=num_spec_tokens,
             device=device,
+            max_num_seqs=max_num_seqs,
+            chunk_size=chunk_size,
         )
         prompts: list[list[int] | str] = (
             list(prompt) if prompt else [parse_prompt_ids(p) for p in prompt_ids or []]
