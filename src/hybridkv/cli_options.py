@@ -16,6 +16,7 @@ from typing import Annotated, Any
 import typer
 
 from hybridkv.errors import HybridKVError, PlanError
+from hybridkv.plan.tree import check_chain_drafts
 from hybridkv.plan.types import PlanOptions
 from hybridkv.spec.dtypes import DType, parse_dtype
 from hybridkv.spec.model import ModelSpec
@@ -145,6 +146,7 @@ class PlanArgs:
                 raise PlanError(f"--speculative-config is not JSON: {err}") from err
             if not isinstance(config, dict):
                 raise PlanError("--speculative-config must be a JSON object")
+            check_chain_drafts(config.get("topk", 1), config.get("speculative_token_tree"))
             method = config.get("method", method)
             draft = config.get("model", draft)
             k = int(config.get("num_speculative_tokens", k))

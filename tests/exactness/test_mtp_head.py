@@ -161,3 +161,11 @@ def test_mtp_count_without_tensors_is_a_typed_error(llm_case, tmp_path):
     (folder / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(EngineError, match=r"no 'mtp\.fc\.weight'"):
         LLM(folder, spec_method="mtp", num_spec_tokens=2)
+
+
+def test_tree_drafts_are_refused_by_llm(mtp_case):
+    from hybridkv.errors import PlanError
+
+    folder, _hf, _ref = mtp_case("qwen3_5", False)
+    with pytest.raises(PlanError, match="recurrent state per branch point"):
+        LLM(folder, spec_method="mtp", num_spec_tokens=3, spec_topk=2)

@@ -57,6 +57,7 @@ from hybridkv.errors import EngineError, SpecError
 from hybridkv.models.registry import load_model_spec
 from hybridkv.plan.planner import HEAD_METHODS
 from hybridkv.plan.planner import plan as make_plan
+from hybridkv.plan.tree import check_chain_drafts
 from hybridkv.plan.types import CachePlan, PlanOptions
 from hybridkv.spec.dtypes import DType, parse_dtype
 from hybridkv.spec.model import ModelSpec
@@ -85,6 +86,7 @@ class LLM:
         spec_method: str | None = None,
         num_spec_tokens: int = 0,
         proposer: Proposer | None = None,
+        spec_topk: int = 1,
         **plan_options: Any,
     ) -> None:
         self.model_path = Path(model_path)
@@ -94,6 +96,7 @@ class LLM:
         self.model = load_model(self.model_path, self.torch_dtype, self.device)
         self.eos_token_ids = eos_token_ids(self.model_path)
         spec = load_model_spec(self.model_path)
+        check_chain_drafts(spec_topk, main=spec)  # trees: refused, naming what is missing
         spec_method, num_spec_tokens = self._spec_setup(
             draft, spec_method, num_spec_tokens, proposer
         )
