@@ -180,6 +180,10 @@ def demo_command(
     num_spec: Annotated[int, typer.Option("--num-spec", help="K: drafts per step")] = 4,
     threads: Annotated[int | None, typer.Option("--threads", help="torch CPU threads")] = None,
     device: Annotated[str, typer.Option("--device", help="cpu, cuda or cuda:N")] = "cpu",
+    spec_method: Annotated[
+        str,
+        typer.Option("--spec-method", help="draft (the demo draft model) or mtp (its MTP head)"),
+    ] = "draft",
     as_json: Annotated[bool, typer.Option("--json", help="machine-readable output")] = False,
 ) -> None:
     """The whole system on the built-in demo models: plan, serve a batch sharing a
@@ -188,7 +192,7 @@ def demo_command(
     def body() -> None:
         from hybridkv.demo import DemoOptions, print_report, run_demo
 
-        options = DemoOptions(num_requests, max_new_tokens, num_spec, threads, device)
+        options = DemoOptions(num_requests, max_new_tokens, num_spec, threads, device, spec_method)
         llm, report = run_demo(options, progress=not as_json)
         if as_json:
             emit_json(report)

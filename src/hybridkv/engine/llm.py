@@ -187,10 +187,11 @@ class LLM:
         proposer: Proposer | None,
     ) -> tuple[str | None, int]:
         """(spec method, K) for planning; a custom proposer plans like n-gram."""
-        if draft is not None and spec_method not in (None, "draft", "eagle"):
+        if draft is not None and spec_method not in (None, "draft", "eagle", "mtp"):
             raise EngineError(
-                f"a draft folder goes with spec_method 'draft' (a model) or 'eagle' (an "
-                f"EAGLE head), not {spec_method!r}"
+                f"a draft folder goes with spec_method 'draft' (a model), 'eagle' (an EAGLE "
+                f"head) or 'mtp' (an MTP head kept apart from the main checkpoint), not "
+                f"{spec_method!r}"
             )
         if draft is None and spec_method in ("draft", "eagle"):
             what = "a draft model" if spec_method == "draft" else "an EAGLE head folder"
@@ -215,8 +216,8 @@ class LLM:
     ) -> tuple[DraftHead, ModelSpec]:
         """The MTP head shipped with the main checkpoint, or the EAGLE head in ``draft``,
         and its layers as a draft `ModelSpec` (planned as draft layers)."""
-        if method == "mtp":
-            head: DraftHead = load_mtp(self.model_path, self.model)
+        if method == "mtp":  # in the main checkpoint, or in its own folder (``draft``)
+            head: DraftHead = load_mtp(self.model_path if draft is None else draft, self.model)
             return head, spec.draft_head(len(head.layers), method="mtp")
         from hybridkv.engine.models.eagle import load_eagle_head
 

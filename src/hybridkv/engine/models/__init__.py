@@ -66,8 +66,10 @@ def load_model(
 def load_mtp(
     folder: str | Path, main: CausalLM, device: str | torch.device | None = None
 ) -> MTPHead:
-    """The MTP head shipped in ``folder`` (Qwen3.5 / Qwen3-Next), sharing ``main``'s
-    embedding and LM head, in ``main``'s dtype on its device."""
+    """The MTP head in ``folder`` (Qwen3.5 / Qwen3-Next), sharing ``main``'s embedding
+    and LM head, in ``main``'s dtype on its device. ``folder`` is the main checkpoint
+    itself, or a folder holding only the ``mtp.*`` tensors next to a ``config.json`` of
+    the same architecture that states the MTP layer count (the demo's ``mtp/``)."""
     from hybridkv.engine.models.mtp import load_mtp_head
 
     ckpt = Checkpoint(folder, main.dtype, main.device if device is None else device)

@@ -133,6 +133,13 @@ def load_mtp_head(config: dict[str, Any], ckpt: Checkpoint, main: CausalLM) -> M
             f"'{MTP_PREFIX}fc.weight' (was it saved by transformers, which drops mtp.*?)"
         )
     dims = ModelDims.from_config(config, eps_default=1e-6)
+    main_hidden = int(main.embed.shape[1])
+    if dims.hidden != main_hidden or dims.vocab != main.vocab_size:
+        raise EngineError(
+            f"{ckpt.folder}/config.json: hidden_size {dims.hidden} / vocab_size {dims.vocab} "
+            f"but the main model has {main_hidden} / {main.vocab_size}; the MTP head shares "
+            "its embedding and LM head"
+        )
     norm = norm_loader(ckpt, rms_norm_offset, dims)
     shape = AttentionShape.from_config(config, gated=True, qk_norm=True)
     rope = make_rope(rope_parameters(config), shape.head_dim, ckpt.device)
