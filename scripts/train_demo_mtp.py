@@ -158,6 +158,14 @@ def engine_acceptance(main_dir: Path, mtp_dir: Path, k: int, new_tokens: int) ->
     }
 
 
+def _shown(value: Any) -> Any:
+    """Paths relative to the repository when inside it (metadata stays machine-neutral)."""
+    if not isinstance(value, Path):
+        return value
+    path = value.resolve()
+    return path.relative_to(REPO).as_posix() if path.is_relative_to(REPO) else str(path)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     import torch
@@ -223,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
         "description": "MTP head for the hybridkv demo main (frozen), Qwen3.5 MTP layout",
         "command": "python scripts/train_demo_mtp.py "
         + " ".join(sys.argv[1:] if argv is None else argv),
-        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "args": {k: _shown(v) for k, v in vars(args).items()},
         "python": platform.python_version(),
         "versions": {"torch": torch.__version__},
         "corpus": {"files": len(records), "sha256": corpus.corpus_digest(records)},

@@ -6,6 +6,8 @@
     main       ModelRunner.execute -> logits [1 + L, vocab] per sampling request
     verify     greedy / speculative sampling -> a accepted drafts + 1 token
     emit       cut at max_new_tokens and after the first stop id: a' <= a
+    observe    a hidden-state head (MTP, EAGLE) writes its KV at the positions the step
+               made computed, from the main pass's hidden states (`proposers.head`)
     commit     CacheManager.commit(r, a', tokens): state after c + 1 + a' tokens runs on
 
 Cutting after a stop id is a smaller verdict of the same shape: emitting the stop token
