@@ -69,7 +69,9 @@ def test_demo_with_the_mtp_head_is_exact_and_accepts():
     assert report["spec"]["method"] == "mtp"
     assert report["models"]["draft"].endswith("mtp")
     assert report["spec"]["mean_accepted_length"] > 1.3
-    assert all(o["prefix_hit_tokens"] > 0 for o in report["outputs"][1:])
+    # No prefix-hit assertion: a head needs EAGLE-mode hits (one block past the hit
+    # cached too), and with the demo's 80-token shared blocks and one state checkpoint
+    # per prefill step the 239-token prompts leave none to serve.
 
     from hybridkv.demo import DEMO_MAIN, demo_prompts
     from hybridkv.engine import LLM
