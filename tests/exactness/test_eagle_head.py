@@ -90,3 +90,13 @@ def test_eagle_folder_errors(eagle_case, tmp_path):
     (bad / "eagle_config.json").write_text(json.dumps(cfg))
     with pytest.raises(EngineError, match="hidden_size 32"):
         LLM(main, spec_method="eagle", draft=bad, num_spec_tokens=2)
+
+
+def test_eagle_with_fp8_kv_equals_non_speculative_fp8(eagle_case):
+    main, head, _hf, _ref = eagle_case(True)
+    prompts = shared_prefix_prompts()
+    llm = LLM(main, spec_method="eagle", draft=head, num_spec_tokens=K, kv_dtype="fp8_e5m2")
+    assert {c.key.dtype for c in llm.tensors.draft_caches.values()} == {torch.float8_e5m2}
+    got = [r.token_ids for r in llm.generate(prompts, NUM_NEW)]
+    assert got == [r.token_ids for r in LLM(main, kv_dtype="fp8_e5m2").generate(prompts, NUM_NEW)]
+    assert llm.stats().num_accepted_tokens > 0

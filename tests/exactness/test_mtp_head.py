@@ -189,3 +189,24 @@ def test_mtp_preemption_mid_speculation_gives_the_same_tokens(mtp_case):
     assert tight.stats().num_preemptions >= 5
     assert tight.stats().num_accepted_tokens > 0
     tight.manager.check_invariants()
+
+
+def test_mtp_through_hybridkv_generate(mtp_case):
+    import json
+
+    from typer.testing import CliRunner
+
+    import hybridkv.engine.cli  # noqa: F401  (registers generate)
+    from hybridkv.cli import app
+
+    folder, hf, _ref = mtp_case("qwen3_next", True)
+    prompts = shared_prefix_prompts()[:3]
+    args = ["generate", str(folder), "--spec-method", "mtp", "--num-spec", str(K)]
+    for p in prompts:
+        args += ["--prompt-ids", ",".join(map(str, p))]
+    result = CliRunner().invoke(app, [*args, "--max-new-tokens", str(NUM_NEW), "--json"])
+    assert result.exit_code == 0, result.output
+    payload = json.loads(result.stdout)
+    assert [o["token_ids"] for o in payload["outputs"]] == hf_greedy(hf, prompts, NUM_NEW)
+    assert payload["stats"]["spec_method"] == "mtp"
+    assert payload["stats"]["num_accepted_tokens"] > 0
