@@ -6,8 +6,9 @@ first divergence? fp8 is not exact; this measures it instead of pinning it in a 
 Also checks, per run, that the fp8 engine equals its float32-pages rounding oracle.
 
 Tiny random-weight checkpoints (the exactness tests' configs), 8 prompts of 1-61
-tokens, 32 new tokens each. Run: ``PYTHONPATH=src python bench/fp8_kv_agreement.py``
-(``--models qwen3,gemma3,qwen3_5``, ``--num-new N``). Prints one row per model and
+tokens, and the trained demo main on its 8 demo prompts; 32 new tokens each. Run:
+``PYTHONPATH=src python bench/fp8_kv_agreement.py`` (``--models qwen3,gemma3,qwen3_5,
+demo``, ``--num-new N``). Prints one row per model and
 dtype: prompts identical to transformers, mean tokens before the first divergence,
 earliest divergence, and whether the oracle matched. A bfloat16-KV row (float32
 compute) is the baseline: how much a 16-bit page already moves these tiny models.
@@ -21,6 +22,7 @@ import tempfile
 from pathlib import Path
 
 import torch
+import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "exactness"))
 
@@ -42,7 +44,7 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--models", default="qwen3,gemma3,qwen3_5")
+    parser.add_argument("--models", default="qwen3,gemma3,qwen3_5,demo")
     parser.add_argument("--num-new", type=int, default=32)
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -53,25 +55,38 @@ def main() -> None:
     )
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.models.split(","):
-            model_cls, config = BUILDERS[name]()
             folder = Path(tmp) / name
-            hf = save_tiny(model_cls, config, folder)
-            want = hf_greedy(hf, prompts, args.num_new)
+            if name == "demo":  # the trained demo main (bfloat16 weights, run in float32)
+                from hybridkv.demo import DEMO_MAIN, demo_prompts
+
+                folder = DEMO_MAIN
+                hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+                rows = [LLM(folder).tokenizer.encode(p) for p in demo_prompts(8)]
+            else:
+                model_cls, config = BUILDERS[name]()
+                hf = save_tiny(model_cls, config, folder)
+                rows = prompts
+            want = hf_greedy(hf.eval(), rows, args.num_new)
             for kv_dtype in ("bfloat16", *FP8):
-                llm = LLM(folder, kv_dtype=kv_dtype)
-                got = [r.token_ids for r in llm.generate(prompts, args.num_new)]
-                same: bool | str = "-"  # bfloat16: a baseline, no fp8 oracle
-                if kv_dtype in FP8:
-                    oracle = LLM(folder)
-                    simulate_fp8_kv(oracle.tensors, FP8[kv_dtype], oracle.model.layers)
-                    same = got == [r.token_ids for r in oracle.generate(prompts, args.num_new)]
-                divs = [first_divergence(g, w) for g, w in zip(got, want, strict=True)]
-                agree = [args.num_new if d is None else d for d in divs]
-                first = min((d for d in divs if d is not None), default=None)
-                print(
-                    f"{name:10} {kv_dtype:9} {divs.count(None):>5}/{len(prompts):<3} "
-                    f"{sum(agree) / len(agree):>10.1f} {first!s:>9} {same!s:>6}"
-                )
+                report(name, kv_dtype, folder, rows, want, args.num_new)
+
+
+def report(name, kv_dtype, folder, prompts, want, num_new) -> None:
+    llm = LLM(folder, kv_dtype=kv_dtype, max_model_len=1024)
+    got = [r.token_ids for r in llm.generate(prompts, num_new)]
+    same: bool | str = "-"  # bfloat16: a baseline, no fp8 oracle
+    if kv_dtype in FP8:
+        oracle = LLM(folder, max_model_len=1024)
+        simulate_fp8_kv(oracle.tensors, FP8[kv_dtype], oracle.model.layers)
+        same = got == [r.token_ids for r in oracle.generate(prompts, num_new)]
+    divs = [first_divergence(g, w) for g, w in zip(got, want, strict=True)]
+    agree = [num_new if d is None else d for d in divs]
+    first = min((d for d in divs if d is not None), default=None)
+    print(
+        f"{name:10} {kv_dtype:9} {divs.count(None):>5}/{len(prompts):<3} "
+        f"{sum(agree) / len(agree):>10.1f} {first!s:>9} {same!s:>6}",
+        flush=True,
+    )
 
 
 if __name__ == "__main__":
