@@ -28,6 +28,7 @@ DEMO_MTP = DEMO_MODELS / "mtp"  # an MTP head for the main (scripts/train_demo_m
 DEMO_SPEC_METHODS = ("draft", "mtp")
 DEMO_MEMORY_BYTES = 32 << 20
 DEMO_MAX_MODEL_LEN = 1024
+MAX_DEMO_REQUESTS = 1024
 
 HEADER = (
     '"""Command line tool: read files, count lines, print a report."""\n'
@@ -71,10 +72,10 @@ class DemoOptions:
 
 def run_demo(options: DemoOptions, progress: bool = True) -> tuple[Any, dict[str, Any]]:
     """Serve the demo batch; returns (the `LLM`, the JSON-ready report)."""
-    import torch
 
     from hybridkv.engine.llm import LLM
     from hybridkv.engine.sampler import SamplingParams
+    from hybridkv.engine.threads import apply_threads
 
     if options.num_requests < 1 or options.max_new_tokens < 1 or options.num_spec_tokens < 1:
         raise ValueError("--num-requests, --max-new-tokens and --num-spec must be >= 1")
@@ -82,8 +83,11 @@ def run_demo(options: DemoOptions, progress: bool = True) -> tuple[Any, dict[str
         raise ValueError(
             f"--spec-method {options.spec_method!r}: the demo runs {' or '.join(DEMO_SPEC_METHODS)}"
         )
-    if options.threads:
-        torch.set_num_threads(options.threads)
+    if options.num_requests > MAX_DEMO_REQUESTS:  # prompts are built up front
+        raise ValueError(
+            f"--num-requests={options.num_requests}: the demo serves at most {MAX_DEMO_REQUESTS}"
+        )
+    apply_threads(options.threads, (DEMO_MAIN, DEMO_DRAFT))  # tiny models: 1 thread
     start = time.perf_counter()
     mtp = options.spec_method == "mtp"
     llm = LLM(
@@ -116,7 +120,7 @@ def run_demo(options: DemoOptions, progress: bool = True) -> tuple[Any, dict[str
                     llm.add_request(p, params, i) for i, p in enumerate(prompts[1:], start=1)
                 )
             # a request stopped at EOS leaves its remaining tokens to the bar
-            now = sum(r.params.max_new_tokens if r.done else len(r.output) for r in requests)
+            now = sum(r.max_new_tokens if r.done else len(r.output) for r in requests)
             advance(now - done)
             done = now
 

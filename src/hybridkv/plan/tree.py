@@ -17,8 +17,6 @@ Until they exist every entry point (`LLM`, the CLI's ``--speculative-config``) c
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 from hybridkv.errors import PlanError
 from hybridkv.spec.layers import StateSpec
 from hybridkv.spec.model import ModelSpec
@@ -28,7 +26,7 @@ TREE_KEYS = ("topk", "speculative_token_tree")  # --speculative-config keys that
 
 def check_chain_drafts(
     topk: int = 1,
-    token_tree: Sequence[object] | None = None,
+    token_tree: object = None,
     *,
     main: ModelSpec | None = None,
     draft: ModelSpec | None = None,
@@ -38,7 +36,12 @@ def check_chain_drafts(
         raise PlanError(f"topk={topk!r}: must be a positive integer (1: a chain of drafts)")
     if topk == 1 and not token_tree:
         return
-    asked = f"topk={topk}" if topk > 1 else f"a token tree of {len(token_tree or ())} nodes"
+    if topk > 1:
+        asked = f"topk={topk}"
+    elif isinstance(token_tree, list):
+        asked = f"a token tree of {len(token_tree)} nodes"
+    else:
+        asked = "a token tree"
     missing = [
         "a tree attention mask in the verification pass (the engine verifies one chain)",
         "a tree-aware commit (the cache manager keeps a chain prefix, not one branch of many)",

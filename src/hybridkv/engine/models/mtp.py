@@ -150,7 +150,7 @@ def load_mtp_head(config: dict[str, Any], ckpt: Checkpoint, main: CausalLM) -> M
             ckpt, f"{prefix}.self_attn", shape, norm=rms_norm_offset, eps=dims.eps, rope=rope
         )
         blocks.append(PreNormLayer.load(norm, prefix, i, attn, _mlp(config, ckpt, prefix, dims)))
-    return MTPHead(
+    head = MTPHead(
         main=main,
         pre_fc_norm_embedding=norm(f"{MTP_PREFIX}pre_fc_norm_embedding.weight"),
         pre_fc_norm_hidden=norm(f"{MTP_PREFIX}pre_fc_norm_hidden.weight"),
@@ -158,6 +158,13 @@ def load_mtp_head(config: dict[str, Any], ckpt: Checkpoint, main: CausalLM) -> M
         blocks=blocks,
         norm=norm(f"{MTP_PREFIX}norm.weight"),
     )
+    left = mtp_tensor_names(ckpt.unused())
+    if left:
+        raise EngineError(
+            f"{ckpt.folder}: MTP tensors the {count}-layer head does not use: {left[:5]}; "
+            f"is {' / '.join(MTP_LAYER_KEYS)} right?"
+        )
+    return head
 
 
 def _mlp(config: dict[str, Any], ckpt: Checkpoint, prefix: str, dims: ModelDims) -> Any:
