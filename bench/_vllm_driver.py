@@ -1,21 +1,26 @@
-"""Drive vLLM's own `KVCacheManager` with a `manager_step` trace (run in vLLM's venv).
+"""Replay a `manager_step` trace through vLLM's own `KVCacheManager` (run in vLLM's venv).
 
 Usage: ``VLLM_TARGET_DEVICE=cpu python bench/_vllm_driver.py SPEC.json`` prints one JSON
-line: ``{"us_per_step": ..., "hit_tokens": ..., "num_steps": ...}``. SPEC.json (written
-by ``bench/manager_step.py``) holds the groups, pool size, prompts, outputs and the
-per-step ``[drafts, accepted]`` of every request. Standalone: imports vLLM, not hybridkv.
+line: the timers and counters of `_trace_loop.run`. SPEC.json (written by
+``bench/manager_step.py``) holds the groups, pool size and trace. Standalone: imports
+vLLM and `_trace_loop`, not hybridkv.
 
-The step mirrors vLLM's scheduler for a decode with d drafts: ``allocate_slots(req,
-1 + d)`` with the drafts in ``spec_token_ids``; after verification
-``num_computed_tokens += 1 + d - (d - a)`` and ``a + 1`` tokens are appended (which
-hashes new full blocks). Timed: allocate_slots and the token append, per step.
+The calls mirror vLLM's scheduler: every step starts with ``new_step_starts()``; a new
+request is built (its block hasher hashes the
+prompt) and admitted with ``get_computed_blocks`` + ``allocate_slots(req, n, hit,
+blocks)``; a prefill chunk is ``allocate_slots(req, n)``; a decode step with d drafts is
+``allocate_slots(req, 1 + d)`` with the drafts in ``spec_token_ids``; after the step
+``num_computed_tokens += n + a`` and the emitted tokens are appended (which hashes
+new full blocks); a finished request is ``free``d. Prefill chunks follow vLLM's align
+split (`_trace_loop.chunk_end`), so vLLM caches the state at every chunk end.
 """
 
 from __future__ import annotations
 
 import json
 import sys
-import time
+from collections.abc import Callable
+from pathlib import Path
 
 import torch
 from vllm.sampling_params import SamplingParams
@@ -30,6 +35,9 @@ from vllm.v1.kv_cache_interface import (
     SlidingWindowSpec,
 )
 from vllm.v1.request import Request
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _trace_loop import run
 
 
 def group_spec(group: dict) -> object:
@@ -60,63 +68,106 @@ def group_spec(group: dict) -> object:
     raise SystemExit(f"unsupported group kind {kind!r}")
 
 
+class VllmAdapter:
+    def __init__(self, spec: dict) -> None:
+        groups = [
+            KVCacheGroupSpec([f"layer{i}"], group_spec(g)) for i, g in enumerate(spec["groups"])
+        ]
+        config = KVCacheConfig(
+            num_blocks=spec["num_blocks"], kv_cache_tensors=[], kv_cache_groups=groups
+        )
+        block_sizes = [g["block_size"] for g in spec["groups"]]
+        self.hash_block = min(block_sizes)
+        self.manager = KVCacheManager(
+            config,
+            max_model_len=spec["max_model_len"],
+            scheduler_block_size=max(block_sizes),
+            hash_block_size=self.hash_block,
+            enable_caching=True,
+        )
+        hash_fn = get_hash_fn_by_name("sha256")
+        init_none_hash(hash_fn)
+        self.hasher = get_request_block_hasher(self.hash_block, hash_fn)
+        self.params = SamplingParams(max_tokens=1 << 20)
+        self.requests: dict[int, Request] = {}
+        self.num_allocations = 0
+        self.peak_used = 0
+        self.pool = self.manager.block_pool
+
+    def _track(self) -> None:
+        used = self.pool.num_gpu_blocks - self.pool.get_num_free_blocks()
+        if used > self.peak_used:
+            self.peak_used = used
+
+    def begin_step(self) -> None:
+        self.manager.new_step_starts()  # as vLLM's scheduler does at every step
+
+    def admit(self, index: int, prompt: list[int], chunk: Callable[[int], int]) -> int | None:
+        req = Request(f"r{index}", prompt, self.params, None, block_hasher=self.hasher)
+        blocks, hit = self.manager.get_computed_blocks(req)[:2]
+        self.num_allocations += 1
+        if self.manager.allocate_slots(req, chunk(hit), hit, blocks) is None:
+            return None
+        req.num_computed_tokens = hit
+        self.requests[index] = req
+        return hit
+
+    def allocate(self, items: list[tuple[int, int, int]]) -> bool:
+        requests, allocate = self.requests, self.manager.allocate_slots
+        self.num_allocations += len(items)
+        for index, n, drafts in items:
+            req = requests[index]
+            if drafts:
+                req.spec_token_ids = [7] * drafts
+            if allocate(req, n + drafts) is None:
+                return False
+        return True
+
+    def commit(self, items: list[tuple[int, int, int, list[int]]]) -> None:
+        requests = self.requests
+        for index, n, accepted, new in items:
+            req = requests[index]
+            if req.spec_token_ids:
+                req.spec_token_ids = []
+            req.num_computed_tokens += n + accepted
+            if new:
+                req.append_output_token_ids(new)
+
+    def free(self, indexes: list[int]) -> None:
+        requests, free = self.requests, self.manager.free
+        for index in indexes:
+            free(requests.pop(index))
+
+
 def main(path: str) -> None:
     with open(path) as handle:
         spec = json.load(handle)
-    groups = [KVCacheGroupSpec([f"layer{i}"], group_spec(g)) for i, g in enumerate(spec["groups"])]
-    config = KVCacheConfig(
-        num_blocks=spec["num_blocks"], kv_cache_tensors=[], kv_cache_groups=groups
-    )
-    block_sizes = [g["block_size"] for g in spec["groups"]]
-    hash_block = min(block_sizes)
-    manager = KVCacheManager(
-        config,
-        max_model_len=spec["max_model_len"],
-        scheduler_block_size=max(block_sizes),
-        hash_block_size=hash_block,
-        enable_caching=True,
-    )
-    hash_fn = get_hash_fn_by_name("sha256")
-    init_none_hash(hash_fn)
-    hasher = get_request_block_hasher(hash_block, hash_fn)
-    params = SamplingParams(max_tokens=1 << 20)
-    requests, cursor, hit_tokens = [], [], 0
-    for i, prompt in enumerate(spec["prompts"]):
-        req = Request(f"r{i}", list(prompt), params, None, block_hasher=hasher)
-        blocks, hit, *_ = manager.get_computed_blocks(req)
-        new = manager.allocate_slots(req, len(prompt) - hit, hit, blocks)
-        if new is None:
-            raise SystemExit(f"admission of request {i} failed: pool too small")
-        hit_tokens += hit
-        req.num_computed_tokens = len(prompt)
-        req.append_output_token_ids(spec["outputs"][i][0])
-        requests.append(req)
-        cursor.append(1)
-    total_s = 0.0
-    for step in spec["steps"]:
-        start = time.perf_counter()
-        for req, (drafts, _) in zip(requests, step, strict=False):
-            req.spec_token_ids = [7] * drafts
-            if manager.allocate_slots(req, 1 + drafts) is None:
-                raise SystemExit("decode allocation failed: pool too small")
-        for i, (req, (_, accepted)) in enumerate(zip(requests, step, strict=False)):
-            req.spec_token_ids = []
-            req.num_computed_tokens += 1 + accepted
-            out = spec["outputs"][i]
-            req.append_output_token_ids(out[cursor[i] : cursor[i] + accepted + 1])
-            cursor[i] += accepted + 1
-        total_s += time.perf_counter() - start
-    for req in requests:
-        manager.free(req)
-    print(
-        json.dumps(
-            {
-                "us_per_step": total_s * 1e6 / len(spec["steps"]),
-                "hit_tokens": hit_tokens,
-                "num_steps": len(spec["steps"]),
-            }
-        )
-    )
+    adapter = VllmAdapter(spec)
+    if spec.get("measure_peak"):  # sizing run: track blocks in use after every call
+        for name in ("admit", "allocate", "commit"):
+            method = getattr(adapter, name)
+
+            def tracked(*args, _method=method):  # type: ignore[no-untyped-def]
+                out = _method(*args)
+                adapter._track()
+                return out
+
+            setattr(adapter, name, tracked)
+    evictions = [0]
+    if spec.get("measure_peak"):
+        evict = adapter.pool._maybe_evict_cached_block
+
+        def counted(block):  # type: ignore[no-untyped-def]
+            hit = evict(block)
+            evictions[0] += bool(hit)
+            return hit
+
+        adapter.pool._maybe_evict_cached_block = counted
+    result = run(spec["trace"], adapter)
+    result["evictions"] = evictions[0] if spec.get("measure_peak") else None
+    result["counts"]["allocate_calls"] = adapter.num_allocations
+    result["peak_used_blocks"] = adapter.peak_used
+    print(json.dumps(result))
 
 
 if __name__ == "__main__":

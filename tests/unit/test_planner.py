@@ -152,7 +152,10 @@ def test_prefix_caching_off_uses_none_mode_and_no_granularity() -> None:
 
 def test_slab_packing_keeps_blocks_small_without_padding() -> None:
     """A slab of whole state pages lets the attention group take more layers per block,
-    so its block shrinks (Coder-Next + dense draft: 560 tokens, vLLM's rule: 2240)."""
+    so its block shrinks (Coder-Next + dense draft: 560 or 1680 tokens, vLLM's rule: 2240;
+    1680-token main-model blocks win at the typical length because the state groups'
+    extra checkpoint block and the attention groups' last block peak at different
+    steps)."""
     p = plan(
         qwen3_coder_next(),
         qwen3_4b(),
@@ -165,7 +168,8 @@ def test_slab_packing_keeps_blocks_small_without_padding() -> None:
     )
     p.check_invariants()
     assert p.pools[0].packing == "slab"
-    assert max(g.block_size for g in p.groups if g.kind != "state") <= 560
+    assert max(g.block_size for g in p.groups if g.kind != "state") < 2240
+    assert min(g.block_size for g in p.groups if g.kind != "state") <= 560
     assert p.waste_fraction <= 0.02
     # layers of one group lie side by side inside the slab, never past it
     slab = p.pools[0].page_bytes

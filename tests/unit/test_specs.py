@@ -55,7 +55,17 @@ def test_sliding_window_live_blocks() -> None:
     spec = SlidingWindowSpec(num_kv_heads=1, head_dim=8, sliding_window=4)
     # span W - 1 + in_flight = 4 tokens over blocks of 2 -> 2 blocks, +1 for an unaligned start
     assert spec.max_live_blocks(2, 1) == 3
-    assert spec.max_live_blocks(2, 4) == 5  # 3 + 4 = 7 tokens -> 4 blocks + 1
+    # 3 + 4 = 7 positions touch at most 4 blocks of 2 (e.g. positions 1..7: blocks 0..3)
+    assert spec.max_live_blocks(2, 4) == 4
+    for window in range(1, 12):
+        for block in range(1, 6):
+            for in_flight in range(1, 6):
+                swa = SlidingWindowSpec(num_kv_heads=1, head_dim=8, sliding_window=window)
+                span = window - 1 + in_flight
+                worst = max(
+                    (start + span - 1) // block - start // block + 1 for start in range(block)
+                )
+                assert swa.max_live_blocks(block, in_flight) == worst
     assert spec.kind == "sliding_attention"
 
 

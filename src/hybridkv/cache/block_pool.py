@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from array import array
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterable
 
 from hybridkv.cache.block import NULL_BLOCK, BlockInfo
 from hybridkv.cache.events import BLOCK_REMOVED, BLOCK_STORED, CacheEvent
@@ -32,9 +32,7 @@ from hybridkv.plan.types import PoolPlan
 class BlockPool:
     """Reference counts, free queue and per-group hash indexes of one pool."""
 
-    def __init__(
-        self, plan: PoolPlan, events: list[CacheEvent] | None, *, store_tokens: bool = False
-    ) -> None:
+    def __init__(self, plan: PoolPlan, events: list[CacheEvent] | None) -> None:
         if plan.num_pages < 1:
             raise InvariantError(f"pool {plan.pool_id} has {plan.num_pages} pages; needs >= 1")
         self.pool_id = plan.pool_id
@@ -45,7 +43,6 @@ class BlockPool:
         self.hashes: dict[int, bytes] = {}  # cached blocks only
         self.hash_group = array("q", [-1]) * plan.num_pages
         self.hash_end = array("q", bytes(8 * plan.num_pages))  # tokens covered by the hash
-        self.tokens: dict[int, tuple[int, ...]] | None = {} if store_tokens else None
         self.index: dict[int, dict[bytes, BlockId]] = {g: {} for g in plan.group_ids}
         self.free = FreeQueue(plan.num_pages, list(range(1, plan.num_pages)))
         self.events = events
@@ -64,20 +61,9 @@ class BlockPool:
     def usage(self) -> float:
         return 1.0 - self.num_free / self.num_usable if self.num_usable else 0.0
 
-    def lookup(
-        self, group_id: int, block_hash: bytes, tokens: Sequence[int] | None = None
-    ) -> BlockId | None:
-        """The cached block of ``group_id`` under ``block_hash``, if any (tokens checked
-        when the pool stores them)."""
-        block = self.index[group_id].get(block_hash)
-        if (
-            block is not None
-            and self.tokens is not None
-            and tokens is not None
-            and self.tokens.get(block) != tuple(tokens)
-        ):
-            return None
-        return block
+    def lookup(self, group_id: int, block_hash: bytes) -> BlockId | None:
+        """The cached block of ``group_id`` under ``block_hash``, if any."""
+        return self.index[group_id].get(block_hash)
 
     def is_cached(self, block_id: BlockId) -> bool:
         return block_id in self.hashes
@@ -119,13 +105,32 @@ class BlockPool:
             else:
                 self.free.push_cached(block_id)
 
+    def release_many(self, block_ids: Iterable[int]) -> None:
+        """`release` for each block in order (null blocks skipped): a request's whole
+        table at `free`, in one loop over local names."""
+        refs, hashes = self.ref_counts, self.hashes
+        fresh: list[int] = []
+        cached: list[int] = []
+        for block in block_ids:
+            if block == NULL_BLOCK:
+                continue
+            count = refs[block] - 1
+            if count < 0:
+                raise InvariantError(f"pool {self.pool_id}: block {block} released while free")
+            refs[block] = count
+            if count == 0:
+                (cached if block in hashes else fresh).append(block)
+        if fresh:
+            self.free.push_fresh_many(fresh)
+        if cached:
+            self.free.push_cached_many(cached)
+
     def cache(
         self,
         block_id: BlockId,
         group_id: int,
         block_hash: bytes,
         num_tokens: int,
-        tokens: Sequence[int] | None = None,
     ) -> bool:
         """Enter a referenced, uncached block into ``group_id``'s index.
 
@@ -140,8 +145,6 @@ class BlockPool:
         self.hashes[block_id] = block_hash
         self.hash_group[block_id] = group_id
         self.hash_end[block_id] = num_tokens
-        if self.tokens is not None and tokens is not None:
-            self.tokens[block_id] = tuple(tokens)
         self.num_stored += 1
         if self.events is not None:
             self.events.append(CacheEvent(BLOCK_STORED, group_id, block_id, block_hash, num_tokens))
@@ -152,8 +155,6 @@ class BlockPool:
         group = self.hash_group[block_id]
         del self.index[group][block_hash]
         self.hash_group[block_id] = -1
-        if self.tokens is not None:
-            self.tokens.pop(block_id, None)
         self.num_evictions += 1
         if self.events is not None:
             self.events.append(

@@ -11,7 +11,11 @@ the limit shrinks until no group lowers it::
 Full attention can serve any length up to its scan, but a sliding window or a state
 group can only serve particular lengths, so one pass is not enough in general: a
 window miss can push the limit below a checkpoint, which pushes it below another
-window position, and so on. Every pass either stops or lowers the limit, so it ends.
+window position, and so on. Every group's answer is idempotent (it can serve what it
+returns), so the groups are visited round robin and the scan stops as soon as every
+group has agreed with the current limit once since it last moved: one group needs one
+call, and a limit no group lowers costs one call per group. Every cached block a group
+saw goes into ``found``; `hit_states` reuses them while nothing has been evicted.
 
 Allocation is check-then-commit: count new blocks per pool (plus hit blocks that sit in
 the free queue and will leave it), fail with nothing changed if any pool is short, then
@@ -26,6 +30,7 @@ from math import gcd
 from typing import Any
 
 from hybridkv.cache.block_pool import BlockPool
+from hybridkv.cache.delta import NO_CHANGE, GroupDelta, StepDelta
 from hybridkv.cache.events import CacheEvent
 from hybridkv.cache.hashing import BlockHasher
 from hybridkv.cache.managers import MANAGER_TABLE, Counters, GroupManager
@@ -60,8 +65,7 @@ class Coordinator:
         self.hasher = BlockHasher(hash_algo, hash_unit_tokens(plan))
         self.caching = caching
         self.eagle = eagle
-        store_tokens = caching and not self.hasher.collision_safe
-        self.pools = [BlockPool(pool, events, store_tokens=store_tokens) for pool in plan.pools]
+        self.pools = [BlockPool(pool, events) for pool in plan.pools]
         self.managers: list[GroupManager] = []
         for group in plan.groups:
             manager_cls = MANAGER_TABLE.get(group.kind)
@@ -80,28 +84,51 @@ class Coordinator:
                 )
             )
 
-    def find_hit(self, hashes: Sequence[bytes], tokens: Sequence[int], limit: int) -> int:
-        """Longest prefix (<= ``limit`` tokens) every group can serve."""
+    def num_evictions(self) -> int:
+        """Blocks evicted so far in every pool (a lookup's ``found`` stays valid while
+        this does not change)."""
+        return sum(pool.num_evictions for pool in self.pools)
+
+    def find_hit(
+        self,
+        hashes: Sequence[bytes],
+        tokens: Sequence[int],
+        limit: int,
+        found: list[dict[int, BlockId]],
+    ) -> int:
+        """Longest prefix (<= ``limit`` tokens) every group can serve; ``found[g]``
+        collects the cached blocks group ``g`` saw."""
         if not self.caching or limit <= 0:
             return 0
-        while True:
-            new_limit = limit
-            for manager in self.managers:
-                new_limit = manager.max_hit(hashes, tokens, new_limit, self.eagle)
-                if new_limit == 0:
-                    return 0
-            if new_limit == limit:
-                return limit
-            assert new_limit < limit
-            limit = new_limit
+        managers, eagle = self.managers, self.eagle
+        num = len(managers)
+        agreed = g = 0
+        while agreed < num:
+            new_limit = managers[g].max_hit(hashes, tokens, limit, eagle, found[g])
+            if new_limit == 0:
+                return 0
+            if new_limit < limit:
+                limit, agreed = new_limit, 1  # this group agrees with its own answer
+            else:
+                agreed += 1
+            g = g + 1 if g + 1 < num else 0
+        return limit
 
     def hit_states(
-        self, hashes: Sequence[bytes], tokens: Sequence[int], hit: int
+        self,
+        hashes: Sequence[bytes],
+        tokens: Sequence[int],
+        hit: int,
+        found: list[dict[int, BlockId]] | None,
     ) -> list[Any] | None:
-        """Per-group states holding the hit blocks, or None if one was evicted."""
+        """Per-group states holding the hit blocks, or None if one was evicted.
+        ``found``: the lookup's blocks, only when nothing was evicted since."""
         states = []
-        for manager in self.managers:
-            state = manager.hit_state(hashes, tokens, hit) if hit else manager.new_state()
+        for g, manager in enumerate(self.managers):
+            if hit:
+                state = manager.hit_state(hashes, tokens, hit, None if found is None else found[g])
+            else:
+                state = manager.new_state()
             if state is None:
                 return None
             states.append(state)
@@ -115,10 +142,13 @@ class Coordinator:
         lookahead: int,
         touch: bool,
         groups: Sequence[int] | None = None,
-    ) -> dict[int, list[BlockId]] | None:
+        nulled: dict[int, tuple[int, int]] | None = None,
+    ) -> StepDelta | None:
         """Reserve blocks for positions [0, c + n + lookahead) in every group, or change
-        nothing and return None. ``touch``: the states hold hit blocks not yet referenced.
-        ``groups``: the only groups that can need a block (default: all), in order."""
+        nothing and return None. ``touch``: the states hold hit blocks not yet referenced
+        (admission: the delta holds whole tables). ``groups``: the only groups that can
+        need a block (default: all), in order. ``nulled``: positions released since the
+        last delta, per group, to hand out with this one."""
         managers = self.managers
         todo = range(len(managers)) if groups is None else groups
         need = [0] * len(self.pools)
@@ -139,13 +169,31 @@ class Coordinator:
             for manager, state in zip(managers, states, strict=True):
                 for block in manager.held(state):
                     manager.pool.touch(block)
-        new_blocks: dict[int, list[BlockId]] = {}
+        deltas: dict[int, GroupDelta] = {}
+        taken: dict[int, tuple[BlockId, ...]] = {}
         for g, count in zip(todo, counts, strict=True):
-            new = managers[g].allocate(states[g], c, n, lookahead, count)
+            manager = managers[g]
+            new = manager.allocate(states[g], c, n, lookahead, count)
             assert len(new) == count
             if new:
-                new_blocks[managers[g].group_id] = new
-        return new_blocks
+                taken[g] = tuple(new)
+                if not touch:
+                    delta = manager.delta(states[g], new, False)
+                    if delta is not None:
+                        deltas[g] = delta
+        if touch:
+            for g, manager in enumerate(managers):
+                delta = manager.delta(states[g], [], True)
+                if delta is not None:
+                    deltas[g] = delta
+        elif nulled:
+            for g, span in nulled.items():
+                base = deltas.get(g) or managers[g].delta(states[g], [], False)
+                if base is not None:
+                    deltas[g] = base._replace(nulled_range=span)
+        if not deltas and not taken:
+            return NO_CHANGE
+        return StepDelta(groups=deltas, taken=taken, admitted=touch)
 
     def commit(
         self,
@@ -157,12 +205,20 @@ class Coordinator:
         hashes: Sequence[bytes],
         tokens: Sequence[int],
         groups: Sequence[int] | None = None,
-    ) -> None:
+        nulled: dict[int, tuple[int, int]] | None = None,
+    ) -> dict[int, tuple[int, int]] | None:
         """Settle a step in every group, or in ``groups`` (in order) when the others have
-        nothing to do."""
+        nothing to do. Returns ``nulled`` extended with the table positions that became
+        the null block (merged per group: released positions are contiguous)."""
         managers = self.managers
         for g in range(len(managers)) if groups is None else groups:
-            managers[g].commit(states[g], c, n, lookahead, accepted, hashes, tokens)
+            span = managers[g].commit(states[g], c, n, lookahead, accepted, hashes, tokens)
+            if span is not None:
+                if nulled is None:
+                    nulled = {}
+                old = nulled.get(g)
+                nulled[g] = span if old is None else (min(old[0], span[0]), max(old[1], span[1]))
+        return nulled
 
     def release_all(self, states: list[Any]) -> None:
         # Groups in reverse so that, in a shared pool, the first group's blocks are

@@ -64,6 +64,22 @@ class FreeQueue:
         self._prev[self._sentinel] = block_id
         self._num_cached += 1
 
+    def push_fresh_many(self, block_ids: list[int]) -> None:
+        self._fresh.extend(block_ids)
+
+    def push_cached_many(self, block_ids: list[int]) -> None:
+        """`push_cached` for each block in order (the last one is freed last), linked
+        in one pass: a request's table at `free`."""
+        prev, nxt, sentinel = self._prev, self._next, self._sentinel
+        last = prev[sentinel]
+        for block in block_ids:
+            nxt[last] = block
+            prev[block] = last
+            last = block
+        nxt[last] = sentinel
+        prev[sentinel] = last
+        self._num_cached += len(block_ids)
+
     def remove_cached(self, block_id: BlockId) -> None:
         """Unlink a cached free block (it was hit), O(1)."""
         prev, nxt = self._prev[block_id], self._next[block_id]

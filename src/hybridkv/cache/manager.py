@@ -15,18 +15,25 @@ The fast path: each request keeps the limits of `GroupManager.fast_limits` (see
 `RequestRecord`), so that an allocate or commit that needs no block, no hash and no
 release costs a handful of integer comparisons; everything else goes through the
 coordinator, for the groups whose limits the step crosses.
+
+`allocate` returns a `StepDelta` (`cache.delta`): per token-indexed group, the blocks
+appended and the positions nulled since the previous delta, for engines that keep
+persistent tables. Misuse raises `CacheError` before anything changes.
 """
 
 from __future__ import annotations
 
+import operator
+from array import array
 from collections import Counter
 from collections.abc import Sequence
 
 from hybridkv.cache.block import BlockInfo
 from hybridkv.cache.coordinator import Coordinator
+from hybridkv.cache.delta import NO_CHANGE, StepDelta
 from hybridkv.cache.events import CacheEvent, CacheStats
-from hybridkv.cache.managers import Counters, StateManager, StateSlots
-from hybridkv.cache.managers.base import INF
+from hybridkv.cache.hashing import MAX_TOKEN_ID
+from hybridkv.cache.managers import Counters, StepSlots
 from hybridkv.cache.request import RequestRecord
 from hybridkv.errors import CacheError, InvariantError
 from hybridkv.ids import BlockId
@@ -61,10 +68,13 @@ class CacheManager:
             counters=self._counters,
         )
         self._managers = self.coordinator.managers
-        self._is_state_group = [isinstance(m, StateManager) for m in self._managers]
-        self._state_group_ids = [m.group_id for m in self._managers if isinstance(m, StateManager)]
+        self._is_state_group = [m.is_state for m in self._managers]
+        self._state_group_ids = [m.group_id for m in self._managers if m.is_state]
+        # Accepted drafts per step are bounded by the speculative states kept (state
+        # groups); without state groups, only by the lookahead reserved.
         self._max_accept = min(
-            (self.plan.group(g).num_spec_states for g in self._state_group_ids), default=INF
+            (self.plan.group(g).num_spec_states for g in self._state_group_ids),
+            default=MAX_TOKEN_ID,
         )
         self._all_groups = range(len(self._managers))
         self._requests: dict[str, RequestRecord] = {}
@@ -82,12 +92,18 @@ class CacheManager:
     ) -> None:
         if req_id in self._requests:
             raise CacheError(f"request {req_id!r} was already added")
-        if len(prompt_token_ids) == 0:
+        tokens = _token_array(req_id, "prompt_token_ids", prompt_token_ids)
+        if not tokens:
             raise CacheError(f"request {req_id!r} has 0 prompt tokens; needs >= 1")
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise CacheError(
+                f"request {req_id!r}: cache_salt must be a str or None, got "
+                f"{type(cache_salt).__name__}"
+            )
+        if lora_id is not None:
+            lora_id = _count(req_id, "lora_id", lora_id)
         root = self.coordinator.hasher.root(cache_salt, lora_id)
-        self._requests[req_id] = RequestRecord(
-            req_id, list(prompt_token_ids), root, self._max_accept
-        )
+        self._requests[req_id] = RequestRecord(req_id, tokens, root, self._max_accept)
 
     def lookup(self, req_id: str) -> int:
         """Prefix hit in tokens; remembers it for the next `allocate`. No other effect."""
@@ -98,9 +114,16 @@ class CacheManager:
                 "lookup is for requests holding no blocks (new or preempted)"
             )
         hit = 0
+        r.pending_states = None
         if self.caching:
             self._ensure_hashes(r, len(r.tokens))
-            hit = self.coordinator.find_hit(r.hashes, r.tokens, len(r.tokens) - 1)
+            coordinator = self.coordinator
+            found: list[dict[int, BlockId]] = [{} for _ in self._managers]
+            hit = coordinator.find_hit(r.hashes, r.tokens, len(r.tokens) - 1, found)
+            if hit:
+                states = coordinator.hit_states(r.hashes, r.tokens, hit, found)
+                if states is not None:
+                    r.pending_states = (coordinator.num_evictions(), states)
         r.pending_hit = hit
         self._num_lookups += 1
         self._num_lookup_tokens += len(r.tokens)
@@ -109,11 +132,12 @@ class CacheManager:
 
     def allocate(
         self, req_id: str, num_new_tokens: int, num_lookahead_tokens: int = 0
-    ) -> dict[int, list[BlockId]] | None:
-        """Reserve slots for positions [0, c + n + L); new blocks per group, or None."""
+    ) -> StepDelta | None:
+        """Reserve slots for positions [0, c + n + L): the step's `StepDelta`, or None
+        (nothing changed) when it does not fit."""
         r = self._requests.get(req_id)
         if r is not None and r.try_fast_allocate(num_new_tokens, num_lookahead_tokens):
-            return {}
+            return NO_CHANGE
         return self._allocate_slow(r, req_id, num_new_tokens, num_lookahead_tokens)
 
     def commit(
@@ -130,14 +154,21 @@ class CacheManager:
         req_ids: Sequence[str],
         num_new_tokens: Sequence[int],
         num_lookahead_tokens: Sequence[int],
-    ) -> list[dict[int, list[BlockId]] | None]:
-        """`allocate` for each request in order (each independently all-or-nothing)."""
+    ) -> list[StepDelta | None]:
+        """`allocate` for each request in order (each independently all-or-nothing;
+        mismatched lengths raise before any request is touched)."""
+        _same_lengths(
+            "allocate_batch",
+            req_ids,
+            num_new_tokens=num_new_tokens,
+            num_lookahead_tokens=num_lookahead_tokens,
+        )
         get, slow = self._requests.get, self._allocate_slow
-        out: list[dict[int, list[BlockId]] | None] = []
+        out: list[StepDelta | None] = []
         for req_id, n, lookahead in zip(req_ids, num_new_tokens, num_lookahead_tokens, strict=True):
             r = get(req_id)
             fast = r is not None and r.try_fast_allocate(n, lookahead)
-            out.append({} if fast else slow(r, req_id, n, lookahead))
+            out.append(NO_CHANGE if fast else slow(r, req_id, n, lookahead))
         return out
 
     def commit_batch(
@@ -146,7 +177,13 @@ class CacheManager:
         num_accepted_tokens: Sequence[int],
         new_token_ids: Sequence[Sequence[int]],
     ) -> None:
-        """`commit` for each request in order."""
+        """`commit` for each request in order (mismatched lengths raise first)."""
+        _same_lengths(
+            "commit_batch",
+            req_ids,
+            num_accepted_tokens=num_accepted_tokens,
+            new_token_ids=new_token_ids,
+        )
         get, slow = self._requests.get, self._commit_slow
         for req_id, accepted, new in zip(req_ids, num_accepted_tokens, new_token_ids, strict=True):
             r = get(req_id)
@@ -197,21 +234,19 @@ class CacheManager:
         self._check_group(group_id)
         if not r.started:
             return []
-        return (
-            self._managers[group_id].held(r.states[group_id])
-            if group_id in self._state_group_ids
-            else list(r.states[group_id].blocks)
-        )
+        manager = self._managers[group_id]
+        state = r.states[group_id]
+        return manager.held(state) if manager.is_state else list(state.blocks)
 
     def block_tables(self, req_id: str) -> dict[int, list[BlockId]]:
         return {m.group_id: self.block_table(req_id, m.group_id) for m in self._managers}
 
-    def state_slots(self, req_id: str, group_id: int) -> StateSlots:
-        """Blocks a state group reads and writes in the allocated step (see `StateSlots`)."""
+    def state_slots(self, req_id: str, group_id: int) -> StepSlots:
+        """Blocks a state group reads and writes in the allocated step (see `StepSlots`)."""
         r = self._get(req_id)
         self._check_group(group_id)
         manager = self._managers[group_id]
-        if not isinstance(manager, StateManager):
+        if not manager.is_state:
             raise CacheError(f"group {group_id} is {manager.group.kind}, not a state group")
         if not r.pending:
             raise CacheError(
@@ -256,6 +291,7 @@ class CacheManager:
         """Pools (partition, ref counts, index, null block) and every request's state."""
         refs: list[Counter[int]] = [Counter() for _ in self.coordinator.pools]
         for r in self._requests.values():
+            r.check_limits(self._managers)
             if r.num_computed > len(r.tokens):
                 raise InvariantError(
                     f"request {r.req_id!r}: {r.num_computed} computed > {len(r.tokens)} tokens"
@@ -288,54 +324,60 @@ class CacheManager:
 
     def _allocate_slow(
         self, r: RequestRecord | None, req_id: str, n: int, lookahead: int
-    ) -> dict[int, list[BlockId]] | None:
+    ) -> StepDelta | None:
         if r is None:
             r = self._get(req_id)
+        if not (type(n) is int is type(lookahead) and n >= 0 and 0 <= lookahead <= MAX_TOKEN_ID):
+            n = _count(req_id, "num_new_tokens", n)
+            lookahead = _count(req_id, "num_lookahead_tokens", lookahead)
         if r.pending:
             raise CacheError(
                 f"allocate of request {req_id!r}: the step allocated before ({r.pend_n} new, "
                 f"{r.pend_lookahead} lookahead) was not committed"
             )
-        if n < 0 or lookahead < 0:
-            raise CacheError(
-                f"allocate of request {req_id!r}: num_new_tokens={n} and "
-                f"num_lookahead_tokens={lookahead} must be >= 0"
-            )
         touch = not r.started
-        groups: list[int] | None = None  # all
-        if touch:
-            c = r.pending_hit or 0
-            self._ensure_hashes(r, c)
-            states = self.coordinator.hit_states(r.hashes, r.tokens, c)
-            if states is None:  # a hit block was evicted since lookup: look up again
-                r.pending_hit = None
-                self._num_alloc_failures += 1
-                return None
-        else:
-            c, states = r.num_computed, r.states
-            groups = r.groups_to_allocate(n, lookahead)
+        c = (r.pending_hit or 0) if touch else r.num_computed
         if c + n > len(r.tokens):
             raise CacheError(
                 f"allocate of request {req_id!r}: {c} computed + {n} new tokens exceed its "
                 f"{len(r.tokens)} verified tokens; drafts go in num_lookahead_tokens"
             )
-        new_blocks = self.coordinator.try_allocate(states, c, n, lookahead, touch, groups)
-        if new_blocks is None:
+        coordinator = self.coordinator
+        groups: list[int] | None = None  # all
+        if touch:
+            states = None
+            if r.pending_states is not None:
+                evictions, states = r.pending_states
+                if evictions != coordinator.num_evictions():
+                    states = None  # a block may be gone: look the hit up again below
+            if states is None:
+                self._ensure_hashes(r, c)
+                states = coordinator.hit_states(r.hashes, r.tokens, c, None)
+            if states is None:  # a hit block was evicted since lookup: look up again
+                r.pending_hit = None
+                r.pending_states = None
+                self._num_alloc_failures += 1
+                return None
+        else:
+            states = r.states
+            groups = r.groups_to_allocate(n, lookahead)
+        delta = coordinator.try_allocate(states, c, n, lookahead, touch, groups, r.nulled)
+        if delta is None:
             self._num_alloc_failures += 1
             return None
         if touch:
-            r.started = True
-            r.states = states
-            r.state_objs = [states[g] for g in self._state_group_ids]
+            r.start(self._managers, states)
             r.num_computed = c
             r.pending_hit = None
+            r.pending_states = None
             if c:
                 self._counters.checkpoints_used += len(self._state_group_ids)
+        r.nulled = None
         r.pending = True
         r.pend_n = n
         r.pend_lookahead = lookahead
         r.refresh_limits(self._managers, self._all_groups if groups is None else groups)
-        return new_blocks
+        return delta
 
     def _commit_slow(
         self, r: RequestRecord | None, req_id: str, a: int, new_token_ids: Sequence[int]
@@ -344,7 +386,10 @@ class CacheManager:
             r = self._get(req_id)
         if not r.pending:
             raise CacheError(f"commit of request {req_id!r} without an allocated step")
-        if not 0 <= a <= r.pend_lookahead:
+        if type(a) is not int or a < 0:
+            a = _count(req_id, "num_accepted_tokens", a)
+        new_tokens = _token_array(req_id, "new_token_ids", new_token_ids)
+        if a > r.pend_lookahead:
             raise CacheError(
                 f"commit of request {req_id!r}: {a} accepted tokens but {r.pend_lookahead} "
                 "were reserved as lookahead"
@@ -356,16 +401,18 @@ class CacheManager:
             )
         c, n, lookahead = r.num_computed, r.pend_n, r.pend_lookahead
         c2 = c + n + a
-        if c2 > len(r.tokens) + len(new_token_ids):
+        if c2 > len(r.tokens) + len(new_tokens):
             raise CacheError(
                 f"commit of request {req_id!r}: {c2} computed tokens would exceed "
-                f"{len(r.tokens)} + {len(new_token_ids)} verified tokens"
+                f"{len(r.tokens)} + {len(new_tokens)} verified tokens"
             )
-        r.tokens.extend(new_token_ids)
+        r.tokens.extend(new_tokens)
         if self.caching:
             self._ensure_hashes(r, c2)
         groups = r.groups_to_commit(c2, self._is_state_group)
-        self.coordinator.commit(r.states, c, n, lookahead, a, r.hashes, r.tokens, groups)
+        r.nulled = self.coordinator.commit(
+            r.states, c, n, lookahead, a, r.hashes, r.tokens, groups, r.nulled
+        )
         r.num_computed = c2
         r.pending = False
         r.refresh_limits(self._managers, groups)
@@ -374,9 +421,65 @@ class CacheManager:
         if r.started:
             self.coordinator.release_all(r.states)
         r.states = []
-        r.state_objs = []
+        r.settlers = []
         r.started = False
         r.pending = False
         r.pending_hit = None
+        r.pending_states = None
+        r.nulled = None
         r.num_computed = 0
         r.clear_limits()
+
+
+def _count(req_id: str, name: str, value: object) -> int:
+    """``value`` as an int in [0, 2^63) (numpy integers welcome), or a CacheError."""
+    if isinstance(value, bool) or not hasattr(value, "__index__"):
+        raise CacheError(
+            f"request {req_id!r}: {name} must be a non-negative int, got "
+            f"{type(value).__name__} {value!r}"
+        )
+    number = operator.index(value)  # type: ignore[call-overload]
+    if not 0 <= number <= MAX_TOKEN_ID:
+        raise CacheError(f"request {req_id!r}: {name}={number} must be in [0, 2^63)")
+    return number
+
+
+def _token_array(req_id: str, name: str, tokens: object) -> array[int]:
+    """``tokens`` packed as signed 64-bit ints (the request's own storage; hashing reads
+    its bytes directly), or a CacheError naming the first bad one. Any integer type
+    converts (numpy integers, and bools as 0 / 1); floats, negative ids and ids >= 2^63
+    are refused."""
+    if isinstance(tokens, str | bytes) or not hasattr(tokens, "__iter__"):
+        raise CacheError(
+            f"request {req_id!r}: {name} must be a sequence of token ids, got "
+            f"{type(tokens).__name__}"
+        )
+    if not isinstance(tokens, list | tuple | array):
+        tokens = list(tokens)  # type: ignore[call-overload]  # iterate once
+    try:
+        packed = array("q", tokens)  # type: ignore[arg-type]  # C speed, checks types and range
+    except (TypeError, OverflowError):
+        packed = None
+    if packed is not None and (not packed or min(packed) >= 0):
+        return packed
+    for i, t in enumerate(tokens):  # type: ignore[arg-type]  # name the culprit
+        if not hasattr(t, "__index__"):
+            raise CacheError(
+                f"request {req_id!r}: {name}[{i}] is {type(t).__name__} {t!r}; token ids are ints"
+            )
+        value = operator.index(t)
+        if not 0 <= value <= MAX_TOKEN_ID:
+            raise CacheError(
+                f"request {req_id!r}: {name}[{i}] = {value} is outside [0, 2^63); token ids "
+                "are non-negative 64-bit ints"
+            )
+    raise AssertionError("unreachable: array() refused a valid token list")
+
+
+def _same_lengths(call: str, req_ids: Sequence[str], **others: Sequence[object]) -> None:
+    for name, values in others.items():
+        if len(values) != len(req_ids):
+            raise CacheError(
+                f"{call}: {len(req_ids)} req_ids but {len(values)} {name}; pass one per "
+                "request (nothing was allocated or committed)"
+            )

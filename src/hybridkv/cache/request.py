@@ -1,62 +1,81 @@
 """A request's record in the cache manager, and the fast path of a step.
 
-Besides tokens, chain hashes and one state per group, a running request keeps the
-limits of `GroupManager.fast_limits` for each group and their minimum over groups::
+Besides tokens, chain hashes and one state per group, a running request keeps each
+group's `FastLimits` (what that group's manager says a step may do without its slow
+path) and their minimum over groups::
 
-    allocate(n, L) needs no block in group g while   c + n + L <= total[g]     (slots held)
-                                                     c + n     <= verified[g]  (next checkpoint)
-                                                     L         <= spec[g]      (spec slots held)
-    commit(a) has nothing to cache or release in g while   c + n + a < commit_limit[g]
+    allocate(n, L) needs no block in any group while   c + n + L <= min end_tokens
+                                                       c + n     <= min verified_tokens
+                                                       L         <= min lookahead_tokens
+    commit(a) has nothing to cache or release while    c2 = c + n + a < min commit_below
 
-    full attention B 16, 3 blocks held, 2 cached, c = 40:  total 48, commit_limit 48
+    full attention B 16, 3 blocks held, 2 cached, c = 40:  end 48, commit below 48
     allocate(1, 7): 48 <= 48 -> fast;   allocate(1, 8): 49 > 48 -> slow, one new block
 
 A step within the minimum costs a few comparisons (`try_fast_allocate`,
-`try_fast_commit`). A step past it runs only the groups whose own limits it crosses
-(`groups_to_allocate`, `groups_to_commit`) and refreshes only their limits.
+`try_fast_commit`); a fast commit lets each manager whose state moves on it
+(`GroupManager.moves_on_fast_commit`: state groups) settle its own state with
+`GroupManager.settle_fast_all` (one call per manager kind) -- the record never touches
+manager internals. A step past
+the minimum runs only the groups whose own limits it crosses (`groups_to_allocate`,
+`groups_to_commit`) and refreshes only their limits.
 
-Limits, except the state groups' checkpoint boundary, do not depend on ``c``; a state
-group's boundary is the next multiple of its interval after ``c``, so it holds as long
-as a commit stays below it, and every slow commit runs every state group (a state
-group's commit past the fast path rotates its spare slots, see `StateManager.commit`).
+Limits, except a state group's checkpoint boundary, do not depend on ``c``; the
+boundary is the next multiple of the interval after ``c``, so it holds as long as a
+commit stays below it, and every slow commit runs every state group.
+`check_limits` recomputes every group's limits and compares them with the cached ones.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from array import array
+from collections.abc import Callable, Sequence
 from typing import Any
 
-from hybridkv.cache.managers import GroupManager, StateBlocks
+from hybridkv.cache.managers import FastLimits, GroupManager
+from hybridkv.errors import InvariantError
+
+# Internal encoding of "no bound" (a `FastLimits` field of None) in the cached minima,
+# so that the fast path compares plain ints. Never leaves this module.
+_UNBOUNDED = 1 << 62
+_NO_FAST = FastLimits(end_tokens=0, verified_tokens=0, lookahead_tokens=0, commit_below=0)
+
+
+def _num(value: int | None) -> int:
+    return _UNBOUNDED if value is None else value
 
 
 class RequestRecord:
     """One request: tokens, hashes, per-group states, the step in flight and limits."""
 
     __slots__ = (
-        "commit_limit",
-        "fast_spec",
-        "fast_total",
+        "commit_below",
+        "commit_limits",
+        "end_limits",
+        "fast_end",
+        "fast_lookahead",
         "fast_verified",
-        "group_commit",
-        "group_spec",
-        "group_total",
-        "group_verified",
         "hashes",
+        "limits",
+        "lookahead_limits",
         "max_accept",
+        "nulled",
         "num_computed",
         "pend_lookahead",
         "pend_n",
         "pending",
         "pending_hit",
+        "pending_states",
         "req_id",
         "root",
+        "settlers",
         "started",
-        "state_objs",
         "states",
         "tokens",
+        "verified_limits",
     )
 
-    def __init__(self, req_id: str, tokens: list[int], root: bytes, max_accept: int) -> None:
+    def __init__(self, req_id: str, tokens: array[int], root: bytes, max_accept: int) -> None:
         self.req_id = req_id
         self.tokens = tokens
         self.root = root
@@ -65,22 +84,32 @@ class RequestRecord:
         self.num_computed = 0
         self.started = False  # holds per-group states (first allocate done)
         self.states: list[Any] = []
-        self.state_objs: list[StateBlocks] = []
+        # (settle_fast_all of a manager kind, states of its groups) for the groups whose
+        # state moves on a fast commit
+        self.settlers: list[tuple[Callable[[Sequence[Any], int], None], list[Any]]] = []
         self.pending = False
         self.pend_n = 0
         self.pend_lookahead = 0
         self.pending_hit: int | None = None
+        # states holding the looked-up hit blocks, and the pools' eviction count then
+        self.pending_states: tuple[int, list[Any]] | None = None
+        # per group: table positions [lo, hi) nulled since the last delta handed out
+        self.nulled: dict[int, tuple[int, int]] | None = None
+        self.limits: list[FastLimits] = []
         self.clear_limits()
 
     # ------------------------------------------------------------------ fast path
     def try_fast_allocate(self, n: int, lookahead: int) -> bool:
-        """Record the step and return True if no group needs a block; else change nothing."""
+        """Record the step and return True if no group needs a block and no delta is
+        owed; else change nothing (the slow path validates and explains)."""
+        if type(n) is not int or type(lookahead) is not int or self.nulled is not None:
+            return False
         top = self.num_computed + n
         if (
             not self.pending
-            and top + lookahead <= self.fast_total
+            and top + lookahead <= self.fast_end
             and top <= self.fast_verified
-            and lookahead <= self.fast_spec
+            and lookahead <= self.fast_lookahead
             and top <= len(self.tokens)
             and n >= 0
             and lookahead >= 0
@@ -92,29 +121,26 @@ class RequestRecord:
         return False
 
     def try_fast_commit(self, accepted: int, new_token_ids: Sequence[int]) -> bool:
-        """Settle the step and return True if no group caches or releases anything.
-
-        The running state of every state group becomes the spec slot of the last
-        accepted draft, and the old running block takes that slot's place.
-        """
+        """Settle the step and return True if no group caches or releases anything;
+        else change nothing (also when a token or count is not a valid int)."""
+        if type(accepted) is not int or not self.pending:
+            return False
         c2 = self.num_computed + self.pend_n + accepted
         if not (
-            self.pending
-            and 0 <= accepted <= self.pend_lookahead
+            0 <= accepted <= self.pend_lookahead
             and accepted <= self.max_accept
-            and c2 < self.commit_limit
+            and c2 < self.commit_below
             and c2 <= len(self.tokens) + len(new_token_ids)
         ):
             return False
         if new_token_ids:
+            for t in new_token_ids:
+                if type(t) is not int or not 0 <= t <= 0x7FFFFFFFFFFFFFFF:
+                    return False
             self.tokens.extend(new_token_ids)
         if accepted:
-            i = accepted - 1
-            for st in self.state_objs:
-                spares = st.spares
-                block = spares[i]
-                spares[i] = st.running  # type: ignore[assignment]  # running is set: c > 0
-                st.running = st.write = block
+            for settle, states in self.settlers:
+                settle(states, accepted)
         self.num_computed = c2
         self.pending = False
         return True
@@ -122,56 +148,89 @@ class RequestRecord:
     # ------------------------------------------------------------------ limits
     def clear_limits(self) -> None:
         """No fast path (no blocks held)."""
-        self.fast_total = self.fast_verified = self.fast_spec = self.commit_limit = -1
-        self.group_total: list[int] = []
-        self.group_verified: list[int] = []
-        self.group_spec: list[int] = []
-        self.group_commit: list[int] = []
+        self.fast_end = self.fast_verified = self.fast_lookahead = self.commit_below = 0
+        self.limits = []
+        # the limits as ints, per group (None -> _UNBOUNDED), for C-speed minima
+        self.end_limits: list[int] = []
+        self.verified_limits: list[int] = []
+        self.lookahead_limits: list[int] = []
+        self.commit_limits: list[int] = []
+
+    def start(self, managers: Sequence[GroupManager], states: list[Any]) -> None:
+        """Hold ``states`` (one per group), as the first allocate after a lookup does."""
+        self.started = True
+        self.states = states
+        by_kind: dict[type[GroupManager], list[Any]] = {}
+        for m, s in zip(managers, states, strict=True):
+            if m.moves_on_fast_commit:
+                by_kind.setdefault(type(m), []).append(s)
+        self.settlers = [(kind.settle_fast_all, group) for kind, group in by_kind.items()]
+        num = len(managers)
+        self.limits = [_NO_FAST] * num
+        self.end_limits = [0] * num
+        self.verified_limits = [0] * num
+        self.lookahead_limits = [0] * num
+        self.commit_limits = [0] * num
 
     def refresh_limits(self, managers: Sequence[GroupManager], groups: Sequence[int]) -> None:
         """Recompute the limits of ``groups`` (indexes into ``managers``), then the minimum."""
-        if not self.group_total:
-            num = len(managers)
-            self.group_total = [-1] * num
-            self.group_verified = [-1] * num
-            self.group_spec = [-1] * num
-            self.group_commit = [-1] * num
-        total, verified, spec, commit = (
-            self.group_total,
-            self.group_verified,
-            self.group_spec,
-            self.group_commit,
-        )
-        c, states = self.num_computed, self.states
+        limits, c, states = self.limits, self.num_computed, self.states
+        ends, verified = self.end_limits, self.verified_limits
+        lookahead, commit = self.lookahead_limits, self.commit_limits
         for g in groups:
-            total[g], verified[g], spec[g], commit[g] = managers[g].fast_limits(states[g], c)
-        if len(total) == 1:
-            self.fast_total, self.fast_verified = total[0], verified[0]
-            self.fast_spec, self.commit_limit = spec[0], commit[0]
+            x = limits[g] = managers[g].fast_limits(states[g], c)
+            ends[g] = _UNBOUNDED if x[0] is None else x[0]
+            verified[g] = _UNBOUNDED if x[1] is None else x[1]
+            lookahead[g] = _UNBOUNDED if x[2] is None else x[2]
+            commit[g] = _UNBOUNDED if x[3] is None else x[3]
+        if len(limits) == 1:
+            self.fast_end, self.fast_verified = ends[0], verified[0]
+            self.fast_lookahead, self.commit_below = lookahead[0], commit[0]
         else:
-            self.fast_total, self.fast_verified = min(total), min(verified)
-            self.fast_spec, self.commit_limit = min(spec), min(commit)
+            self.fast_end, self.fast_verified = min(ends), min(verified)
+            self.fast_lookahead, self.commit_below = min(lookahead), min(commit)
+
+    def check_limits(self, managers: Sequence[GroupManager]) -> None:
+        """The cached limits are each manager's own, and the minima theirs."""
+        if not self.started:
+            if self.limits or self.fast_end or self.commit_below:
+                raise InvariantError(f"request {self.req_id!r} holds no blocks but has limits")
+            return
+        for g, (manager, cached) in enumerate(zip(managers, self.limits, strict=True)):
+            fresh = manager.fast_limits(self.states[g], self.num_computed)
+            if fresh != cached:
+                raise InvariantError(
+                    f"request {self.req_id!r} group {g}: cached fast limits {cached} but the "
+                    f"manager says {fresh} at {self.num_computed} computed tokens"
+                )
+        as_ints = [[_num(x[i]) for x in self.limits] for i in range(4)]
+        stored = [self.end_limits, self.verified_limits, self.lookahead_limits, self.commit_limits]
+        minima = tuple(min(values) for values in as_ints)
+        if as_ints != stored or minima != (
+            self.fast_end,
+            self.fast_verified,
+            self.fast_lookahead,
+            self.commit_below,
+        ):
+            raise InvariantError(f"request {self.req_id!r}: fast-path minima {minima} are stale")
 
     def groups_to_allocate(self, n: int, lookahead: int) -> list[int]:
         """Groups whose own limits the step ``(n, lookahead)`` crosses (called once the
-        fast path failed for a running request: with one group, that group)."""
-        if len(self.group_total) == 1:
+        fast path failed for a running request)."""
+        ends = self.end_limits
+        if len(ends) == 1:
             return [0]
         top = self.num_computed + n
         end = top + lookahead
+        verified, spec = self.verified_limits, self.lookahead_limits
         return [
-            g
-            for g, (t, v, s) in enumerate(
-                zip(self.group_total, self.group_verified, self.group_spec, strict=True)
-            )
-            if end > t or top > v or lookahead > s
+            g for g in range(len(ends)) if end > ends[g] or top > verified[g] or lookahead > spec[g]
         ]
 
     def groups_to_commit(self, c2: int, always: Sequence[bool]) -> list[int]:
         """Groups with something to cache or release at ``c2``, plus the ``always`` ones
         (state groups)."""
-        return [
-            g
-            for g, (limit, forced) in enumerate(zip(self.group_commit, always, strict=True))
-            if forced or c2 >= limit
-        ]
+        commit = self.commit_limits
+        if len(commit) == 1:
+            return [0]  # called once the fast commit failed: the one group has work
+        return [g for g, forced in enumerate(always) if forced or c2 >= commit[g]]

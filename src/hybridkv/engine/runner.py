@@ -24,15 +24,12 @@ from dataclasses import dataclass
 
 import torch
 
-from hybridkv.cache import CacheManager
+from hybridkv.cache import NULL_BLOCK, CacheManager
 from hybridkv.engine.context import BlockTable, ForwardBatch, StateSlots, WritePoint, make_batch
 from hybridkv.engine.models.common import CausalLM, HiddenStates
 from hybridkv.engine.tensors import CacheTensors, group_key
 from hybridkv.errors import EngineError
 from hybridkv.plan.types import CachePlan
-from hybridkv.spec.layers import STATE
-
-NULL_BLOCK = 0
 
 
 @dataclass(frozen=True)
@@ -116,8 +113,8 @@ class ModelRunner:
         self.device = model.device  # batches go where the weights are
         # A group may hold layers of both models ("main+draft"): same table, own pages.
         mine = [g for g in plan.groups if any(ref.model == model_name for ref in g.layers)]
-        self.attention_groups = [g for g in mine if g.kind != STATE]
-        self.state_groups = [g for g in mine if g.kind == STATE]
+        self.attention_groups = [g for g in mine if not g.is_state]
+        self.state_groups = [g for g in mine if g.is_state]
 
     def build_batch(self, steps: Sequence[StepInput]) -> ForwardBatch:
         tables: dict[str, BlockTable] = {}

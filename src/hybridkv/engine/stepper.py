@@ -52,7 +52,6 @@ from hybridkv.sched import (
     StepResult,
     run_step,
 )
-from hybridkv.spec.layers import STATE
 
 StepHook = Callable[[SchedulerOutput, StepReport], None]
 
@@ -90,8 +89,8 @@ class Stepper:
         self.num_steps = self.num_tokens = self.num_output = 0
         self.hits = {"attention": 0, "state": 0}
         self.hooks: list[StepHook] = []  # called after every step (traces, servers)
-        self._has_attention = any(g.kind != STATE for g in plan.groups)
-        self._state_groups = [g.group_id for g in plan.groups if g.kind == STATE]
+        self._has_attention = any(not g.is_state for g in plan.groups)
+        self._state_groups = [g.group_id for g in plan.groups if g.is_state]
 
     # ------------------------------------------------------------------ requests
     def add(self, req: Request, params: SamplingParams, index: int = 0) -> bool:

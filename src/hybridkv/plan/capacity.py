@@ -1,10 +1,12 @@
 """Sizing pools, placing tensors and computing capacity: `LayoutDraft` -> `CachePlan`.
 
-Capacity uses `GroupPlan.blocks_for`, the same formula the cache manager admits
-requests by, so the two cannot disagree. For a pool shared by groups ``G``::
+Capacity uses `plan.peak.peak_blocks` over the specs' `blocks_needed`, the same
+formula the cache manager allocates by, so the two cannot disagree. For a pool shared
+by groups ``G``, requests decoding to ``L`` tokens with ``K`` drafts per step::
 
-    concurrency(L) = usable_blocks // sum(g.blocks_for(L, K) for g in G)
+    concurrency(L) = usable_blocks // peak_blocks(G, L, 1, K)
 
+(the most blocks one request holds at once in ``G`` at any step on its way to ``L``)
 and the plan's concurrency is the minimum over pools.
 """
 
@@ -13,7 +15,9 @@ from __future__ import annotations
 from math import lcm
 
 from hybridkv.errors import PlanError
+from hybridkv.ids import cdiv
 from hybridkv.plan.layouts import LayoutDraft, split_prefill_reserve_blocks
+from hybridkv.plan.peak import peak_blocks
 from hybridkv.plan.types import (
     CachePlan,
     Capacity,
@@ -57,14 +61,14 @@ def _split_pages(
     k = options.num_spec_tokens
     slabs = [draft.pool_page_bytes[g.pool_id] * draft.pool_num_tensors[g.pool_id] for g in groups]
     available = options.memory_bytes - sum(slabs)  # one null page per pool
-    per_request = sum(g.blocks_for(target, k) * s for g, s in zip(groups, slabs, strict=True))
+    per_request = sum(g.blocks_needed(target, k) * s for g, s in zip(groups, slabs, strict=True))
     fits = max(available, 0) // per_request if per_request else options.max_num_seqs
     num_requests = min(fits, options.max_num_seqs)
     pages = [0] * len(draft.pool_page_bytes)
     growing: list[int] = []
     for g, slab in zip(groups, slabs, strict=True):
         if g.kind not in GROWING_KINDS:
-            blocks = num_requests * g.blocks_for(target, k)
+            blocks = num_requests * g.blocks_needed(target, k)
             if isinstance(g.spec, SlidingWindowSpec | ChunkedLocalSpec):  # room to prefill
                 blocks += split_prefill_reserve_blocks(
                     g.spec, g.block_size, options, num_requests, target
@@ -81,6 +85,50 @@ def _split_pages(
     return pages
 
 
+def pool_request_blocks(
+    groups: tuple[GroupPlan, ...], pool: PoolPlan, num_tokens: int, num_lookahead: int
+) -> int:
+    """Peak blocks one request at ``num_tokens`` tokens takes from ``pool``."""
+    return peak_blocks([groups[i] for i in pool.group_ids], num_tokens, 1, num_lookahead)
+
+
+def _tokens_per_group(
+    groups: tuple[GroupPlan, ...], pools: tuple[PoolPlan, ...], k: int, target: int, num: int
+) -> dict[int, int]:
+    """Context tokens each token-indexed group holds with ``num`` requests running.
+
+    Every request needs every group, so a group cannot hold more than its pool leaves
+    it once the others have what the same requests need: bounded groups (state,
+    windows) their peak for ``num`` requests at ``target`` tokens, growing groups (full
+    attention, MLA) the same tokens as this one. Per pool, the largest per-request
+    length ``t`` such that ``num`` requests of ``t`` tokens fit; a growing group holds
+    ``num * t`` tokens, a window group the tokens its live blocks cover.
+    """
+    out: dict[int, int] = {}
+    for pool in pools:
+        members = [groups[i] for i in pool.group_ids]
+        growing = [g for g in members if g.blocks_period() is None]
+        bounded = [g for g in members if g.blocks_period() is not None]
+        fixed = num * peak_blocks(bounded, target, 1, k)
+        left = pool.num_usable_blocks - fixed
+        t = 0
+        if growing and left > 0:
+            lo, hi = 0, left * max(g.block_size for g in growing)  # tokens per request
+            while lo < hi:  # largest t with num * sum(cdiv(t + k, B)) <= left
+                mid = (lo + hi + 1) // 2
+                if num * sum(cdiv(mid + k, g.block_size) for g in growing) <= left:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            t = lo
+        for g in growing:
+            out[g.group_id] = num * t
+        for g in bounded:
+            if not g.is_state:
+                out[g.group_id] = num * g.blocks_needed(target, k) * g.block_size
+    return out
+
+
 def _capacity(
     groups: tuple[GroupPlan, ...],
     pools: tuple[PoolPlan, ...],
@@ -94,10 +142,8 @@ def _capacity(
     def concurrency(length: int, only_state: bool = False) -> tuple[int, float]:
         whole, frac = None, None
         for pool in pools:
-            members = [
-                groups[i] for i in pool.group_ids if not only_state or groups[i].kind == STATE
-            ]
-            need = sum(g.blocks_for(length, k) for g in members)
+            members = [groups[i] for i in pool.group_ids if not only_state or groups[i].is_state]
+            need = peak_blocks(members, length, 1, k)
             if not need:
                 continue
             n, f = pool.num_usable_blocks // need, pool.num_usable_blocks / need
@@ -112,16 +158,12 @@ def _capacity(
         max_model_len=max_model_len,
         target_len=target,
         typical_len=typical,
-        blocks_per_request_at_target={g.group_id: g.blocks_for(target, k) for g in groups},
+        blocks_per_request_at_target={g.group_id: g.blocks_needed(target, k) for g in groups},
         max_concurrency=at_target,
         max_concurrency_float=at_target_float,
         concurrency_at_typical=concurrency(typical)[0],
-        tokens_per_group={
-            g.group_id: pools[g.pool_id].num_usable_blocks * g.block_size
-            for g in groups
-            if g.kind != STATE
-        },
-        state_slots=state_slots if any(g.kind == STATE for g in groups) else 0,
+        tokens_per_group=_tokens_per_group(groups, pools, k, target, max(at_target, 1)),
+        state_slots=state_slots if any(g.is_state for g in groups) else 0,
         max_num_seqs=options.max_num_seqs,
         max_num_seqs_that_fit=seqs_that_fit,
     )
@@ -162,7 +204,7 @@ def _waste_bytes(
         used = padded = 0
         for gid in pool.group_ids:
             g = groups[gid]
-            blocks = g.blocks_for(target, options.num_spec_tokens)
+            blocks = g.blocks_needed(target, options.num_spec_tokens)
             used += blocks * pool.slab_bytes
             padded += blocks * (pool.slab_bytes - g.page_bytes * len(g.layers))
         if used:

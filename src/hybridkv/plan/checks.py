@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from hybridkv.errors import InvariantError
+from hybridkv.plan.peak import peak_blocks
 from hybridkv.plan.types import CachePlan
 
 
@@ -14,7 +15,7 @@ def check_plan_invariants(plan: CachePlan) -> None:
     * padded page >= raw page, and a group never has more layers than tensor slots;
     * total pool bytes within the budget;
     * every layer of both models placed exactly once, at a distinct (pool, tensor);
-    * capacity equals what the pools hold (recomputed from `GroupPlan.blocks_for`).
+    * capacity equals what the pools hold (recomputed with `plan.peak.peak_blocks`).
     """
 
     def fail(message: str) -> InvariantError:
@@ -53,7 +54,7 @@ def check_plan_invariants(plan: CachePlan) -> None:
     k = plan.options.num_spec_tokens
     target = plan.capacity.target_len
     for pool in plan.pools:
-        need = sum(plan.groups[i].blocks_for(target, k) for i in pool.group_ids)
+        need = peak_blocks([plan.groups[i] for i in pool.group_ids], target, 1, k)
         if need and plan.capacity.max_concurrency > pool.num_usable_blocks // need:
             raise fail(
                 f"capacity {plan.capacity.max_concurrency} requests but pool {pool.pool_id} "

@@ -261,7 +261,7 @@ def _reason(best: CachePlan, others: tuple[CachePlan, ...], errors: list[str]) -
 
 def _no_room(plan: CachePlan, main: ModelSpec) -> PlanError:
     need = sum(
-        g.blocks_for(plan.capacity.target_len, plan.options.num_spec_tokens)
+        g.blocks_needed(plan.capacity.target_len, plan.options.num_spec_tokens)
         * plan.pools[g.pool_id].slab_bytes
         for g in plan.groups
     )

@@ -31,10 +31,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hybridkv.ids import cdiv
+from hybridkv.plan.peak import peak_blocks
 from hybridkv.spec.dtypes import DType
 from hybridkv.spec.layers import (
-    CHUNKED_ATTENTION,
-    SLIDING_ATTENTION,
     STATE,
     ChunkedLocalSpec,
     LayerSpec,
@@ -125,32 +124,50 @@ class GroupPlan:
     def waste_bytes_per_block(self) -> int:
         return (self.padded_page_bytes - self.page_bytes) * len(self.layers)
 
-    def blocks_for(
-        self, num_tokens: int, num_lookahead_tokens: int = 0, num_new_tokens: int = 1
-    ) -> int:
-        """Blocks one request holds in this group at ``num_tokens`` (+ lookahead) tokens.
+    @property
+    def is_state(self) -> bool:
+        """True for recurrent-state groups (slots per request, no per-token pages)."""
+        return self.kind == STATE
 
-        ``num_tokens`` counts every position up to and including the ``num_new_tokens``
-        computed this step; drafts add ``num_lookahead_tokens``. This is the single
-        formula that both capacity reports and the cache manager's admission use.
-        Attention: one block per ``block_size`` tokens; windows are capped at their live
-        blocks for ``num_new_tokens + num_lookahead_tokens`` tokens in flight; a state
-        group holds its running state, S speculative states, and in ``align`` mode the
-        previous checkpoint until the next one is written.
+    def blocks_at(self, num_computed_tokens: int, num_new_tokens: int, num_lookahead: int) -> int:
+        """Blocks one request holds here during a step (`LayerSpec.blocks_needed`)."""
+        return self.spec.blocks_needed(
+            block_size=self.block_size,
+            num_computed_tokens=num_computed_tokens,
+            num_new_tokens=num_new_tokens,
+            num_lookahead_tokens=num_lookahead,
+            num_spec_states=self.num_spec_states,
+            state_mode=self.state_mode,
+        )
 
-        Example: full attention, block 16, 40 tokens + 3 drafts -> cdiv(43, 16) = 3.
-        """
-        total = num_tokens + num_lookahead_tokens
-        if self.kind == STATE:
-            base = 2 if self.state_mode == "align" else 1
-            return base + self.num_spec_states
-        blocks = cdiv(total, self.block_size)
-        if self.kind in (SLIDING_ATTENTION, CHUNKED_ATTENTION):
-            assert isinstance(self.spec, SlidingWindowSpec | ChunkedLocalSpec)
-            in_flight = num_new_tokens + num_lookahead_tokens
-            live = self.spec.max_live_blocks(self.block_size, in_flight)
+    def blocks_period(self) -> tuple[int, int] | None:
+        return self.spec.blocks_period(self.block_size)
+
+    def blocks_bound(self, num_tokens: int, num_new_tokens: int, num_lookahead: int) -> int:
+        if self.is_state:  # the largest value: right after a checkpoint boundary
+            return self.blocks_at(self.block_size, num_new_tokens, num_lookahead)
+        blocks = cdiv(num_tokens + num_lookahead, self.block_size)
+        if isinstance(self.spec, SlidingWindowSpec | ChunkedLocalSpec):
+            live = self.spec.max_live_blocks(self.block_size, num_new_tokens + num_lookahead)
             blocks = min(blocks, live)
         return blocks
+
+    def blocks_needed(
+        self, num_tokens: int, num_lookahead_tokens: int = 0, num_new_tokens: int = 1
+    ) -> int:
+        """Peak blocks one request holds in this group while it steps to ``num_tokens``
+        tokens, ``num_new_tokens`` at a time with ``num_lookahead_tokens`` drafts
+        (`hybridkv.plan.peak`): the one formula behind capacity, admission and the
+        capacity report. For a set of groups sharing a pool use `plan.peak.peak_blocks`
+        (groups peak at different steps).
+
+        Example: full attention, block 16, 40 tokens + 3 drafts -> cdiv(43, 16) = 3;
+        sliding W 1024, block 16, 1 token + 3 drafts, long context -> cdiv(1026, 16) + 1 = 66.
+        """
+        return peak_blocks([self], num_tokens, num_new_tokens, num_lookahead_tokens)
+
+    # Older name, kept for callers outside the package.
+    blocks_for = blocks_needed
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -236,6 +253,11 @@ class Capacity:
     max_concurrency: int  # whole requests at target_len
     max_concurrency_float: float
     concurrency_at_typical: int
+    # Context tokens (summed over requests) each token-indexed group can hold while its
+    # pool also holds what the other groups need for the same requests: state and
+    # window groups their peak for max(max_concurrency, 1) requests at target_len,
+    # full-attention groups the same tokens. Not the pool's blocks times the block size
+    # (that would count the whole pool once per group). See `capacity._tokens_per_group`.
     tokens_per_group: dict[int, int]
     state_slots: int  # requests whose state fits (sum over state groups: the minimum)
     max_num_seqs: int

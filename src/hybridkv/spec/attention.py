@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -81,15 +82,24 @@ class SlidingWindowSpec(AttentionSpec):
         require_positive(self, sliding_window=self.sliding_window)
 
     def max_live_blocks(self, block_size: int, num_in_flight_tokens: int = 1) -> int:
-        """Blocks a request can need alive at once (DESIGN section 3).
+        """Blocks a request can need alive at once, at the worst alignment (DESIGN 3).
 
-        The newest token attends to the ``W - 1`` tokens before it; with
-        ``num_in_flight_tokens`` tokens scheduled in one step, the span is
-        ``W - 1 + in_flight`` tokens, and an unaligned start can touch one more block.
-        Example: W=4, block 2, 1 token in flight -> cdiv(4, 2) + 1 = 3 blocks.
+        The first token of a step at ``c`` reads from ``c - (W - 1)``; with
+        ``num_in_flight_tokens`` tokens in the step, positions ``c - (W - 1) ..
+        c + in_flight - 1`` are live: a span of ``s = W - 1 + in_flight`` positions,
+        which touches at most ``cdiv(s - 1, B) + 1`` blocks (start at a block's last
+        position). Example: W=4, block 2, 1 in flight: s 4 -> cdiv(3, 2) + 1 = 3.
         """
         span = self.sliding_window - 1 + num_in_flight_tokens
-        return -(-span // block_size) + 1
+        return -(-(span - 1) // block_size) + 1
+
+    def first_live_block(self, num_computed_tokens: int, block_size: int) -> int:
+        # The step's first token, at c, reads back to c - (W - 1).
+        return max(0, num_computed_tokens - (self.sliding_window - 1)) // block_size
+
+    def blocks_period(self, block_size: int) -> tuple[int, int] | None:
+        # Once the window has filled, c + B shifts both table ends by one block.
+        return (self.sliding_window - 1, block_size)
 
     def describe(self) -> str:
         return f"swa{self.sliding_window} kv{self.num_kv_heads}x{self.head_dim} {self.dtype}"
@@ -109,8 +119,17 @@ class ChunkedLocalSpec(AttentionSpec):
         require_positive(self, attention_chunk_size=self.attention_chunk_size)
 
     def max_live_blocks(self, block_size: int, num_in_flight_tokens: int = 1) -> int:
+        """An upper bound on live blocks: a chunk plus the step's tokens, unaligned."""
         span = self.attention_chunk_size + num_in_flight_tokens
         return -(-span // block_size) + 1
+
+    def first_live_block(self, num_computed_tokens: int, block_size: int) -> int:
+        # Tokens read only their own chunk: everything before its start is dead.
+        chunk = self.attention_chunk_size
+        return (num_computed_tokens // chunk) * chunk // block_size
+
+    def blocks_period(self, block_size: int) -> tuple[int, int] | None:
+        return (0, math.lcm(self.attention_chunk_size, block_size))
 
     def describe(self) -> str:
         return f"chunk{self.attention_chunk_size} kv{self.num_kv_heads}x{self.head_dim}"

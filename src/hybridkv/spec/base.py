@@ -53,3 +53,36 @@ class LayerSpec:
 
     def describe(self) -> str:
         return self.family
+
+    # -- blocks per request (the one formula; see `hybridkv.plan.peak`) ----------
+    def first_live_block(self, num_computed_tokens: int, block_size: int) -> int:
+        """First block-table position a step starting at ``num_computed_tokens`` may
+        read; earlier positions hold the null block. 0 for kinds that keep everything."""
+        return 0
+
+    def blocks_needed(
+        self,
+        *,
+        block_size: int,
+        num_computed_tokens: int,
+        num_new_tokens: int = 1,
+        num_lookahead_tokens: int = 0,
+        num_spec_states: int = 0,
+        state_mode: str = "none",
+    ) -> int:
+        """Blocks one request holds in a group of this spec during one step: ``c =
+        num_computed_tokens`` computed, ``n`` new and ``L`` lookahead slots reserved.
+
+        Token-indexed kinds hold table positions ``[first_live_block(c), cdiv(c+n+L, B))``::
+
+            B 4, c 9, n 1, L 2: positions 0..11 -> cdiv(12, 4) = 3 blocks (full attention)
+
+        State kinds override this with their slot budget.
+        """
+        end = num_computed_tokens + num_new_tokens + num_lookahead_tokens
+        return -(-end // block_size) - self.first_live_block(num_computed_tokens, block_size)
+
+    def blocks_period(self, block_size: int) -> tuple[int, int] | None:
+        """``(from_c, period)`` when `blocks_needed` repeats with ``period`` in ``c`` for
+        every ``c >= from_c``; None when it only grows (full attention, MLA)."""
+        return None

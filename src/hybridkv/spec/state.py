@@ -61,6 +61,37 @@ class StateSpec(LayerSpec):
         """One whole state; ``block_size`` is accepted for uniformity and ignored."""
         return self.conv_bytes(num_spec_tokens) + self.ssm_bytes()
 
+    def blocks_needed(
+        self,
+        *,
+        block_size: int,
+        num_computed_tokens: int,
+        num_new_tokens: int = 1,
+        num_lookahead_tokens: int = 0,
+        num_spec_states: int = 0,
+        state_mode: str = "none",
+    ) -> int:
+        """State blocks one request may hold during a step (``block_size`` = checkpoint
+        interval B in ``align`` mode): the running state, one slot per kept draft
+        (S, kept once taken: a later step with fewer drafts keeps them), and in align
+        mode one more while the running state is a cached checkpoint (``c`` on a
+        boundary: the step must write elsewhere) or while a boundary strictly inside
+        ``(c, c + n)`` receives a checkpoint -- never more than ``2 + S``::
+
+            align, B 8, S 3: c 15 -> 4 (running + 3 drafts); c 16 -> 5 (the state
+            after 16 tokens is cached, read only: the step writes a new block)
+        """
+        base = 1 + num_spec_states
+        if state_mode != "align":
+            return base
+        c, n = num_computed_tokens, num_new_tokens
+        boundary_read = c > 0 and c % block_size == 0
+        boundary_inside = (c + n - 1) // block_size * block_size > c
+        return base + (1 if boundary_read or boundary_inside else 0)
+
+    def blocks_period(self, block_size: int) -> tuple[int, int] | None:
+        return (0, block_size)
+
     def with_dtypes(
         self, kv: DType | None = None, conv: DType | None = None, ssm: DType | None = None
     ) -> StateSpec:

@@ -5,11 +5,11 @@ Adding a layer kind is one spec class, one manager class and one row here.
 
 from __future__ import annotations
 
-from hybridkv.cache.managers.base import Counters, GroupManager
+from hybridkv.cache.managers.base import Counters, FastLimits, GroupManager
 from hybridkv.cache.managers.chunked import ChunkedLocalManager
-from hybridkv.cache.managers.full import BlockTable, FullAttentionManager
+from hybridkv.cache.managers.full import FullAttentionManager, TableBlocks
 from hybridkv.cache.managers.sliding import SlidingWindowManager
-from hybridkv.cache.managers.state import StateBlocks, StateManager, StateSlots
+from hybridkv.cache.managers.state import StateBlocks, StateManager, StateSlots, StepSlots
 from hybridkv.spec.layers import CHUNKED_ATTENTION, FULL_ATTENTION, MLA, SLIDING_ATTENTION, STATE
 
 MANAGER_TABLE: dict[str, type[GroupManager]] = {
@@ -22,13 +22,15 @@ MANAGER_TABLE: dict[str, type[GroupManager]] = {
 
 __all__ = [
     "MANAGER_TABLE",
-    "BlockTable",
     "ChunkedLocalManager",
     "Counters",
+    "FastLimits",
     "FullAttentionManager",
     "GroupManager",
     "SlidingWindowManager",
     "StateBlocks",
     "StateManager",
     "StateSlots",
+    "StepSlots",
+    "TableBlocks",
 ]

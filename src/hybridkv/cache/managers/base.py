@@ -9,13 +9,57 @@ set of state blocks) is an object the manager creates and the request keeps. Pos
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar, NamedTuple
 
 from hybridkv.cache.block_pool import BlockPool
+from hybridkv.cache.delta import GroupDelta
+from hybridkv.errors import CacheError
 from hybridkv.ids import BlockId
 from hybridkv.plan.types import GroupPlan
 
-INF = 1 << 62
+
+@dataclass(frozen=True)
+class StepSlots:
+    """Which blocks of a state group the engine uses in the step just allocated (the
+    cache's per-group view; the engine's batched tensor of slots is
+    `hybridkv.engine.context.StateSlots`).
+
+    Read the initial state from ``read_block`` (None: start from zeros -- never from a
+    block's old contents), write the state after ``write_num_tokens`` tokens into
+    ``write_block`` (may equal ``read_block``: in place), the state after draft ``i + 1``
+    into ``spec_blocks[i]``, and, when ``checkpoint`` is ``(num_tokens, block)``, the
+    state after exactly ``num_tokens`` tokens into that block.
+    """
+
+    num_computed_tokens: int
+    read_block: BlockId | None
+    write_block: BlockId
+    write_num_tokens: int
+    spec_blocks: tuple[BlockId, ...]
+    checkpoint: tuple[int, BlockId] | None
+
+
+class FastLimits(NamedTuple):
+    """How far a request's step may go in one group without this group's slow path.
+
+    ``None`` means this group sets no bound of that kind. With ``c`` computed, ``n``
+    new and ``L`` lookahead tokens, and ``c2 = c + n + a`` after ``a`` accepted::
+
+        allocate needs nothing here while  c + n + L <= end_tokens   (slots held)
+                                           c + n     <= verified_tokens
+                                           L         <= lookahead_tokens
+        commit has nothing to cache or release here while  c2 < commit_below
+
+    Example, full attention B 16 holding 3 blocks, 2 cached: ``end_tokens 48,
+    commit_below 48`` (the third block fills at 48 and is then cached).
+    An immutable named tuple: built on every slow step, so it must be cheap.
+    """
+
+    end_tokens: int | None = None
+    verified_tokens: int | None = None
+    lookahead_tokens: int | None = None
+    commit_below: int | None = None
 
 
 class Counters:
@@ -27,7 +71,16 @@ class Counters:
 
 
 class GroupManager:
-    """Base class; subclasses implement one group kind (see the table in ``__init__``)."""
+    """Base class; subclasses implement one group kind (see the table in ``__init__``).
+
+    A manager owns its fast path: `fast_limits` says how far a step may go without
+    its slow path, and `settle_fast` is what a commit within those limits does to the
+    per-request state (nothing for attention; a slot swap for state groups, listed
+    in ``moves_on_fast_commit``).
+    """
+
+    is_state: ClassVar[bool] = False  # slots per request instead of a token-indexed table
+    moves_on_fast_commit: ClassVar[bool] = False  # settle_fast changes the state
 
     def __init__(
         self,
@@ -45,7 +98,7 @@ class GroupManager:
         self.unit_tokens = unit_tokens
         self.caching = caching
         self.counters = counters
-        self.verify_tokens = pool.tokens is not None
+        self.index = pool.index[group.group_id]  # hash -> cached block of this group
         assert group.block_size % unit_tokens == 0
 
     # -- hashing helpers -----------------------------------------------------------
@@ -56,32 +109,46 @@ class GroupManager:
     def cached_block(
         self, hashes: Sequence[bytes], tokens: Sequence[int], end_tokens: int
     ) -> BlockId | None:
-        """The cached block of this group whose data ends at ``end_tokens``, if any."""
+        """The cached block of this group whose data ends at ``end_tokens``, if any.
+        The key is a sha256 chain over the whole prefix and its extra keys, so equal
+        keys mean equal prefixes (`hashing`); no token comparison is needed."""
         if end_tokens <= 0 or end_tokens // self.unit_tokens > len(hashes):
             return None
-        span = tokens[end_tokens - self.block_size : end_tokens] if self.verify_tokens else None
-        return self.pool.lookup(self.group_id, self.key(hashes, end_tokens), span)
+        return self.index.get(hashes[end_tokens // self.unit_tokens - 1])
 
     def try_cache(
         self, block: BlockId, hashes: Sequence[bytes], tokens: Sequence[int], end_tokens: int
     ) -> bool:
-        span = tokens[end_tokens - self.block_size : end_tokens] if self.verify_tokens else None
         key = hashes[end_tokens // self.unit_tokens - 1]  # == self.key(hashes, end_tokens)
-        return self.pool.cache(block, self.group_id, key, end_tokens, span)
+        return self.pool.cache(block, self.group_id, key, end_tokens)
 
     # -- interface -----------------------------------------------------------------
     def new_state(self) -> Any:
         raise NotImplementedError
 
     def max_hit(
-        self, hashes: Sequence[bytes], tokens: Sequence[int], limit: int, eagle: bool
+        self,
+        hashes: Sequence[bytes],
+        tokens: Sequence[int],
+        limit: int,
+        eagle: bool,
+        found: dict[int, BlockId],
     ) -> int:
-        """Longest hit <= ``limit`` tokens this group can serve (0 always works)."""
+        """Longest hit <= ``limit`` tokens this group can serve (0 always works); every
+        cached block seen goes into ``found`` (end position -> block) for `hit_state`.
+        Idempotent: ``max_hit(h) == h`` for the ``h`` it returns."""
         raise NotImplementedError
 
-    def hit_state(self, hashes: Sequence[bytes], tokens: Sequence[int], hit: int) -> Any:
+    def hit_state(
+        self,
+        hashes: Sequence[bytes],
+        tokens: Sequence[int],
+        hit: int,
+        found: dict[int, BlockId] | None,
+    ) -> Any:
         """Per-request state holding the hit blocks (not yet touched), or None when one
-        of them was evicted since the lookup."""
+        of them was evicted since the lookup. ``found``: blocks `max_hit` saw, valid
+        only when nothing was evicted since (None: look them up again)."""
         raise NotImplementedError
 
     def num_new_blocks(self, state: Any, c: int, n: int, lookahead: int) -> int:
@@ -101,9 +168,24 @@ class GroupManager:
         accepted: int,
         hashes: Sequence[bytes],
         tokens: Sequence[int],
-    ) -> None:
-        """Settle a step: cache what became verified, release what is no longer needed."""
+    ) -> tuple[int, int] | None:
+        """Settle a step: cache what became verified, release what is no longer needed.
+        Returns the table positions ``[lo, hi)`` that became the null block, if any."""
         raise NotImplementedError
+
+    def settle_fast(self, state: Any, accepted: int) -> None:
+        """Settle a step that stayed within `fast_limits` (``c2 < commit_below``)."""
+
+    @classmethod
+    def settle_fast_all(cls, states: Sequence[Any], accepted: int) -> None:
+        """`settle_fast` for the states of several groups of this kind at once (one
+        call per request and kind on the fast path; the rule must not need ``self``)."""
+
+    def delta(self, state: Any, new_blocks: list[BlockId], whole: bool) -> GroupDelta | None:
+        """What an engine's persistent table of this group must apply after `allocate`
+        took ``new_blocks`` (``whole``: the request was just admitted). None: nothing
+        (state groups hand out slots, see `StateManager.slots`)."""
+        return None
 
     def release_all(self, state: Any) -> None:
         raise NotImplementedError
@@ -112,14 +194,13 @@ class GroupManager:
         """Every non-null block the request references in this group (with repeats)."""
         raise NotImplementedError
 
-    def fast_limits(self, state: Any, c: int) -> tuple[int, int, int, int]:
-        """(alloc_total, alloc_verified, spec_slots, commit_limit) for the fast path.
-
-        An allocate needs no new block while ``c + n + L <= alloc_total``,
-        ``c + n <= alloc_verified`` and ``L <= spec_slots``; a commit has nothing to
-        cache or release while ``c2 < commit_limit``.
-        """
+    def fast_limits(self, state: Any, c: int) -> FastLimits:
+        """This group's bounds on the fast path for ``state`` at ``c`` computed tokens."""
         raise NotImplementedError
+
+    def slots(self, state: Any, c: int, n: int, lookahead: int) -> StepSlots:
+        """The blocks a state group reads and writes in the allocated step."""
+        raise CacheError(f"group {self.group_id} is {self.group.kind}, not a state group")
 
     def check_state(self, state: Any, c: int) -> None:
         """Raise InvariantError if the per-request state is inconsistent."""

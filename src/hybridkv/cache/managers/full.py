@@ -6,9 +6,10 @@ Block table of a request, block size 4, 10 tokens computed, 2 drafts reserved::
     table     [b5] [b9] [b2]        block j covers tokens [4j, 4j + 4)
     cached    yes  yes  no          a block is cached once all 4 tokens are verified
 
-Subclasses (sliding window, chunked local) only change ``first_live_block``: the first
-block a step starting at ``c`` computed tokens may read. Blocks before it hold the null
-block (0) in the table.
+Subclasses (sliding window, chunked local) differ only in the spec's
+``first_live_block``: the first block a step starting at ``c`` computed tokens may read
+(`LayerSpec.first_live_block`, the same arithmetic the planner's peak uses). Blocks
+before it hold the null block (0) in the table.
 """
 
 from __future__ import annotations
@@ -17,14 +18,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from hybridkv.cache.block import NULL_BLOCK
-from hybridkv.cache.managers.base import INF, GroupManager
+from hybridkv.cache.delta import GroupDelta
+from hybridkv.cache.managers.base import FastLimits, GroupManager
 from hybridkv.errors import InvariantError
 from hybridkv.ids import BlockId
 
 
 @dataclass
-class BlockTable:
-    """A request's blocks in one attention group."""
+class TableBlocks:
+    """A request's block table in one token-indexed group (the engine's own table
+    type is `hybridkv.engine.context.BlockTable`; this one is the manager's record)."""
 
     blocks: list[BlockId] = field(default_factory=list)
     num_cached: int = 0  # leading blocks already considered for caching
@@ -35,33 +38,46 @@ class FullAttentionManager(GroupManager):
     """Left-to-right hit scan that stops at the first miss."""
 
     def first_live_block(self, num_computed: int) -> int:
-        return 0
+        return self.group.spec.first_live_block(num_computed, self.block_size)
 
-    def next_release(self, first_live: int) -> int:
-        """Smallest ``c`` with ``first_live_block(c) > first_live``."""
-        return INF
+    def next_release(self, first_live: int) -> int | None:
+        """Smallest ``c`` with ``first_live_block(c) > first_live`` (None: never)."""
+        return None
 
-    def new_state(self) -> BlockTable:
-        return BlockTable()
+    def new_state(self) -> TableBlocks:
+        return TableBlocks()
 
     def max_hit(
-        self, hashes: Sequence[bytes], tokens: Sequence[int], limit: int, eagle: bool
+        self,
+        hashes: Sequence[bytes],
+        tokens: Sequence[int],
+        limit: int,
+        eagle: bool,
+        found: dict[int, BlockId],
     ) -> int:
         # Hit k blocks needs blocks [0, k) cached; EAGLE needs block k too (dropped).
+        B = self.block_size
         extra = 1 if eagle else 0
-        max_blocks = min(
-            limit // self.block_size + extra, len(hashes) * self.unit_tokens // self.block_size
-        )
+        max_blocks = min(limit // B + extra, len(hashes) * self.unit_tokens // B)
         num = 0
-        while (
-            num < max_blocks
-            and self.cached_block(hashes, tokens, (num + 1) * self.block_size) is not None
-        ):
+        while num < max_blocks:
+            end = (num + 1) * B
+            block = found.get(end)
+            if block is None:
+                block = self.cached_block(hashes, tokens, end)
+                if block is None:
+                    break
+                found[end] = block
             num += 1
-        return max(0, num - extra) * self.block_size
+        return max(0, num - extra) * B
 
     def window_hit(
-        self, hashes: Sequence[bytes], tokens: Sequence[int], limit: int, eagle: bool
+        self,
+        hashes: Sequence[bytes],
+        tokens: Sequence[int],
+        limit: int,
+        eagle: bool,
+        found: dict[int, BlockId],
     ) -> int:
         """Largest ``k * B <= limit`` with blocks [first_live_block(kB), k + eagle) cached.
 
@@ -75,14 +91,19 @@ class FullAttentionManager(GroupManager):
         extra = 1 if eagle else 0
         num_hashed_blocks = len(hashes) * self.unit_tokens // B
         k = min(limit // B, num_hashed_blocks - extra)
-        known: dict[int, bool] = {}
+        missing: set[int] = set()
         while k > 0:
             lo, hi = self.first_live_block(k * B), k + extra
             miss = None
             for j in range(hi - 1, lo - 1, -1):
-                if j not in known:
-                    known[j] = self.cached_block(hashes, tokens, (j + 1) * B) is not None
-                if not known[j]:
+                end = (j + 1) * B
+                if end not in found and j not in missing:
+                    block = self.cached_block(hashes, tokens, end)
+                    if block is None:
+                        missing.add(j)
+                    else:
+                        found[end] = block
+                if j in missing:
                     miss = j
                     break
             if miss is None:
@@ -91,39 +112,53 @@ class FullAttentionManager(GroupManager):
         return 0
 
     def hit_state(
-        self, hashes: Sequence[bytes], tokens: Sequence[int], hit: int
-    ) -> BlockTable | None:
-        k = hit // self.block_size
+        self,
+        hashes: Sequence[bytes],
+        tokens: Sequence[int],
+        hit: int,
+        found: dict[int, BlockId] | None,
+    ) -> TableBlocks | None:
+        B = self.block_size
+        k = hit // B
         lo = min(self.first_live_block(hit), k)
         blocks = [NULL_BLOCK] * lo
         for j in range(lo, k):
-            block = self.cached_block(hashes, tokens, (j + 1) * self.block_size)
+            block = found.get((j + 1) * B) if found is not None else None
             if block is None:
-                return None  # evicted since the lookup
+                block = self.cached_block(hashes, tokens, (j + 1) * B)
+                if block is None:
+                    return None  # evicted since the lookup
             blocks.append(block)
-        return BlockTable(blocks=blocks, num_cached=k, first_live=lo)
+        return TableBlocks(blocks=blocks, num_cached=k, first_live=lo)
 
-    def num_new_blocks(self, state: BlockTable, c: int, n: int, lookahead: int) -> int:
+    def num_new_blocks(self, state: TableBlocks, c: int, n: int, lookahead: int) -> int:
+        # Table positions [0, cdiv(c + n + L, B)): the spec's blocks_needed plus the
+        # null positions before the first live block, which the table already has.
         return max(0, -(-(c + n + lookahead) // self.block_size) - len(state.blocks))
 
     def allocate(
-        self, state: BlockTable, c: int, n: int, lookahead: int, num_new: int
+        self, state: TableBlocks, c: int, n: int, lookahead: int, num_new: int
     ) -> list[BlockId]:
         take = self.pool.take
         new = [take() for _ in range(num_new)]
         state.blocks.extend(new)
         return new
 
+    def delta(self, state: TableBlocks, new_blocks: list[BlockId], whole: bool) -> GroupDelta:
+        if whole:
+            return GroupDelta(0, tuple(state.blocks))
+        return GroupDelta(len(state.blocks) - len(new_blocks), tuple(new_blocks))
+
     def commit(
         self,
-        state: BlockTable,
+        state: TableBlocks,
         c: int,
         n: int,
         lookahead: int,
         accepted: int,
         hashes: Sequence[bytes],
         tokens: Sequence[int],
-    ) -> None:
+    ) -> tuple[int, int] | None:
         c2 = c + n + accepted
         B = self.block_size
         num_full = c2 // B
@@ -138,34 +173,39 @@ class FullAttentionManager(GroupManager):
         # Settled: no step is in flight and no draft can be rejected any more, so the
         # blocks no later token can attend to are released now.
         first = self.first_live_block(c2)
-        if first > state.first_live:
-            blocks = state.blocks
-            for j in range(state.first_live, min(first, len(blocks))):
-                if blocks[j] != NULL_BLOCK:
-                    self.pool.release(blocks[j])
-                    blocks[j] = NULL_BLOCK
-            state.first_live = first
+        if first <= state.first_live:
+            return None
+        blocks = state.blocks
+        lo, hi = state.first_live, min(first, len(blocks))
+        for j in range(lo, hi):
+            if blocks[j] != NULL_BLOCK:
+                self.pool.release(blocks[j])
+                blocks[j] = NULL_BLOCK
+        state.first_live = first
+        return (lo, hi) if hi > lo else None
 
-    def release_all(self, state: BlockTable) -> None:
+    def release_all(self, state: TableBlocks) -> None:
         # Tail first: the end of a sequence is the least likely to be shared, so it
         # is evicted first.
-        for block in reversed(state.blocks):
-            if block != NULL_BLOCK:
-                self.pool.release(block)
+        self.pool.release_many(reversed(state.blocks))
         state.blocks = []
         state.num_cached = 0
         state.first_live = 0
 
-    def held(self, state: BlockTable) -> list[BlockId]:
+    def held(self, state: TableBlocks) -> list[BlockId]:
         return [b for b in state.blocks if b != NULL_BLOCK]
 
-    def fast_limits(self, state: BlockTable, c: int) -> tuple[int, int, int, int]:
+    def fast_limits(self, state: TableBlocks, c: int) -> FastLimits:
+        # Allocate: the table's slots. Commit: the next block to fill (to cache it) and
+        # the next position where a block leaves the window (to release it).
         B = self.block_size
-        commit_limit = (state.num_cached + 1) * B if self.caching else INF
-        commit_limit = min(commit_limit, self.next_release(state.first_live))
-        return len(state.blocks) * B, INF, INF, commit_limit
+        fill = (state.num_cached + 1) * B if self.caching else None
+        release = self.next_release(state.first_live)
+        commit_below = release if fill is None else fill if release is None else min(fill, release)
+        # positional: end_tokens, verified_tokens, lookahead_tokens, commit_below
+        return FastLimits(len(state.blocks) * B, None, None, commit_below)
 
-    def check_state(self, state: BlockTable, c: int) -> None:
+    def check_state(self, state: TableBlocks, c: int) -> None:
         for j, block in enumerate(state.blocks):
             if (block == NULL_BLOCK) != (j < state.first_live):
                 raise InvariantError(

@@ -37,28 +37,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from hybridkv.cache.managers.base import INF, GroupManager
+from hybridkv.cache.managers.base import FastLimits, GroupManager, StepSlots
 from hybridkv.errors import InvariantError
 from hybridkv.ids import BlockId
-
-
-@dataclass(frozen=True)
-class StateSlots:
-    """Which blocks of a state group the engine uses in the step just allocated.
-
-    Read the initial state from ``read_block`` (None: start from zeros -- never from a
-    block's old contents), write the state after ``write_num_tokens`` tokens into
-    ``write_block`` (may equal ``read_block``: in place), the state after draft ``i + 1``
-    into ``spec_blocks[i]``, and, when ``checkpoint`` is ``(num_tokens, block)``, the
-    state after exactly ``num_tokens`` tokens into that block.
-    """
-
-    num_computed_tokens: int
-    read_block: BlockId | None
-    write_block: BlockId
-    write_num_tokens: int
-    spec_blocks: tuple[BlockId, ...]
-    checkpoint: tuple[int, BlockId] | None
 
 
 @dataclass
@@ -72,19 +53,33 @@ class StateBlocks:
     ckpt_block: BlockId | None = None
 
 
+# Older name of `StepSlots`, kept for callers outside the package.
+StateSlots = StepSlots
+
+
 class StateManager(GroupManager):
+    is_state = True
+    moves_on_fast_commit = True
+
     def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
         super().__init__(*args, **kwargs)
         self.num_spec_states = self.group.num_spec_states
         self.align = self.group.state_mode == "align"
         self.checkpoints = self.align and self.caching
-        self.budget_blocks = self.group.blocks_for(0, 0)  # 2 + S (align) or 1 + S
+        # The spec's formula at its largest (a step reading a cached checkpoint):
+        # 2 + S in align mode, 1 + S in none mode.
+        self.budget_blocks = self.group.blocks_at(self.block_size, 1, self.num_spec_states)
 
     def new_state(self) -> StateBlocks:
         return StateBlocks()
 
     def max_hit(
-        self, hashes: Sequence[bytes], tokens: Sequence[int], limit: int, eagle: bool
+        self,
+        hashes: Sequence[bytes],
+        tokens: Sequence[int],
+        limit: int,
+        eagle: bool,
+        found: dict[int, BlockId],
     ) -> int:
         # The state after L tokens does not depend on later tokens, so EAGLE needs no
         # extra block here: the attention groups' dropped block already moves the hit
@@ -94,17 +89,27 @@ class StateManager(GroupManager):
         B = self.block_size
         pos = min(limit, len(hashes) * self.unit_tokens) // B * B
         while pos > 0:
-            if self.cached_block(hashes, tokens, pos) is not None:
+            block = found.get(pos)
+            if block is None:
+                block = self.cached_block(hashes, tokens, pos)
+            if block is not None:
+                found[pos] = block
                 return pos
             pos -= B
         return 0
 
     def hit_state(
-        self, hashes: Sequence[bytes], tokens: Sequence[int], hit: int
+        self,
+        hashes: Sequence[bytes],
+        tokens: Sequence[int],
+        hit: int,
+        found: dict[int, BlockId] | None,
     ) -> StateBlocks | None:
         if hit == 0:
             return StateBlocks()
-        block = self.cached_block(hashes, tokens, hit)
+        block = found.get(hit) if found is not None else None
+        if block is None:
+            block = self.cached_block(hashes, tokens, hit)
         return None if block is None else StateBlocks(running=block)
 
     def _running_private(self, state: StateBlocks) -> bool:
@@ -147,16 +152,16 @@ class StateManager(GroupManager):
         accepted: int,
         hashes: Sequence[bytes],
         tokens: Sequence[int],
-    ) -> None:
+    ) -> tuple[int, int] | None:
         c2 = c + n + accepted
         num_spec = min(lookahead, self.num_spec_states)
-        assert accepted <= num_spec and state.write is not None
+        assert accepted <= num_spec
+        if state.write is None:  # an empty step over a cached checkpoint: nothing written
+            assert n == 0 and accepted == 0
+            return None
         if self._settles_in_place(state, c, n, c2):
-            if accepted:  # the spec slot becomes running; the old running block a spare
-                slot = state.spares.pop(accepted - 1)
-                state.spares.insert(0, state.write)
-                state.running = state.write = slot
-            return
+            self.settle_fast(state, accepted)
+            return None
         produced: list[tuple[int, BlockId]] = [(c + n, state.write)]
         produced += [(c + n + 1 + i, state.spares[i]) for i in range(num_spec)]
         if state.ckpt_block is not None:
@@ -178,6 +183,26 @@ class StateManager(GroupManager):
         state.write = new_running if not self.pool.is_cached(new_running) else None
         state.spares = spares + state.spares[num_spec:]
         state.ckpt_pos, state.ckpt_block = 0, None
+        return None
+
+    def settle_fast(self, state: StateBlocks, accepted: int) -> None:
+        """The step wrote in place and produced no checkpoint: the state after the last
+        accepted draft (spec slot ``a - 1``) becomes the running block, and the old
+        running block takes that slot's place, so spare order is kept::
+
+            running r, spares [s0, s1, s2], a = 2  ->  running s1, spares [s0, r, s2]
+        """
+        self.settle_fast_all((state,), accepted)
+
+    @classmethod
+    def settle_fast_all(cls, states: Sequence[StateBlocks], accepted: int) -> None:
+        if accepted:
+            i = accepted - 1
+            for state in states:
+                spares = state.spares
+                block = spares[i]
+                spares[i] = state.running  # type: ignore[assignment]  # set: c > 0
+                state.running = state.write = block
 
     def _settles_in_place(self, state: StateBlocks, c: int, n: int, c2: int) -> bool:
         """True when the step wrote in place and no state it produced at or before ``c2``
@@ -190,10 +215,10 @@ class StateManager(GroupManager):
         B = self.block_size
         return c2 < (c // B + 1) * B and (n > 0 or c % B != 0)
 
-    def slots(self, state: StateBlocks, c: int, n: int, lookahead: int) -> StateSlots:
+    def slots(self, state: StateBlocks, c: int, n: int, lookahead: int) -> StepSlots:
         assert state.write is not None
         num_spec = min(lookahead, self.num_spec_states)
-        return StateSlots(
+        return StepSlots(
             num_computed_tokens=c,
             read_block=state.running,
             write_block=state.write,
@@ -213,8 +238,7 @@ class StateManager(GroupManager):
         return True
 
     def release_all(self, state: StateBlocks) -> None:
-        for block in self.held(state)[::-1]:
-            self.pool.release(block)
+        self.pool.release_many(self.held(state)[::-1])
         state.running = state.write = state.ckpt_block = None
         state.spares = []
         state.ckpt_pos = 0
@@ -228,13 +252,21 @@ class StateManager(GroupManager):
             out.append(state.ckpt_block)
         return out
 
-    def fast_limits(self, state: StateBlocks, c: int) -> tuple[int, int, int, int]:
-        alloc_total = INF if self._running_private(state) else -1
-        spec_slots = INF if len(state.spares) >= self.num_spec_states else len(state.spares)
-        boundary = (c // self.block_size + 1) * self.block_size if self.checkpoints else INF
-        # The fast commit only swaps running and a spec slot: the step must write in place.
+    def fast_limits(self, state: StateBlocks, c: int) -> FastLimits:
+        # Allocate: a private running block is written in place (any n), a cached one
+        # (or none yet) needs a write block for any step past c; drafts need spares;
+        # a step reaching the next boundary may need a checkpoint block.
+        # Commit: `settle_fast` only swaps running and a spec slot, so the step must
+        # have written in place, and stop before the boundary (which gets cached).
+        boundary = (c // self.block_size + 1) * self.block_size if self.checkpoints else None
+        spares = len(state.spares)
         in_place = state.write == state.running and state.ckpt_block is None
-        return alloc_total, boundary, spec_slots, boundary if in_place else -1
+        return FastLimits(  # positional (cheaper): end, verified, lookahead, commit_below
+            None if self._running_private(state) else c,
+            boundary,
+            None if spares >= self.num_spec_states else spares,
+            (boundary if in_place else c) if c > 0 else 0,
+        )
 
     def check_state(self, state: StateBlocks, c: int) -> None:
         held = self.held(state)
