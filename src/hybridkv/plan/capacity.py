@@ -62,8 +62,26 @@ def _split_pages(
     slabs = [draft.pool_page_bytes[g.pool_id] * draft.pool_num_tensors[g.pool_id] for g in groups]
     available = options.memory_bytes - sum(slabs)  # one null page per pool
     per_request = sum(g.blocks_needed(target, k) * s for g, s in zip(groups, slabs, strict=True))
-    fits = max(available, 0) // per_request if per_request else options.max_num_seqs
+    # A window pool's prefill reserve is linear in the request count (fixed + n blocks):
+    # budget both parts before deciding how many requests fit, so the pools stay in budget.
+    for g, slab in zip(groups, slabs, strict=True):
+        if isinstance(g.spec, SlidingWindowSpec | ChunkedLocalSpec):
+            fixed = split_prefill_reserve_blocks(g.spec, g.block_size, options, 0, target)
+            available -= fixed * slab
+            per_request += (
+                split_prefill_reserve_blocks(g.spec, g.block_size, options, 1, target) - fixed
+            ) * slab
+    if available < 0:
+        raise PlanError(
+            f"split layout: the window pools' prefill reserve (one step of "
+            f"{min(options.max_num_batched_tokens, target)} tokens) and null pages need "
+            f"{options.memory_bytes - available} bytes, more than the {options.memory_bytes} "
+            "byte budget; raise --memory, lower --max-num-batched-tokens, or use the shared "
+            "layout"
+        )
+    fits = available // per_request if per_request else options.max_num_seqs
     num_requests = min(fits, options.max_num_seqs)
+    available = options.memory_bytes - sum(slabs)
     pages = [0] * len(draft.pool_page_bytes)
     growing: list[int] = []
     for g, slab in zip(groups, slabs, strict=True):
