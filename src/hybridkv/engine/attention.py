@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from hybridkv.engine import kv_quant
 from hybridkv.engine.context import BlockTable, ForwardBatch, KVCache
 from hybridkv.errors import EngineError
 
@@ -83,14 +84,14 @@ def paged_attention(
         row = table.block_ids[r]
         new_pos = batch.positions[start:end]
         new_slots = page_index(row, block_size, new_pos)
-        cache.key[new_slots] = k[start:end].to(cache.key.dtype)
-        cache.value[new_slots] = v[start:end].to(cache.value.dtype)
+        kv_quant.store(cache.key, new_slots, k[start:end], cache.quant)
+        kv_quant.store(cache.value, new_slots, v[start:end], cache.quant, value=True)
 
         first_key = 0 if sliding_window is None else max(0, computed - sliding_window + 1)
         key_pos = torch.arange(first_key, computed + (end - start), device=new_pos.device)
         key_slots = page_index(row, block_size, key_pos)
-        keys = cache.key[key_slots].to(q.dtype)  # [K, Hkv, D]
-        values = cache.value[key_slots].to(q.dtype)
+        keys = kv_quant.load(cache.key, key_slots, q.dtype, cache.quant)  # [K, Hkv, D]
+        values = kv_quant.load(cache.value, key_slots, q.dtype, cache.quant, value=True)
 
         # [Hkv, G, Q, D] x [Hkv, D, K] -> [Hkv, G, Q, K]
         queries = q[start:end].view(end - start, num_kv_heads, group_size, -1).permute(1, 2, 0, 3)

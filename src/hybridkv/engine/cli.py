@@ -39,6 +39,8 @@ def load_llm(
     max_model_len: int | None = None,
     max_num_seqs: int | None = None,
     threads: int | None = None,
+    kv_dtype: str | None = None,
+    chunk_size: int | None = None,
 ) -> Any:
     """The `LLM` of `generate` / `serve` flags: MODEL and ``--draft`` may name the demo
     models, ``--draft`` or ``--spec-method`` without ``--num-spec`` drafts 4 per step,
@@ -53,9 +55,12 @@ def load_llm(
     speculative = draft is not None or spec_method is not None
     num_spec_tokens = (4 if speculative else 0) if num_spec is None else num_spec
     extra: dict[str, Any] = {} if max_num_seqs is None else {"max_num_seqs": max_num_seqs}
+    if chunk_size is not None:
+        extra["chunk_size"] = chunk_size
     return LLM(
         resolve_model(model),
         dtype=dtype,
+        kv_dtype=None if kv_dtype in (None, "auto") else kv_dtype,
         memory_bytes=budget,
         draft=None if draft is None else resolve_model(draft),
         spec_method=spec_method,
@@ -84,18 +89,40 @@ def generate_command(
     seed: Annotated[int, typer.Option("--seed")] = 0,
     memory: Annotated[str | None, typer.Option("--memory", help="cache budget, e.g. 64MiB")] = None,
     dtype: Annotated[str, typer.Option("--dtype")] = "float32",
+    kv_dtype: Annotated[
+        str,
+        typer.Option(
+            "--kv-dtype",
+            "--kv-cache-dtype",
+            help="KV page dtype: auto (= --dtype), fp8_e4m3, fp8_e5m2, bfloat16, ...",
+        ),
+    ] = "auto",
     draft: Annotated[
         str | None,
-        typer.Option("--draft", help="draft model folder (or demo-draft): speculative decoding"),
+        typer.Option(
+            "--draft",
+            help="draft model folder (or demo-draft), or an EAGLE head with --spec-method eagle",
+        ),
     ] = None,
     spec_method: Annotated[
-        str | None, typer.Option("--spec-method", help="draft (needs --draft), ngram or suffix")
+        str | None,
+        typer.Option(
+            "--spec-method",
+            help="draft (--draft MODEL), mtp (the checkpoint's MTP head), eagle (--draft "
+            "EAGLE_FOLDER), ngram or suffix",
+        ),
     ] = None,
     num_spec: Annotated[
         int | None,
         typer.Option("--num-spec", "--num-speculative-tokens", help="K: drafts per step at most"),
     ] = None,
     device: Annotated[str, typer.Option("--device", help="cpu, cuda or cuda:N")] = "cpu",
+    max_num_seqs: Annotated[
+        int, typer.Option("--max-num-seqs", help="requests running at once (1: one by one)")
+    ] = 16,
+    chunk_size: Annotated[
+        int | None, typer.Option("--chunk-size", help="prefill chunk (tokens); none: whole")
+    ] = None,
     threads: Annotated[int | None, typer.Option("--threads", help=THREADS_HELP)] = None,
     ignore_eos: Annotated[
         bool, typer.Option("--ignore-eos", help="do not stop at the checkpoint's EOS id")
@@ -120,6 +147,9 @@ def generate_command(
             dtype=dtype,
             device=device,
             threads=threads,
+            max_num_seqs=max_num_seqs,
+            chunk_size=chunk_size,
+            kv_dtype=kv_dtype,
         )
         prompts: list[list[int] | str] = (
             list(prompt) if prompt else [parse_prompt_ids(p) for p in prompt_ids or []]
@@ -140,6 +170,7 @@ def generate_command(
                 {
                     "model": model,
                     "layout": llm.plan.layout,
+                    "kv_dtype": str(llm.plan.options.kv_dtype),
                     "device": str(llm.device),
                     "eos_token_ids": list(llm.eos_token_ids),
                     "outputs": [
@@ -191,6 +222,10 @@ def demo_command(
     num_spec: Annotated[int, typer.Option("--num-spec", help="K: drafts per step")] = 4,
     threads: Annotated[int | None, typer.Option("--threads", help=THREADS_HELP)] = None,
     device: Annotated[str, typer.Option("--device", help="cpu, cuda or cuda:N")] = "cpu",
+    spec_method: Annotated[
+        str,
+        typer.Option("--spec-method", help="draft (the demo draft model) or mtp (its MTP head)"),
+    ] = "draft",
     as_json: Annotated[bool, typer.Option("--json", help="machine-readable output")] = False,
 ) -> None:
     """The whole system on the built-in demo models: plan, serve a batch sharing a
@@ -199,7 +234,7 @@ def demo_command(
     def body() -> None:
         from hybridkv.demo import DemoOptions, print_report, run_demo
 
-        options = DemoOptions(num_requests, max_new_tokens, num_spec, threads, device)
+        options = DemoOptions(num_requests, max_new_tokens, num_spec, threads, device, spec_method)
         llm, report = run_demo(options, progress=not as_json)
         if as_json:
             emit_json(report)

@@ -26,7 +26,7 @@ import torch
 
 from hybridkv.cache import NULL_BLOCK, CacheManager
 from hybridkv.engine.context import BlockTable, ForwardBatch, StateSlots, WritePoint, make_batch
-from hybridkv.engine.models.common import CausalLM
+from hybridkv.engine.models.common import CausalLM, HiddenStates
 from hybridkv.engine.tensors import CacheTensors, group_key
 from hybridkv.errors import EngineError
 from hybridkv.plan.types import CachePlan
@@ -166,6 +166,16 @@ class ModelRunner:
             s.num_computed,
             s.num_draft_tokens,
         )
+
+    def execute_with_hidden(
+        self, steps: Sequence[StepInput], capture: Sequence[int] = ()
+    ) -> tuple[list[torch.Tensor], HiddenStates]:
+        """`execute`, plus the hidden states of every token (batch order: the steps'
+        tokens one after the other) that a drafter head reads (`CausalLM.forward_with_hidden`)."""
+        batch = self.build_batch(steps)
+        batch.check()
+        logits, hidden = self.model.forward_with_hidden(batch, self.caches, capture)
+        return list(torch.split(logits, [1 + s.num_draft_tokens for s in steps])), hidden
 
     def execute(self, steps: Sequence[StepInput]) -> list[torch.Tensor]:
         """Run one step; per request, logits ``[1 + num_draft_tokens, vocab]`` at its
