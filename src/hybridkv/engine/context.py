@@ -29,6 +29,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from hybridkv.engine.kv_quant import KVQuant
 from hybridkv.errors import EngineError
 
 _T = TypeVar("_T")
@@ -230,6 +231,7 @@ class KVCache:
     key: torch.Tensor  # [num_blocks, block_size, num_kv_heads, head_dim]
     value: torch.Tensor  # [num_blocks, block_size, num_kv_heads, v_head_dim]
     group: str
+    quant: KVQuant | None = None  # fp8 pages (or their float32 simulation): `kv_quant`
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from hybridkv.engine import kv_quant
 from hybridkv.engine.context import KVCache
 
 PageIndex = tuple[torch.Tensor, torch.Tensor]  # (block ids, offsets), both shape S
@@ -18,10 +19,13 @@ PageIndex = tuple[torch.Tensor, torch.Tensor]  # (block ids, offsets), both shap
 
 def store_kv(cache: KVCache, index: PageIndex, key: torch.Tensor, value: torch.Tensor) -> None:
     """Write ``key [*S, Hkv, D]`` and ``value [*S, Hkv, Dv]`` at ``index``."""
-    cache.key[index] = key.to(cache.key.dtype)
-    cache.value[index] = value.to(cache.value.dtype)
+    kv_quant.store(cache.key, index, key, cache.quant)
+    kv_quant.store(cache.value, index, value, cache.quant, value=True)
 
 
 def load_kv(cache: KVCache, index: PageIndex, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
     """K and V at ``index`` as ``[*S, Hkv, D]`` tensors of ``dtype`` (the compute dtype)."""
-    return cache.key[index].to(dtype), cache.value[index].to(dtype)
+    return (
+        kv_quant.load(cache.key, index, dtype, cache.quant),
+        kv_quant.load(cache.value, index, dtype, cache.quant, value=True),
+    )

@@ -28,7 +28,7 @@ import torch
 from hybridkv.cache import CacheManager
 from hybridkv.engine.block_tables import PersistentBlockTable
 from hybridkv.engine.context import BlockTable, ForwardBatch, StateSlots, WritePoint, make_batch
-from hybridkv.engine.models.common import CausalLM
+from hybridkv.engine.models.common import CausalLM, HiddenStates
 from hybridkv.engine.tensors import CacheTensors, group_key
 from hybridkv.errors import EngineError
 from hybridkv.plan.types import CachePlan
@@ -179,6 +179,16 @@ class ModelRunner:
         """Every persistent block table matches its host rows (`PersistentBlockTable`)."""
         for table in self.block_tables.values():
             table.check_invariants()
+
+    def execute_with_hidden(
+        self, steps: Sequence[StepInput], capture: Sequence[int] = ()
+    ) -> tuple[list[torch.Tensor], HiddenStates]:
+        """`execute`, plus the hidden states of every token (batch order: the steps'
+        tokens one after the other) that a drafter head reads (`CausalLM.forward_with_hidden`)."""
+        batch = self.build_batch(steps)
+        batch.check()
+        logits, hidden = self.model.forward_with_hidden(batch, self.caches, capture)
+        return list(torch.split(logits, [1 + s.num_draft_tokens for s in steps])), hidden
 
     def execute(self, steps: Sequence[StepInput]) -> list[torch.Tensor]:
         """Run one step; per request, logits ``[1 + num_draft_tokens, vocab]`` at its
