@@ -77,6 +77,7 @@ class Coordinator:
                     unit_tokens=self.hasher.unit_tokens,
                     caching=caching,
                     counters=counters,
+                    key_ahead=eagle and any(ref.model == "draft" for ref in group.layers),
                 )
             )
 
@@ -87,7 +88,7 @@ class Coordinator:
         while True:
             new_limit = limit
             for manager in self.managers:
-                new_limit = manager.max_hit(hashes, tokens, new_limit, self.eagle)
+                new_limit = manager.max_hit(hashes, tokens, new_limit)
                 if new_limit == 0:
                     return 0
             if new_limit == limit:

@@ -37,6 +37,7 @@ class GroupManager:
         unit_tokens: int,
         caching: bool,
         counters: Counters,
+        key_ahead: bool = False,
     ) -> None:
         self.group = group
         self.group_id = group.group_id
@@ -46,12 +47,27 @@ class GroupManager:
         self.caching = caching
         self.counters = counters
         self.verify_tokens = pool.tokens is not None
+        # EAGLE / MTP head layers: the head's KV at position p is computed from token
+        # p + 1, so a block of a group holding head layers is keyed by its chain hash
+        # *and* the token after it ("hash one token ahead"): a hit never reuses head KV
+        # computed for another next token, and no block has to be dropped.
+        self.key_ahead = key_ahead
         assert group.block_size % unit_tokens == 0
 
     # -- hashing helpers -----------------------------------------------------------
-    def key(self, hashes: Sequence[bytes], end_tokens: int) -> bytes:
-        """Hash of the prefix that ends at ``end_tokens`` (a multiple of the unit)."""
-        return hashes[end_tokens // self.unit_tokens - 1]
+    def key(self, hashes: Sequence[bytes], tokens: Sequence[int], end_tokens: int) -> bytes:
+        """Index key of the block ending at ``end_tokens`` (a multiple of the unit): the
+        chain hash, plus token ``end_tokens`` when keyed ahead (the caller checks that
+        this token is verified)."""
+        chain = hashes[end_tokens // self.unit_tokens - 1]
+        if self.key_ahead:
+            return chain + int(tokens[end_tokens]).to_bytes(8, "little", signed=True)
+        return chain
+
+    def cacheable_end(self, num_computed: int, num_verified: int) -> int:
+        """Tokens whose blocks may be cached: computed ones, and for a group keyed ahead
+        only those followed by a verified token."""
+        return min(num_computed, num_verified - 1) if self.key_ahead else num_computed
 
     def cached_block(
         self, hashes: Sequence[bytes], tokens: Sequence[int], end_tokens: int
@@ -59,23 +75,25 @@ class GroupManager:
         """The cached block of this group whose data ends at ``end_tokens``, if any."""
         if end_tokens <= 0 or end_tokens // self.unit_tokens > len(hashes):
             return None
+        if self.key_ahead and end_tokens >= len(tokens):
+            return None
         span = tokens[end_tokens - self.block_size : end_tokens] if self.verify_tokens else None
-        return self.pool.lookup(self.group_id, self.key(hashes, end_tokens), span)
+        return self.pool.lookup(self.group_id, self.key(hashes, tokens, end_tokens), span)
 
     def try_cache(
         self, block: BlockId, hashes: Sequence[bytes], tokens: Sequence[int], end_tokens: int
     ) -> bool:
+        if self.key_ahead and end_tokens >= len(tokens):
+            return False  # the token after the block is not verified yet
         span = tokens[end_tokens - self.block_size : end_tokens] if self.verify_tokens else None
-        key = hashes[end_tokens // self.unit_tokens - 1]  # == self.key(hashes, end_tokens)
+        key = self.key(hashes, tokens, end_tokens)
         return self.pool.cache(block, self.group_id, key, end_tokens, span)
 
     # -- interface -----------------------------------------------------------------
     def new_state(self) -> Any:
         raise NotImplementedError
 
-    def max_hit(
-        self, hashes: Sequence[bytes], tokens: Sequence[int], limit: int, eagle: bool
-    ) -> int:
+    def max_hit(self, hashes: Sequence[bytes], tokens: Sequence[int], limit: int) -> int:
         """Longest hit <= ``limit`` tokens this group can serve (0 always works)."""
         raise NotImplementedError
 

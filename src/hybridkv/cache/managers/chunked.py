@@ -32,7 +32,5 @@ class ChunkedLocalManager(FullAttentionManager):
         boundary = (first_live + 1) * self.block_size
         return cdiv(boundary, self.chunk_tokens) * self.chunk_tokens
 
-    def max_hit(
-        self, hashes: Sequence[bytes], tokens: Sequence[int], limit: int, eagle: bool
-    ) -> int:
-        return self.window_hit(hashes, tokens, limit, eagle)
+    def max_hit(self, hashes: Sequence[bytes], tokens: Sequence[int], limit: int) -> int:
+        return self.window_hit(hashes, tokens, limit)

@@ -44,40 +44,32 @@ class FullAttentionManager(GroupManager):
     def new_state(self) -> BlockTable:
         return BlockTable()
 
-    def max_hit(
-        self, hashes: Sequence[bytes], tokens: Sequence[int], limit: int, eagle: bool
-    ) -> int:
-        # Hit k blocks needs blocks [0, k) cached; EAGLE needs block k too (dropped).
-        extra = 1 if eagle else 0
-        max_blocks = min(
-            limit // self.block_size + extra, len(hashes) * self.unit_tokens // self.block_size
-        )
+    def max_hit(self, hashes: Sequence[bytes], tokens: Sequence[int], limit: int) -> int:
+        # Hit k blocks needs blocks [0, k) cached.
+        max_blocks = min(limit // self.block_size, len(hashes) * self.unit_tokens // self.block_size)
         num = 0
         while (
             num < max_blocks
             and self.cached_block(hashes, tokens, (num + 1) * self.block_size) is not None
         ):
             num += 1
-        return max(0, num - extra) * self.block_size
+        return num * self.block_size
 
-    def window_hit(
-        self, hashes: Sequence[bytes], tokens: Sequence[int], limit: int, eagle: bool
-    ) -> int:
-        """Largest ``k * B <= limit`` with blocks [first_live_block(kB), k + eagle) cached.
+    def window_hit(self, hashes: Sequence[bytes], tokens: Sequence[int], limit: int) -> int:
+        """Largest ``k * B <= limit`` with blocks [first_live_block(kB), k) cached.
 
-        Scans down from the limit; after a miss at block j, only ``k <= j - eagle`` can
-        work, so every block is looked up at most once::
+        Scans down from the limit; after a miss at block j, only ``k <= j`` can work, so
+        every block is looked up at most once::
 
             window 2 blocks, blocks cached: 0 1 . 3 4 5     (. = miss)
             k=6: needs 4,5 -> hit 6 blocks; k=3 would need 1,2 -> 2 missing
         """
         B = self.block_size
-        extra = 1 if eagle else 0
         num_hashed_blocks = len(hashes) * self.unit_tokens // B
-        k = min(limit // B, num_hashed_blocks - extra)
+        k = min(limit // B, num_hashed_blocks)
         known: dict[int, bool] = {}
         while k > 0:
-            lo, hi = self.first_live_block(k * B), k + extra
+            lo, hi = self.first_live_block(k * B), k
             miss = None
             for j in range(hi - 1, lo - 1, -1):
                 if j not in known:
@@ -87,7 +79,7 @@ class FullAttentionManager(GroupManager):
                     break
             if miss is None:
                 return k * B
-            k = min(k - 1, miss - extra)
+            k = min(k - 1, miss)
         return 0
 
     def hit_state(
@@ -126,7 +118,7 @@ class FullAttentionManager(GroupManager):
     ) -> None:
         c2 = c + n + accepted
         B = self.block_size
-        num_full = c2 // B
+        num_full = self.cacheable_end(c2, len(tokens)) // B
         if num_full > state.num_cached:
             if self.caching:
                 blocks, block_hashes = state.blocks, self.pool.hashes

@@ -7,8 +7,9 @@ Window W = 6, block size 4, 13 tokens computed (the next token, 13, reads 8..12)
 
     first_live_block(c) = max(0, c - (W - 1)) // B
 
-A hit of ``k`` blocks needs the ``cdiv(W - 1, B)`` blocks before it cached (one more
-for EAGLE, which recomputes the last); earlier table entries are the null block.
+A hit of ``k`` blocks needs the ``cdiv(W - 1, B)`` blocks before it cached (EAGLE drops
+none: head groups key blocks one token ahead, see `GroupManager.key`); earlier table
+entries are the null block.
 Blocks that fall out of the window are released at ``commit`` only, when the step that
 could read them has finished and its drafts are settled.
 """
@@ -33,7 +34,5 @@ class SlidingWindowManager(FullAttentionManager):
     def next_release(self, first_live: int) -> int:
         return (first_live + 1) * self.block_size + self.window_tokens - 1
 
-    def max_hit(
-        self, hashes: Sequence[bytes], tokens: Sequence[int], limit: int, eagle: bool
-    ) -> int:
-        return self.window_hit(hashes, tokens, limit, eagle)
+    def max_hit(self, hashes: Sequence[bytes], tokens: Sequence[int], limit: int) -> int:
+        return self.window_hit(hashes, tokens, limit)

@@ -83,12 +83,7 @@ class StateManager(GroupManager):
     def new_state(self) -> StateBlocks:
         return StateBlocks()
 
-    def max_hit(
-        self, hashes: Sequence[bytes], tokens: Sequence[int], limit: int, eagle: bool
-    ) -> int:
-        # The state after L tokens does not depend on later tokens, so EAGLE needs no
-        # extra block here: the attention groups' dropped block already moves the hit
-        # strictly before the end of the cached chain.
+    def max_hit(self, hashes: Sequence[bytes], tokens: Sequence[int], limit: int) -> int:
         if not self.checkpoints:
             return 0
         B = self.block_size
