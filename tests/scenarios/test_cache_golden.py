@@ -79,7 +79,11 @@ def test_eagle_head_group_is_keyed_one_token_ahead_and_drops_no_block():
     cm = CacheManager(toy_plan(groups, num_blocks=64), eagle=True)
     cm.add_request("a", list(range(1, 19)))  # 18 tokens, 4 full blocks, 1 partial
     cm.lookup("a")
-    assert cm.allocate("a", 18) == {0: [1, 2, 3, 4, 5], 1: [6, 7, 8, 9, 10], 2: [11, 12, 13, 14, 15]}
+    assert cm.allocate("a", 18) == {
+        0: [1, 2, 3, 4, 5],
+        1: [6, 7, 8, 9, 10],
+        2: [11, 12, 13, 14, 15],
+    }
     cm.commit("a", 0, [99])
     # every group cached blocks 0..3 (the head group under keys with tokens 5, 9, 13, 17)
     assert [cm.block_info(0, b).block_hash is not None for b in (4, 9, 14)] == [True] * 3

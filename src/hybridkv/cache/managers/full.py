@@ -46,7 +46,9 @@ class FullAttentionManager(GroupManager):
 
     def max_hit(self, hashes: Sequence[bytes], tokens: Sequence[int], limit: int) -> int:
         # Hit k blocks needs blocks [0, k) cached.
-        max_blocks = min(limit // self.block_size, len(hashes) * self.unit_tokens // self.block_size)
+        max_blocks = min(
+            limit // self.block_size, len(hashes) * self.unit_tokens // self.block_size
+        )
         num = 0
         while (
             num < max_blocks
