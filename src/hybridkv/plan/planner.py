@@ -187,7 +187,9 @@ def plan(
         if name != best.layout and any(p.layout == name for p in plans)
     )
     reason = _reason(best, others, errors)
-    return dataclasses.replace(best, alternatives=others, reason=reason)
+    note = _granularity_note(best, plans) if opts.layout == "auto" else None
+    warnings = best.warnings + ((note,) if note else ())
+    return dataclasses.replace(best, alternatives=others, reason=reason, warnings=warnings)
 
 
 def _pick(plans: list[CachePlan]) -> CachePlan:
@@ -206,10 +208,7 @@ def _pick(plans: list[CachePlan]) -> CachePlan:
         [top * (1 - TIE_TOLERANCE)]
         + [p.capacity.max_concurrency for p in plans if p.layout == "vllm"]
     )
-    kept = [p for p in plans if p.capacity.max_concurrency >= floor]
-    vllm_granularity = [p.hit_granularity_tokens for p in kept if p.layout == "vllm"]
-    if vllm_granularity:  # never coarser prefix hits than vLLM's rule
-        kept = [p for p in kept if p.hit_granularity_tokens <= vllm_granularity[0]]
+    kept = _never_coarser_than_vllm([p for p in plans if p.capacity.max_concurrency >= floor])
     best_typical = max(p.capacity.concurrency_at_typical for p in kept)
     kept = [
         p
@@ -229,6 +228,45 @@ def _pick(plans: list[CachePlan]) -> CachePlan:
     )
 
 
+def _never_coarser_than_vllm(plans: list[CachePlan]) -> list[CachePlan]:
+    """The plans whose prefix-hit granularity is no coarser than vLLM's rule's (all of
+    them when vLLM's rule is not among them). vLLM's own plan always passes, so the
+    result is never empty when it is there."""
+    vllm_granularity = [p.hit_granularity_tokens for p in plans if p.layout == "vllm"]
+    if not vllm_granularity:
+        return plans
+    return [p for p in plans if p.hit_granularity_tokens <= min(vllm_granularity)]
+
+
+def _granularity_note(best: CachePlan, plans: list[CachePlan]) -> str | None:
+    """Why ``best`` holds fewer requests than a plan it passed over, when it does: the
+    other plan's coarser prefix hits (numbers on both sides)."""
+    if not best.options.prefix_caching:
+        return None
+    vllm = [p for p in plans if p.layout == "vllm"]
+    if vllm and best.hit_granularity_tokens > vllm[0].hit_granularity_tokens:
+        return (
+            f"layout {best.layout} takes prefix hits in steps of "
+            f"{best.hit_granularity_tokens} tokens, coarser than vLLM's rule "
+            f"({vllm[0].hit_granularity_tokens}), because it holds "
+            f"{best.capacity.max_concurrency} requests at {best.capacity.target_len} tokens "
+            f"where vLLM's rule holds {vllm[0].capacity.max_concurrency} (more than "
+            f"{TIE_TOLERANCE:.0%} apart); pass --layout vllm to prefer finer hits"
+        )
+    richer = [p for p in plans if p.capacity.max_concurrency > best.capacity.max_concurrency]
+    if not richer:
+        return None
+    other = max(richer, key=lambda p: p.capacity.max_concurrency)
+    return (
+        f"layout {best.layout} holds {best.capacity.max_concurrency} requests at "
+        f"{best.capacity.target_len} tokens, {other.layout} would hold "
+        f"{other.capacity.max_concurrency}, but its prefix hits come in steps of "
+        f"{other.hit_granularity_tokens} tokens instead of {best.hit_granularity_tokens} "
+        "(auto never takes a coarser hit granularity than vLLM's rule); pass "
+        f"--layout {other.layout} to prefer concurrency"
+    )
+
+
 def _reason(best: CachePlan, others: tuple[CachePlan, ...], errors: list[str]) -> str:
     if not others and not errors:
         return f"layout {best.layout} requested"
@@ -242,8 +280,9 @@ def _reason(best: CachePlan, others: tuple[CachePlan, ...], errors: list[str]) -
     ]
     parts += [f"not possible: {e}" for e in errors]
     rule = (
-        "highest concurrency at the target length (within 5%), then at the typical "
-        "length (within 2%), then least padding, smallest blocks, fewest groups; "
+        "highest concurrency at the target length (within 5%, never below vLLM's rule "
+        "nor with coarser prefix hits), then at the typical length (within 2%), then "
+        "least padding, smallest blocks, fewest groups; "
     )
     return rule + "; ".join(parts)
 
