@@ -46,6 +46,7 @@ class CacheMachine(RuleBasedStateMachine):
     groups: ClassVar[list[ToyGroup]] = []
     eagle = False
     hash_algo = "sha256"
+    eviction = "lru"
 
     requests = Bundle("requests")
 
@@ -53,7 +54,9 @@ class CacheMachine(RuleBasedStateMachine):
     def setup(self) -> None:
         self.plan = toy_plan(self.groups, **self.plan_kwargs)
         self.k = self.plan_kwargs.get("num_spec_tokens", 0)
-        self.cm = CacheManager(self.plan, eagle=self.eagle, hash_algo=self.hash_algo)
+        self.cm = CacheManager(
+            self.plan, eagle=self.eagle, hash_algo=self.hash_algo, eviction_policy=self.eviction
+        )
         self.tokens: dict[str, list[int]] = {}
         self.salt: dict[str, str | None] = {}
         self.computed: dict[str, int] = {}
@@ -231,11 +234,17 @@ class CacheMachine(RuleBasedStateMachine):
         return tables, free, self.cm.stats().num_evictions
 
 
-def _machine(name, groups, eagle=False, hash_algo="sha256", **plan_kwargs):
+def _machine(name, groups, eagle=False, hash_algo="sha256", eviction="lru", **plan_kwargs):
     cls = type(
         name,
         (CacheMachine,),
-        {"groups": groups, "plan_kwargs": plan_kwargs, "eagle": eagle, "hash_algo": hash_algo},
+        {
+            "groups": groups,
+            "plan_kwargs": plan_kwargs,
+            "eagle": eagle,
+            "hash_algo": hash_algo,
+            "eviction": eviction,
+        },
     )
     cls.TestCase.settings = settings(
         max_examples=50,
@@ -290,6 +299,24 @@ MACHINES = [
         eagle=True,
         num_spec_tokens=3,
         num_blocks=40,
+    ),
+    # chain eviction (dead sliding blocks, probation MRU bursts, protected LRU) under a
+    # pool small enough that most allocations evict
+    _machine(
+        "ChainEvictionSlidingStateShared",
+        [F4, SW, S8],
+        eviction="chain",
+        num_spec_tokens=2,
+        num_blocks=26,
+    ),
+    _machine(
+        "ChainEvictionEagleSplit",
+        [F4, SW, ToyGroup("full", 4, model="draft")],
+        eagle=True,
+        eviction="chain",
+        num_spec_tokens=2,
+        layout="split",
+        num_blocks=14,
     ),
     _machine(
         "XxhashNoneShared",

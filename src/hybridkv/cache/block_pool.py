@@ -12,7 +12,10 @@ Life of a block::
         +---release(last)----+                  hit (touch): back to referenced <-+   |
         +------------------- take when no fresh block is left: evicted (hash dropped) +
 
-Eviction is lazy: a cached free block keeps its hash until it is taken for reuse.
+Eviction is lazy: a cached free block keeps its hash until it is taken for reuse. Which
+cached free block goes first is the free queue's eviction policy (`free_queue`): the pool
+tells it whether a released block was hit since it was stored and whether its manager
+released it as dead (out of every window that could still use it).
 """
 
 from __future__ import annotations
@@ -33,7 +36,12 @@ class BlockPool:
     """Reference counts, free queue and per-group hash indexes of one pool."""
 
     def __init__(
-        self, plan: PoolPlan, events: list[CacheEvent] | None, *, store_tokens: bool = False
+        self,
+        plan: PoolPlan,
+        events: list[CacheEvent] | None,
+        *,
+        store_tokens: bool = False,
+        eviction_policy: str = "lru",
     ) -> None:
         if plan.num_pages < 1:
             raise InvariantError(f"pool {plan.pool_id} has {plan.num_pages} pages; needs >= 1")
@@ -47,7 +55,17 @@ class BlockPool:
         self.hash_end = array("q", bytes(8 * plan.num_pages))  # tokens covered by the hash
         self.tokens: dict[int, tuple[int, ...]] | None = {} if store_tokens else None
         self.index: dict[int, dict[bytes, BlockId]] = {g: {} for g in plan.group_ids}
-        self.free = FreeQueue(plan.num_pages, list(range(1, plan.num_pages)))
+        self.free = FreeQueue(plan.num_pages, list(range(1, plan.num_pages)), eviction_policy)
+        self.was_hit = array("b", bytes(plan.num_pages))  # hit since stored (cached only)
+        # Set by the manager while it releases a request that started from a prefix hit:
+        # a chain that came back once is likely to come back again, and so is its
+        # extension (the blocks that request added), so they are released as if hit.
+        self.releasing_hot = False
+        # chain policy: (group, hash) of recently evicted blocks -> evicted from the
+        # newest end; a lookup that misses one tells the policy it chose badly
+        self.ghosts: dict[tuple[int, bytes], bool] | None = (
+            {} if eviction_policy == "chain" else None
+        )
         self.events = events
         self.num_evictions = 0
         self.num_stored = 0
@@ -70,6 +88,12 @@ class BlockPool:
         """The cached block of ``group_id`` under ``block_hash``, if any (tokens checked
         when the pool stores them)."""
         block = self.index[group_id].get(block_hash)
+        if block is None:
+            if self.ghosts:
+                newest = self.ghosts.pop((group_id, block_hash), None)
+                if newest is not None:
+                    self.free.regret(newest)
+            return None
         if (
             block is not None
             and self.tokens is not None
@@ -106,10 +130,14 @@ class BlockPool:
         """Add a reference to a cached block (a prefix hit); revives it if free."""
         assert block_id != NULL_BLOCK
         if self.ref_counts[block_id] == 0:
+            self.free.note_hit(block_id)
             self.free.remove_cached(block_id)
         self.ref_counts[block_id] += 1
+        self.was_hit[block_id] = 1
 
-    def release(self, block_id: BlockId) -> None:
+    def release(self, block_id: BlockId, *, dead: bool = False) -> None:
+        """Drop one reference; ``dead``: the releasing request can no longer read it from
+        any position it will compute (the eviction policy may evict it first)."""
         assert block_id != NULL_BLOCK and self.ref_counts[block_id] > 0, block_id
         count = self.ref_counts[block_id] - 1
         self.ref_counts[block_id] = count
@@ -117,7 +145,8 @@ class BlockPool:
             if block_id not in self.hashes:
                 self.free.push_fresh(block_id)
             else:
-                self.free.push_cached(block_id)
+                hot = self.releasing_hot or bool(self.was_hit[block_id])
+                self.free.push_cached(block_id, dead=dead, was_hit=hot)
 
     def cache(
         self,
@@ -152,6 +181,12 @@ class BlockPool:
         group = self.hash_group[block_id]
         del self.index[group][block_hash]
         self.hash_group[block_id] = -1
+        self.was_hit[block_id] = 0
+        self.free.forget(block_id)
+        if self.ghosts is not None:
+            self.ghosts[(group, block_hash)] = self.free.last_victim_newest
+            if len(self.ghosts) > self.num_blocks:
+                del self.ghosts[next(iter(self.ghosts))]
         if self.tokens is not None:
             self.tokens.pop(block_id, None)
         self.num_evictions += 1
@@ -167,6 +202,7 @@ class BlockPool:
         def fail(msg: str) -> None:
             raise InvariantError(f"pool {self.pool_id}: {msg}")
 
+        self.free.check_invariants()
         fresh = self.free.fresh_ids()
         cached = self.free.cached_ids()
         free = fresh + cached
@@ -189,6 +225,8 @@ class BlockPool:
         for block in fresh:
             if block in self.hashes:
                 fail(f"fresh free block {block} carries a hash")
+            if self.was_hit[block]:
+                fail(f"fresh free block {block} is marked as hit since stored")
         for block in cached:
             if block not in self.hashes:
                 fail(f"cached free block {block} carries no hash")

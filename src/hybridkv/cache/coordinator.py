@@ -54,6 +54,7 @@ class Coordinator:
         hash_algo: str,
         events: list[CacheEvent] | None,
         counters: Counters,
+        eviction_policy: str = "lru",
     ) -> None:
         if not plan.groups:
             raise CacheError("the plan has 0 groups; nothing to manage")
@@ -61,7 +62,10 @@ class Coordinator:
         self.caching = caching
         self.eagle = eagle
         store_tokens = caching and not self.hasher.collision_safe
-        self.pools = [BlockPool(pool, events, store_tokens=store_tokens) for pool in plan.pools]
+        self.pools = [
+            BlockPool(pool, events, store_tokens=store_tokens, eviction_policy=eviction_policy)
+            for pool in plan.pools
+        ]
         self.managers: list[GroupManager] = []
         for group in plan.groups:
             manager_cls = MANAGER_TABLE.get(group.kind)

@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from hybridkv.cache.block import BlockInfo
 from hybridkv.cache.coordinator import Coordinator
 from hybridkv.cache.events import CacheEvent, CacheStats
+from hybridkv.cache.free_queue import DEFAULT_EVICTION_POLICY
 from hybridkv.cache.managers import Counters, StateManager, StateSlots
 from hybridkv.cache.managers.base import INF
 from hybridkv.cache.request import RequestRecord
@@ -34,7 +35,12 @@ from hybridkv.plan.types import CachePlan
 
 
 class CacheManager:
-    """Blocks, prefix cache and speculative reservations for every group of a plan."""
+    """Blocks, prefix cache and speculative reservations for every group of a plan.
+
+    ``eagle``: the plan's draft layers are an EAGLE / MTP head (their KV at a position
+    depends on the next token; groups holding them key blocks one token ahead).
+    ``eviction_policy``: ``lru`` or ``chain`` (see `hybridkv.cache.free_queue`).
+    """
 
     def __init__(
         self,
@@ -44,6 +50,7 @@ class CacheManager:
         eagle: bool = False,
         hash_algo: str = "sha256",
         record_events: bool = True,
+        eviction_policy: str = DEFAULT_EVICTION_POLICY,
     ) -> None:
         self.plan = plan
         self.caching = (
@@ -59,6 +66,7 @@ class CacheManager:
             hash_algo=hash_algo,
             events=self._events if record_events else None,
             counters=self._counters,
+            eviction_policy=eviction_policy,
         )
         self._managers = self.coordinator.managers
         self._is_state_group = [isinstance(m, StateManager) for m in self._managers]
@@ -68,6 +76,7 @@ class CacheManager:
         )
         self._all_groups = range(len(self._managers))
         self._requests: dict[str, RequestRecord] = {}
+        self._hit_requests: set[str] = set()  # running requests that started from a hit
         self._num_lookups = self._num_lookup_tokens = self._num_hit_tokens = 0
         self._num_preemptions = self._num_alloc_failures = 0
 
@@ -317,6 +326,7 @@ class CacheManager:
             r.pending_hit = None
             if c:
                 self._counters.checkpoints_used += len(self._state_group_ids)
+                self._hit_requests.add(req_id)
         r.pending = True
         r.pend_n = n
         r.pend_lookahead = lookahead
@@ -351,14 +361,19 @@ class CacheManager:
         if self.caching:
             self._ensure_hashes(r, c2)
         groups = r.groups_to_commit(c2, self._is_state_group)
+        self._set_hot(req_id in self._hit_requests)
         self.coordinator.commit(r.states, c, n, lookahead, a, r.hashes, r.tokens, groups)
+        self._set_hot(False)
         r.num_computed = c2
         r.pending = False
         r.refresh_limits(self._managers, groups)
 
     def _release(self, r: RequestRecord) -> None:
         if r.started:
+            self._set_hot(r.req_id in self._hit_requests)
             self.coordinator.release_all(r.states)
+            self._set_hot(False)
+        self._hit_requests.discard(r.req_id)
         r.states = []
         r.state_objs = []
         r.started = False
@@ -366,3 +381,9 @@ class CacheManager:
         r.pending_hit = None
         r.num_computed = 0
         r.clear_limits()
+
+    def _set_hot(self, hot: bool) -> None:
+        """Blocks released while ``hot`` belong to a request that started from a prefix
+        hit; the eviction policy treats them as hit (see `BlockPool.releasing_hot`)."""
+        for pool in self.coordinator.pools:
+            pool.releasing_hot = hot

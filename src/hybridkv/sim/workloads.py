@@ -12,6 +12,12 @@ Kinds (``WORKLOADS``):
   them, alternating with "novel" steps proposing 0..2, so the draft count jumps between
   0 and K from one step to the next.
 * ``documents``: many users asking short questions about a few long shared documents.
+* ``fewshot``: many short questions behind a few shared few-shot prompts (1-3K tokens).
+* ``roundrobin``: ``num_sessions`` long sessions (a private context each) served in
+  turns, round robin: turn t of every session, then turn t + 1 of every session. Each
+  turn's prompt is the session so far plus a new message, like ``chat``. When the cache
+  cannot hold every session, LRU evicts each session just before its next turn (the
+  cyclic-scan failure); the study uses it to measure eviction under pressure.
 
 With ``max_drafts > 0`` every request gets a ``spec`` list (one ``[proposed, accepted]``
 per decode step; see `hybridkv.sim.trace`). ``chat``, ``agentic`` and ``documents`` use
@@ -45,7 +51,8 @@ class WorkloadOptions:
     prefix_len: tuple[int, int] = (1024, 4096)  # system prompt / repository / document
     suffix_len: tuple[int, int] = (32, 512)  # user message / task / question / tool output
     num_prefixes: int = 4  # distinct shared prefixes
-    max_turns: int = 6  # chat and agentic: turns per conversation
+    max_turns: int = 6  # chat and agentic: turns per conversation (roundrobin: every one)
+    num_sessions: int = 24  # roundrobin: sessions served in turn
 
 
 class _Gen:
@@ -176,11 +183,40 @@ def documents_workload(opts: WorkloadOptions) -> list[TraceRequest]:
     return _shared_prefix_requests(opts, "doc", ngram_spec)
 
 
+def fewshot_workload(opts: WorkloadOptions) -> list[TraceRequest]:
+    return _shared_prefix_requests(opts, "shot", ngram_spec)
+
+
+def roundrobin_workload(opts: WorkloadOptions) -> list[TraceRequest]:
+    """Sessions served in turns, one request at a time (``rate_per_s`` spaces them).
+
+    Arrival order for 3 sessions, 2 turns: s0-t0 s1-t0 s2-t0 s0-t1 s1-t1 s2-t1; stops
+    after ``num_requests`` requests.
+    """
+    gen = _Gen(opts.seed)
+    contexts = [gen.tokens(gen.length(opts.prefix_len)) for _ in range(opts.num_sessions)]
+    requests: list[TraceRequest] = []
+    arrival_s = 0.0
+    gap_s = 1.0 / opts.rate_per_s if opts.rate_per_s > 0 else 0.0
+    for turn in range(opts.max_turns):
+        for session, context in enumerate(contexts):
+            if len(requests) >= opts.num_requests:
+                return requests
+            context += gen.tokens(gen.length(opts.suffix_len))
+            req = _request(gen, opts, f"rr{session}-t{turn}", arrival_s, context, ngram_spec)
+            requests.append(req)
+            context += list(req.output)
+            arrival_s += gap_s
+    return requests
+
+
 WORKLOADS: dict[str, Callable[[WorkloadOptions], list[TraceRequest]]] = {
     "chat": chat_workload,
     "agentic": agentic_workload,
     "suffix": suffix_workload,
     "documents": documents_workload,
+    "fewshot": fewshot_workload,
+    "roundrobin": roundrobin_workload,
 }
 
 
@@ -191,6 +227,15 @@ KIND_DEFAULTS: dict[str, dict[str, Any]] = {
     "agentic": {"suffix_len": (512, 4096), "max_turns": 10, "prefix_len": (2048, 4096)},
     "suffix": {"prefix_len": (2048, 8192), "output_len": (64, 512)},
     "documents": {"prefix_len": (8192, 16384), "num_prefixes": 3, "suffix_len": (16, 128)},
+    "fewshot": {"prefix_len": (1024, 3072), "num_prefixes": 8, "suffix_len": (16, 256)},
+    "roundrobin": {
+        "prefix_len": (4096, 8192),
+        "suffix_len": (128, 512),
+        "output_len": (64, 256),
+        "max_turns": 6,
+        "num_requests": 144,
+        "rate_per_s": 0.2,
+    },
 }
 
 
@@ -211,9 +256,10 @@ def generate_workload(kind: str, opts: WorkloadOptions) -> list[TraceRequest]:
         raise ValueError(
             f"unknown workload kind {kind!r}; use one of {', '.join(WORKLOADS)}"
         ) from None
-    if opts.num_requests < 0 or opts.max_drafts < 0:
+    if opts.num_requests < 0 or opts.max_drafts < 0 or opts.num_sessions < 1:
         raise ValueError(
-            f"num_requests={opts.num_requests} and max_drafts={opts.max_drafts} must be >= 0"
+            f"num_requests={opts.num_requests} and max_drafts={opts.max_drafts} must be >= 0, "
+            f"num_sessions={opts.num_sessions} >= 1"
         )
     for name in ("output_len", "prefix_len", "suffix_len"):
         low, high = getattr(opts, name)

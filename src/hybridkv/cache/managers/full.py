@@ -136,7 +136,7 @@ class FullAttentionManager(GroupManager):
             blocks = state.blocks
             for j in range(state.first_live, min(first, len(blocks))):
                 if blocks[j] != NULL_BLOCK:
-                    self.pool.release(blocks[j])
+                    self.pool.release(blocks[j], dead=True)
                     blocks[j] = NULL_BLOCK
             state.first_live = first
 
