@@ -47,6 +47,7 @@ class CacheMachine(RuleBasedStateMachine):
     eagle = False
     hash_algo = "sha256"
     eviction = "lru"
+    checkpoint_rules: tuple[str, ...] = ()
 
     requests = Bundle("requests")
 
@@ -55,7 +56,11 @@ class CacheMachine(RuleBasedStateMachine):
         self.plan = toy_plan(self.groups, **self.plan_kwargs)
         self.k = self.plan_kwargs.get("num_spec_tokens", 0)
         self.cm = CacheManager(
-            self.plan, eagle=self.eagle, hash_algo=self.hash_algo, eviction_policy=self.eviction
+            self.plan,
+            eagle=self.eagle,
+            hash_algo=self.hash_algo,
+            eviction_policy=self.eviction,
+            checkpoint_rules=self.checkpoint_rules,
         )
         self.tokens: dict[str, list[int]] = {}
         self.salt: dict[str, str | None] = {}
@@ -234,7 +239,9 @@ class CacheMachine(RuleBasedStateMachine):
         return tables, free, self.cm.stats().num_evictions
 
 
-def _machine(name, groups, eagle=False, hash_algo="sha256", eviction="lru", **plan_kwargs):
+def _machine(
+    name, groups, eagle=False, hash_algo="sha256", eviction="lru", rules=(), **plan_kwargs
+):
     cls = type(
         name,
         (CacheMachine,),
@@ -244,6 +251,7 @@ def _machine(name, groups, eagle=False, hash_algo="sha256", eviction="lru", **pl
             "eagle": eagle,
             "hash_algo": hash_algo,
             "eviction": eviction,
+            "checkpoint_rules": rules,
         },
     )
     cls.TestCase.settings = settings(
@@ -317,6 +325,24 @@ MACHINES = [
         num_spec_tokens=2,
         layout="split",
         num_blocks=14,
+    ),
+    # every boundary checkpointed, several checkpoints per step, plus junction ones
+    _machine(
+        "AllModeJunctionShared",
+        [F4, SW, S8],
+        state_mode="all",
+        rules=("junction",),
+        num_spec_tokens=2,
+        num_blocks=40,
+    ),
+    _machine(
+        "AlignJunctionChainSplit",
+        [F4, ToyGroup("state", 4)],
+        rules=("junction",),
+        eviction="chain",
+        num_spec_tokens=3,
+        layout="split",
+        num_blocks=16,
     ),
     _machine(
         "XxhashNoneShared",

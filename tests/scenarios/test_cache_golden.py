@@ -160,3 +160,41 @@ def test_failed_allocate_changes_nothing_and_hits_are_touched_first():
     assert cm.allocate("b", 12) == {0: [3, 4, 5]}
     assert cm.block_table("b", 0) == [1, 2, 3, 4, 5]
     cm.check_invariants()
+
+
+def test_all_mode_checkpoints_every_boundary_of_a_chunk_align_only_the_last():
+    """`all`: one prefill chunk leaves a checkpoint at every boundary (8, 16, 24), so a
+    prompt that diverges after 18 tokens hits 16; `align` keeps only 24 and misses."""
+    for mode, positions, hit in (("all", [8, 16, 24], 16), ("align", [24], 0)):
+        cm = CacheManager(toy_plan([FULL4, STATE8], num_blocks=64, state_mode=mode))
+        cm.add_request("a", list(range(1, 27)))  # 26 tokens
+        cm.lookup("a")
+        assert cm.allocate("a", 26) is not None
+        slots = cm.state_slots("a", 1)
+        assert [pos for pos, _ in slots.checkpoints] == positions
+        assert slots.checkpoint == slots.checkpoints[-1]
+        cm.commit("a", 0, [99])
+        assert cm.stats().num_checkpoints_stored == len(positions)
+        cm.add_request("b", [*range(1, 19), 70, 71, 72])
+        assert cm.lookup("b") == hit
+        cm.check_invariants()
+
+
+def test_junction_rule_checkpoints_where_a_prompt_leaves_the_cached_prefix():
+    """junction: b matches a's cached attention blocks to 16 but no checkpoint <= 16
+    exists, so b's prefill checkpoints at 16 too; c, sharing b's first 18 tokens, then
+    hits 16. Without the rule c misses."""
+    for rules, hit in ((("junction",), 16), ((), 0)):
+        cm = CacheManager(toy_plan([FULL4, STATE8], num_blocks=64), checkpoint_rules=rules)
+        cm.add_request("a", list(range(1, 27)))
+        cm.lookup("a")
+        _prefill(cm, "a", 26)
+        cm.add_request("b", [*range(1, 19), 70, 71, 72, 73, 74, 75, 76, 77])  # 26 tokens
+        assert cm.lookup("b") == 0
+        assert cm.allocate("b", 26) is not None
+        expected = [16, 24] if rules else [24]
+        assert [pos for pos, _ in cm.state_slots("b", 1).checkpoints] == expected
+        cm.commit("b", 0, [99])
+        cm.add_request("c", [*range(1, 19), 50, 51])
+        assert cm.lookup("c") == hit
+        cm.check_invariants()

@@ -33,6 +33,8 @@ from hybridkv.errors import CacheError, InvariantError
 from hybridkv.ids import BlockId
 from hybridkv.plan.types import CachePlan
 
+CHECKPOINT_RULES = ("junction",)  # extra state checkpoint rules (see managers/state.py)
+
 
 class CacheManager:
     """Blocks, prefix cache and speculative reservations for every group of a plan.
@@ -40,6 +42,8 @@ class CacheManager:
     ``eagle``: the plan's draft layers are an EAGLE / MTP head (their KV at a position
     depends on the next token; groups holding them key blocks one token ahead).
     ``eviction_policy``: ``lru`` or ``chain`` (see `hybridkv.cache.free_queue`).
+    ``checkpoint_rules``: extra state checkpoints on top of the plan's state mode;
+    ``junction`` (see `hybridkv.cache.managers.state`).
     """
 
     def __init__(
@@ -51,6 +55,7 @@ class CacheManager:
         hash_algo: str = "sha256",
         record_events: bool = True,
         eviction_policy: str = DEFAULT_EVICTION_POLICY,
+        checkpoint_rules: Sequence[str] = (),
     ) -> None:
         self.plan = plan
         self.caching = (
@@ -77,6 +82,17 @@ class CacheManager:
         self._all_groups = range(len(self._managers))
         self._requests: dict[str, RequestRecord] = {}
         self._hit_requests: set[str] = set()  # running requests that started from a hit
+        unknown = sorted(set(checkpoint_rules) - set(CHECKPOINT_RULES))
+        if unknown:
+            raise CacheError(
+                f"checkpoint rules {unknown} are unknown; use any of {list(CHECKPOINT_RULES)}"
+            )
+        self.checkpoint_rules = tuple(checkpoint_rules)
+        self._junction = "junction" in self.checkpoint_rules and bool(self._state_group_ids)
+        for manager in self._managers:
+            if isinstance(manager, StateManager):
+                manager.junction_rule = self._junction
+        self._junctions: dict[str, int] = {}  # junction rule: attention match at lookup
         self._num_lookups = self._num_lookup_tokens = self._num_hit_tokens = 0
         self._num_preemptions = self._num_alloc_failures = 0
 
@@ -110,6 +126,8 @@ class CacheManager:
         if self.caching:
             self._ensure_hashes(r, len(r.tokens))
             hit = self.coordinator.find_hit(r.hashes, r.tokens, len(r.tokens) - 1)
+            if self._junction:
+                self._junctions[req_id] = self._attention_match(r, len(r.tokens) - 1)
         r.pending_hit = hit
         self._num_lookups += 1
         self._num_lookup_tokens += len(r.tokens)
@@ -306,6 +324,12 @@ class CacheManager:
                 r.pending_hit = None
                 self._num_alloc_failures += 1
                 return None
+            if self._junction:
+                match = self._junctions.get(req_id, 0)
+                for g in self._state_group_ids:
+                    interval = self._managers[g].block_size
+                    junction = match // interval * interval
+                    states[g].junction = junction if junction > c else 0
         else:
             c, states = r.num_computed, r.states
             groups = r.groups_to_allocate(n, lookahead)
@@ -327,6 +351,7 @@ class CacheManager:
             if c:
                 self._counters.checkpoints_used += len(self._state_group_ids)
                 self._hit_requests.add(req_id)
+            self._junctions.pop(req_id, None)
         r.pending = True
         r.pend_n = n
         r.pend_lookahead = lookahead
@@ -369,6 +394,7 @@ class CacheManager:
         r.refresh_limits(self._managers, groups)
 
     def _release(self, r: RequestRecord) -> None:
+        self._junctions.pop(r.req_id, None)
         if r.started:
             self._set_hot(r.req_id in self._hit_requests)
             self.coordinator.release_all(r.states)
@@ -381,6 +407,15 @@ class CacheManager:
         r.pending_hit = None
         r.num_computed = 0
         r.clear_limits()
+
+    def _attention_match(self, r: RequestRecord, limit: int) -> int:
+        """Longest prefix every non-state group holds (one pass, no state clamp): where
+        the prompt leaves the cached chains, the junction rule's checkpoint."""
+        match = limit
+        for manager in self._managers:
+            if not isinstance(manager, StateManager):
+                match = manager.max_hit(r.hashes, r.tokens, match)
+        return match
 
     def _set_hot(self, hot: bool) -> None:
         """Blocks released while ``hot`` belong to a request that started from a prefix

@@ -51,8 +51,8 @@ def _validate(options: PlanOptions, draft: ModelSpec | None) -> None:
         raise bad("num_spec_tokens", 0, f"spec method {options.spec_method!r} needs K >= 1")
     if options.spec_method == "draft" and draft is None:
         raise PlanError("spec_method='draft' needs a draft model (--draft MODEL)")
-    if options.state_mode == "align" and not options.prefix_caching:
-        raise bad("state_mode", "align", "only makes sense with prefix caching on")
+    if options.state_mode in ("align", "all") and not options.prefix_caching:
+        raise bad("state_mode", options.state_mode, "only makes sense with prefix caching on")
     for field in ("tp", "max_num_seqs", "max_num_batched_tokens", "memory_bytes"):
         value = getattr(options, field)
         if not isinstance(value, int) or value < 1:

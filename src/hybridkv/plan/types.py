@@ -44,7 +44,7 @@ from hybridkv.spec.layers import (
 
 LAYOUTS = ("auto", "shared", "split", "vllm")
 SPEC_METHODS = ("draft", "eagle", "mtp", "ngram", "suffix")
-STATE_MODES = ("align", "none")
+STATE_MODES = ("align", "all", "none")  # see `hybridkv.cache.managers.state`
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -61,7 +61,7 @@ class PlanOptions:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     prefix_caching: bool = True
-    state_mode: str | None = None  # None: "align" with prefix caching, else "none"
+    state_mode: str | None = None  # align | all | none; None: "align" with caching, else none
     memory_bytes: int = 64 << 30
     block_size: int | None = None  # user-chosen attention block size (tokens)
     layout: str = "auto"
@@ -142,7 +142,7 @@ class GroupPlan:
         """
         total = num_tokens + num_lookahead_tokens
         if self.kind == STATE:
-            base = 2 if self.state_mode == "align" else 1
+            base = 2 if self.state_mode in ("align", "all") else 1
             return base + self.num_spec_states
         blocks = cdiv(total, self.block_size)
         if self.kind in (SLIDING_ATTENTION, CHUNKED_ATTENTION):
