@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from hybridkv.cache import CacheManager
+from hybridkv.cache.free_queue import DEFAULT_EVICTION_POLICY
 from hybridkv.engine.loader import eos_token_ids
 from hybridkv.engine.models import load_model
 from hybridkv.engine.proposers import Proposer
@@ -71,6 +72,8 @@ class LLM:
         spec_method: str | None = None,
         num_spec_tokens: int = 0,
         proposer: Proposer | None = None,
+        eviction_policy: str = DEFAULT_EVICTION_POLICY,
+        checkpoint_rules: Sequence[str] = (),
         **plan_options: Any,
     ) -> None:
         self.model_path = Path(model_path)
@@ -113,7 +116,12 @@ class LLM:
             **plan_options,
         )
         self.plan: CachePlan = make_plan(spec, draft_spec, options)
-        self.manager = CacheManager(self.plan, enable_prefix_caching=prefix_caching)
+        self.manager = CacheManager(
+            self.plan,
+            enable_prefix_caching=prefix_caching,
+            eviction_policy=eviction_policy,
+            checkpoint_rules=checkpoint_rules,
+        )
         self.tensors = build_cache_tensors(
             self.plan,
             self.model.layers,
