@@ -124,7 +124,18 @@ def _plot(result: object, path: str) -> None:
     plt.close(fig)
 
 
-_SIM_KEYS = frozenset({"trace", "check_every", "batched", "max_steps", "plot", "as_json"})
+_SIM_KEYS = frozenset(
+    {
+        "trace",
+        "check_every",
+        "batched",
+        "max_steps",
+        "plot",
+        "as_json",
+        "eviction",
+        "checkpoint_rule",
+    }
+)
 
 
 @app.command("simulate")
@@ -159,6 +170,13 @@ def simulate_command(
     ] = True,
     max_steps: Annotated[int | None, typer.Option("--max-steps")] = None,
     plot: Annotated[str | None, typer.Option("--plot", help="usage plot PNG")] = None,
+    eviction: Annotated[
+        str | None, typer.Option("--eviction", help="eviction policy: lru | chain")
+    ] = None,
+    checkpoint_rule: Annotated[
+        list[str] | None,
+        typer.Option("--checkpoint-rule", help="extra state checkpoints: junction (repeatable)"),
+    ] = None,
     as_json: o.Json = False,
 ) -> None:
     """Replay TRACE through a scheduler model and the real CacheManager under MODEL's plan."""
@@ -173,7 +191,13 @@ def simulate_command(
         main_spec, draft_spec, options = args.resolve()
         cache_plan = plan(main_spec, draft_spec, options)
         result = simulate(
-            requests, cache_plan, check_every=check_every, batched=batched, max_steps=max_steps
+            requests,
+            cache_plan,
+            check_every=check_every,
+            batched=batched,
+            max_steps=max_steps,
+            eviction_policy=eviction,
+            checkpoint_rules=tuple(checkpoint_rule or ()),
         )
         if plot:
             _plot(result, plot)

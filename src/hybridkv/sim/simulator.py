@@ -23,13 +23,26 @@ from hybridkv.sim.trace import TraceRequest, read_trace
 EAGLE_METHODS = ("eagle", "mtp")  # drafters that read their own KV at the hit position
 
 
-def build_manager(plan: CachePlan, *, enable_prefix_caching: bool | None = None) -> Any:
-    """The plan's `CacheManager` as the simulator uses it (no event log: runs are long)."""
+def build_manager(
+    plan: CachePlan,
+    *,
+    enable_prefix_caching: bool | None = None,
+    eviction_policy: str | None = None,
+    checkpoint_rules: Sequence[str] = (),
+) -> Any:
+    """The plan's `CacheManager` as the simulator uses it (no event log: runs are long).
+    ``eviction_policy`` None: the manager's default."""
     from hybridkv.cache import CacheManager
 
     eagle = plan.options.spec_method in EAGLE_METHODS
+    extra: dict[str, Any] = {} if eviction_policy is None else {"eviction_policy": eviction_policy}
     return CacheManager(
-        plan, enable_prefix_caching=enable_prefix_caching, eagle=eagle, record_events=False
+        plan,
+        enable_prefix_caching=enable_prefix_caching,
+        eagle=eagle,
+        record_events=False,
+        checkpoint_rules=checkpoint_rules,
+        **extra,
     )
 
 
@@ -66,13 +79,16 @@ def simulate(
     enable_prefix_caching: bool | None = None,
     config: SchedulerConfig | None = None,
     manager: Any = None,
+    eviction_policy: str | None = None,
+    checkpoint_rules: Sequence[str] = (),
 ) -> SimResult:
     """Replay ``trace`` (requests or a JSONL path) under ``plan``; returns the metrics.
 
     ``check_every=N`` calls the manager's `check_invariants()` every N steps (always
     once at the end). ``batched`` drives the running requests through
     `allocate_batch` / `commit_batch`. ``config`` overrides the scheduler limits that
-    otherwise come from ``plan.options``; ``manager`` lets a caller pass its own.
+    otherwise come from ``plan.options``; ``manager`` lets a caller pass its own;
+    ``eviction_policy`` and ``checkpoint_rules`` configure the one built otherwise.
     Raises `TraceError` for a bad trace file and `SimulationError` when a request
     cannot fit alone.
     """
@@ -82,7 +98,12 @@ def simulate(
             plan, check_every=check_every, batched=batched, max_steps=max_steps
         )
     if manager is None:
-        manager = build_manager(plan, enable_prefix_caching=enable_prefix_caching)
+        manager = build_manager(
+            plan,
+            enable_prefix_caching=enable_prefix_caching,
+            eviction_policy=eviction_policy,
+            checkpoint_rules=checkpoint_rules,
+        )
     recorder = MetricsRecorder()
     scheduler = Scheduler(manager, requests, config, cost or StepCost(), recorder)
     start = perf_counter()
