@@ -195,20 +195,18 @@ def plan(
 def _pick(plans: list[CachePlan]) -> CachePlan:
     """The best plan, by stages; each stage keeps the plans within its tolerance:
 
-    1. concurrency at the target length within `TIE_TOLERANCE` of the best, and never
-       below vLLM's rule (so a one-request win at the target cannot cost 3x at 8K),
-       and a prefix-hit granularity no coarser than vLLM's rule;
+    1. never below vLLM's rule in concurrency at the target length, nor coarser in
+       prefix-hit granularity with prefix caching on (a plan that would hold more
+       requests with coarser hits is passed over, and the warnings say so with the
+       numbers); then within `TIE_TOLERANCE` of the best concurrency left;
     2. concurrency at the typical length within `TYPICAL_TOLERANCE` of the best;
     3. padding within `WASTE_TOLERANCE` of the budget of the least;
     then the smallest largest attention block (prefix-hit granularity), the fewest
     groups (block tables per request), and shared > split > vllm.
     """
-    top = max(p.capacity.max_concurrency for p in plans)
-    floor = max(
-        [top * (1 - TIE_TOLERANCE)]
-        + [p.capacity.max_concurrency for p in plans if p.layout == "vllm"]
-    )
-    kept = _never_coarser_than_vllm([p for p in plans if p.capacity.max_concurrency >= floor])
+    kept = _never_worse_than_vllm(plans)
+    top = max(p.capacity.max_concurrency for p in kept)
+    kept = [p for p in kept if p.capacity.max_concurrency >= top * (1 - TIE_TOLERANCE)]
     best_typical = max(p.capacity.concurrency_at_typical for p in kept)
     kept = [
         p
@@ -228,14 +226,22 @@ def _pick(plans: list[CachePlan]) -> CachePlan:
     )
 
 
-def _never_coarser_than_vllm(plans: list[CachePlan]) -> list[CachePlan]:
-    """The plans whose prefix-hit granularity is no coarser than vLLM's rule's (all of
-    them when vLLM's rule is not among them). vLLM's own plan always passes, so the
-    result is never empty when it is there."""
-    vllm_granularity = [p.hit_granularity_tokens for p in plans if p.layout == "vllm"]
-    if not vllm_granularity:
+def _never_worse_than_vllm(plans: list[CachePlan]) -> list[CachePlan]:
+    """The plans that hold at least as many requests as vLLM's rule and, with prefix
+    caching on, take prefix hits no coarser than it (all plans when vLLM's rule is not
+    among them). vLLM's own plan always passes, so the result is never empty."""
+    vllm = [p for p in plans if p.layout == "vllm"]
+    if not vllm:
         return plans
-    return [p for p in plans if p.hit_granularity_tokens <= min(vllm_granularity)]
+    floor = max(p.capacity.max_concurrency for p in vllm)
+    granularity = min(p.hit_granularity_tokens for p in vllm)
+    caching = vllm[0].options.prefix_caching
+    return [
+        p
+        for p in plans
+        if p.capacity.max_concurrency >= floor
+        and (not caching or p.hit_granularity_tokens <= granularity)
+    ]
 
 
 def _granularity_note(best: CachePlan, plans: list[CachePlan]) -> str | None:
@@ -243,17 +249,12 @@ def _granularity_note(best: CachePlan, plans: list[CachePlan]) -> str | None:
     other plan's coarser prefix hits (numbers on both sides)."""
     if not best.options.prefix_caching:
         return None
-    vllm = [p for p in plans if p.layout == "vllm"]
-    if vllm and best.hit_granularity_tokens > vllm[0].hit_granularity_tokens:
-        return (
-            f"layout {best.layout} takes prefix hits in steps of "
-            f"{best.hit_granularity_tokens} tokens, coarser than vLLM's rule "
-            f"({vllm[0].hit_granularity_tokens}), because it holds "
-            f"{best.capacity.max_concurrency} requests at {best.capacity.target_len} tokens "
-            f"where vLLM's rule holds {vllm[0].capacity.max_concurrency} (more than "
-            f"{TIE_TOLERANCE:.0%} apart); pass --layout vllm to prefer finer hits"
-        )
-    richer = [p for p in plans if p.capacity.max_concurrency > best.capacity.max_concurrency]
+    richer = [
+        p
+        for p in plans
+        if p.capacity.max_concurrency > best.capacity.max_concurrency
+        and p.hit_granularity_tokens > best.hit_granularity_tokens
+    ]
     if not richer:
         return None
     other = max(richer, key=lambda p: p.capacity.max_concurrency)
