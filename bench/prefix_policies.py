@@ -62,6 +62,7 @@ POLICIES = [
     Policy("align+lru", state_mode="align", eviction="lru"),
     Policy("all+lru", state_mode="all", eviction="lru"),
     Policy("all+chain", state_mode="all", eviction="chain"),
+    Policy("align+junction+lru", state_mode="align", rules=("junction",), eviction="lru"),
     Policy("align+junction+chain", state_mode="align", rules=("junction",), eviction="chain"),
 ]
 
@@ -154,7 +155,7 @@ def grid(full: bool) -> list[tuple[Any, ...]]:
             ("roundrobin", "swa60 (50 SWA + 10 full)", [4, 6, 8, 10, 12, 16], [None], POLICIES, {}),
             ("roundrobin", "dense60", [4, 8, 12, 16, 20, 24], [None], POLICIES, {}),
         ]
-    short_policies = [VLLM, DEFAULT, POLICIES[4], POLICIES[5]]
+    short_policies = [VLLM, DEFAULT, POLICIES[4], POLICIES[6]]
     return [
         ("chat", qwen, [24], specs_all, short_policies, {}),
         ("chat", qwen, [2, 4], [None], short_policies, {}),
