@@ -34,6 +34,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from hybridkv.errors import PlanError
 from hybridkv.models import load_model_spec
 from hybridkv.plan import PlanOptions, plan
 from hybridkv.sim import generate_workload, simulate, workload_options
@@ -50,18 +51,18 @@ class Policy:
     name: str
     layout: str = "auto"
     state_mode: str | None = None  # None: the planner's default
-    rules: tuple[str, ...] = ()
-    eviction: str | None = None  # None: the manager's default
+    rules: tuple[str, ...] | None = None  # None: the manager's default (junction)
+    eviction: str | None = None  # None: the manager's default (chain)
 
 
-VLLM = Policy("vllm rule", layout="vllm", state_mode="align", eviction="lru")
+VLLM = Policy("vllm rule", layout="vllm", state_mode="align", rules=(), eviction="lru")
 DEFAULT = Policy("default")
 POLICIES = [
     VLLM,
     DEFAULT,
-    Policy("align+lru", state_mode="align", eviction="lru"),
-    Policy("all+lru", state_mode="all", eviction="lru"),
-    Policy("all+chain", state_mode="all", eviction="chain"),
+    Policy("align+lru", state_mode="align", rules=(), eviction="lru"),
+    Policy("all+lru", state_mode="all", rules=(), eviction="lru"),
+    Policy("all+chain", state_mode="all", rules=(), eviction="chain"),
     Policy("align+junction+lru", state_mode="align", rules=("junction",), eviction="lru"),
     Policy("align+junction+chain", state_mode="align", rules=("junction",), eviction="chain"),
 ]
@@ -149,7 +150,8 @@ def grid(full: bool) -> list[tuple[Any, ...]]:
     specs_all = [None, "mtp", "eagle", "ngram", "suffix", "draft"]
     if full:
         return [
-            ("chat", qwen, [2, 3, 4, 8, 24], specs_all, POLICIES, {}),
+            ("chat", qwen, [2, 3, 4, 8, 24], [None], POLICIES, {}),
+            ("chat", qwen, [6, 8, 24], specs_all[1:], POLICIES, {}),
             ("agentic", qwen, [4, 8, 16, 24], [None, "mtp", "ngram"], POLICIES, {}),
             ("fewshot", qwen, [1, 2, 4, 24], [None, "mtp"], POLICIES, {}),
             ("roundrobin", "swa60 (50 SWA + 10 full)", [4, 6, 8, 10, 12, 16], [None], POLICIES, {}),
@@ -186,11 +188,14 @@ def run(full: bool, seed: int) -> list[dict[str, Any]]:
             bound = reuse_bound_rate(trace)
             for memory in memories:
                 for policy in policies:
-                    rows.append(
-                        run_one(
+                    try:
+                        row = run_one(
                             family, model_name, main, trace, bound, method, memory, policy, **extra
                         )
-                    )
+                    except PlanError as err:  # e.g. a draft model that leaves no room
+                        print(f"skipped {family} {method} {memory} GiB {policy.name}: {err}")
+                        continue
+                    rows.append(row)
     for row in rows:
         base = next(
             (

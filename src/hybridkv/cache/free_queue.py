@@ -57,7 +57,7 @@ from hybridkv.ids import BlockId
 
 _NONE = -1
 EVICTION_POLICIES = ("lru", "chain")
-DEFAULT_EVICTION_POLICY = "lru"
+DEFAULT_EVICTION_POLICY = "chain"  # wins bench/prefix_policies.py (no cliff under loops)
 STALE_TURNOVERS = 8  # reuse distance assumed (in pool sizes) before any hit was seen
 OVERDUE_FACTOR = 1  # a block not back within its reuse distance is overdue
 TYPICAL_WEIGHT = 0.05  # weight of a new hit in the moving average of reuse distances

@@ -73,7 +73,7 @@ class LLM:
         num_spec_tokens: int = 0,
         proposer: Proposer | None = None,
         eviction_policy: str = DEFAULT_EVICTION_POLICY,
-        checkpoint_rules: Sequence[str] = (),
+        checkpoint_rules: Sequence[str] | None = None,
         **plan_options: Any,
     ) -> None:
         self.model_path = Path(model_path)

@@ -175,7 +175,10 @@ def simulate_command(
     ] = None,
     checkpoint_rule: Annotated[
         list[str] | None,
-        typer.Option("--checkpoint-rule", help="extra state checkpoints: junction (repeatable)"),
+        typer.Option(
+            "--checkpoint-rule",
+            help="extra state checkpoints: junction (repeatable; default: junction; 'none': off)",
+        ),
     ] = None,
     as_json: o.Json = False,
 ) -> None:
@@ -197,7 +200,9 @@ def simulate_command(
             batched=batched,
             max_steps=max_steps,
             eviction_policy=eviction,
-            checkpoint_rules=tuple(checkpoint_rule or ()),
+            checkpoint_rules=None
+            if checkpoint_rule is None
+            else tuple(r for r in checkpoint_rule if r != "none"),
         )
         if plot:
             _plot(result, plot)

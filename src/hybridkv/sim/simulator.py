@@ -28,10 +28,10 @@ def build_manager(
     *,
     enable_prefix_caching: bool | None = None,
     eviction_policy: str | None = None,
-    checkpoint_rules: Sequence[str] = (),
+    checkpoint_rules: Sequence[str] | None = None,
 ) -> Any:
     """The plan's `CacheManager` as the simulator uses it (no event log: runs are long).
-    ``eviction_policy`` None: the manager's default."""
+    ``eviction_policy`` and ``checkpoint_rules`` None: the manager's defaults."""
     from hybridkv.cache import CacheManager
 
     eagle = plan.options.spec_method in EAGLE_METHODS
@@ -80,7 +80,7 @@ def simulate(
     config: SchedulerConfig | None = None,
     manager: Any = None,
     eviction_policy: str | None = None,
-    checkpoint_rules: Sequence[str] = (),
+    checkpoint_rules: Sequence[str] | None = None,
 ) -> SimResult:
     """Replay ``trace`` (requests or a JSONL path) under ``plan``; returns the metrics.
 
