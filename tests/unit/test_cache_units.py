@@ -246,3 +246,12 @@ def test_chain_policy_evicts_stale_probation_before_newer_blocks():
     assert q.pop() == (1, True)  # one more release: block 1 is stale
     with pytest.raises(CacheError, match="unknown"):
         FreeQueue(4, [], policy="arc")
+
+
+def test_unknown_eviction_policy_or_checkpoint_rule_is_a_cache_error():
+    plan_ = toy_plan([ToyGroup("full", 4), ToyGroup("state", 8)])
+    with pytest.raises(CacheError, match="eviction policy 'mru' is unknown"):
+        CacheManager(plan_, eviction_policy="mru")
+    with pytest.raises(CacheError, match=r"checkpoint rules \['turn-end'\] are unknown"):
+        CacheManager(plan_, checkpoint_rules=("junction", "turn-end"))
+    assert CacheManager(plan_).checkpoint_rules == ("junction",)  # the default
