@@ -7,7 +7,9 @@ through the real `CacheManager` (simulator, no model compute) and reports:
 
 * ``hit``: prefix hit rate (hit prompt tokens / prompt tokens, first admissions);
 * ``bound``: the token-exact reuse bound of the trace (`hybridkv.sim.reuse`), and
-  ``of bound`` = hit / bound;
+  ``of bound`` = hit / bound; ``of block bound``: hit / the same bound with each
+  request's reusable tokens rounded down to the plan's hit granularity (what any
+  block-granular cache could reach with infinite memory);
 * ``vs vllm``: hit / the hit of vLLM's rule (our ``vllm`` layout, ``align``, ``lru``)
   on the same trace and memory, in the same run;
 * work counters: checkpoints stored, evictions, preemptions, simulator wall seconds.
@@ -38,7 +40,7 @@ from hybridkv.errors import PlanError
 from hybridkv.models import load_model_spec
 from hybridkv.plan import PlanOptions, plan
 from hybridkv.sim import generate_workload, simulate, workload_options
-from hybridkv.sim.reuse import reuse_bound_rate
+from hybridkv.sim.reuse import reuse_bound_tokens
 from hybridkv.spec import AttentionSpec, DType, ModelSpec, SlidingWindowSpec
 
 GiB = 1 << 30
@@ -99,7 +101,7 @@ def run_one(
     model_name: str,
     main: ModelSpec,
     trace: list,
-    bound: float,
+    bound_tokens: list[int],
     method: str | None,
     memory_gib: float,
     policy: Policy,
@@ -124,6 +126,10 @@ def run_one(
         trace, the_plan, eviction_policy=policy.eviction, checkpoint_rules=policy.rules
     )
     wall_s = time.perf_counter() - start
+    total = sum(len(r.prompt) for r in trace)
+    bound = sum(bound_tokens) / total
+    step = max(the_plan.hit_granularity_tokens, 1)
+    block_bound = sum(b // step * step for b in bound_tokens) / total
     return {
         "family": family,
         "model": model_name,
@@ -135,6 +141,8 @@ def run_one(
         "hit": result.prefix_hit_rate,
         "bound": bound,
         "of_bound": result.prefix_hit_rate / bound if bound else 0.0,
+        "block_bound": block_bound,
+        "of_block_bound": result.prefix_hit_rate / block_bound if block_bound else 0.0,
         "checkpoints": result.state_checkpoints_stored,
         "evictions": result.cache_stats["num_evictions"],
         "preemptions": result.preemptions,
@@ -185,7 +193,7 @@ def run(full: bool, seed: int) -> list[dict[str, Any]]:
                 max_drafts=3 if method else 0,
             )
             trace = generate_workload(family, opts)
-            bound = reuse_bound_rate(trace)
+            bound = reuse_bound_tokens(trace)
             for memory in memories:
                 for policy in policies:
                     try:
@@ -223,6 +231,7 @@ def render(rows: list[dict[str, Any]], title: str) -> None:
         "hit",
         "bound",
         "of bound",
+        "of block bound",
         "vs vllm",
         "ckpts",
         "evictions",
@@ -243,6 +252,7 @@ def render(rows: list[dict[str, Any]], title: str) -> None:
             f"{r['hit']:.3f}",
             f"{r['bound']:.3f}",
             f"{r['of_bound']:.1%}",
+            f"{r['of_block_bound']:.1%}",
             "-" if r["vs_vllm"] is None else f"{r['vs_vllm']:.2f}x",
             str(r["checkpoints"]),
             str(r["evictions"]),
