@@ -1,8 +1,8 @@
 """Write the built-in presets (``src/hybridkv/models/presets/<name>.json``) from models.json.
 
 Usage: ``python scripts/make_presets.py [--models PATH] [--out DIR]``. By default reads
-``../shared/models.json`` next to the repository. Each preset is an HF-style
-``config.json`` holding the fields the adapter reads, laid out the way the family's real
+``scripts/data/models.json`` (the model table, each entry with its sources). Each preset is an
+HF-style ``config.json`` holding the fields the adapter reads, laid out the way the family's real
 checkpoints state them (patterns as ``layer_types`` / ``hybrid_override_pattern`` /
 ``attn_layer_period`` ... built from the table's layer indices), plus a ``"_hybridkv"``
 key with the name, hf_id, family, sources and notes. Entries that lack a number the
@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-DEFAULT_MODELS = REPO.parent / "shared" / "models.json"
+DEFAULT_MODELS = REPO / "scripts" / "data" / "models.json"
 DEFAULT_OUT = REPO / "src" / "hybridkv" / "models" / "presets"
 
 Entry = dict[str, Any]

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
-from typing import Annotated, Any
+from dataclasses import dataclass, field
+from typing import Annotated
 
 import typer
 
@@ -20,26 +20,62 @@ from hybridkv.plan.types import PlanOptions
 from hybridkv.spec.dtypes import DType, parse_dtype
 from hybridkv.spec.model import ModelSpec
 
+# Binary units (powers of 1024): K, M, G, T with or without "iB" ("60G" = "60GiB", as
+# docker and `free -g` read it). Decimal units (powers of 1000): KB, MB, GB, TB.
 _UNITS = {
-    "": 1,
     "b": 1,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "tb": 10**12,
+    "k": 1 << 10,
+    "m": 1 << 20,
+    "g": 1 << 30,
+    "t": 1 << 40,
     "kib": 1 << 10,
     "mib": 1 << 20,
     "gib": 1 << 30,
     "tib": 1 << 40,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
 }
+# A bare number is read as bytes only when it is clearly a byte count: "--memory 60"
+# almost always means 60 GiB, and planning for 60 bytes would only confuse.
+MIN_BARE_BYTES = 1 << 20
+MAX_BYTES = 1 << 50  # 1 PiB: far beyond any device, small enough for exact arithmetic
+SIZE_HELP = (
+    "G/GiB = 2^30 bytes (binary), GB = 10^9 (decimal); likewise K, M, T; a bare number "
+    f"is bytes and must be >= {MIN_BARE_BYTES}"
+)
+MAX_SPEC_TOKENS = 256  # K: more drafts per step than any proposer makes use of
+DEFAULT_NUM_SPEC = 4  # K when a speculative method is given without --num-spec
 
 
 def parse_bytes(text: str, *, what: str = "--memory") -> int:
-    """'80GiB', '60 GB', '1.5TiB', '123456' -> bytes."""
+    """'80GiB', '80G' (both binary), '60 GB' (decimal), '1.5TiB', '1073741824' -> bytes.
+
+    Raises `PlanError` for anything else, for a bare number under `MIN_BARE_BYTES`
+    (write the unit), and for sizes above `MAX_BYTES`.
+    """
     match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
-    if not match or match.group(2).lower() not in _UNITS:
-        raise PlanError(f"{what}={text!r} is not a size; write e.g. 80GiB, 60GB or 1073741824")
-    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+    example = "write e.g. 80GiB or 80G (binary), 60GB (decimal), or 1073741824 (bytes)"
+    if not match:
+        raise PlanError(f"{what}={text!r} is not a size; {example}")
+    number, unit = match.group(1), match.group(2).lower()
+    if unit and unit not in _UNITS:
+        raise PlanError(f"{what}={text!r}: unknown unit {match.group(2)!r}; {example}")
+    if not unit:
+        if not number.isdigit() or int(number) < MIN_BARE_BYTES:
+            raise PlanError(
+                f"{what}={text!r} has no unit (did you mean {number}GiB?); a bare number is "
+                f"read as bytes and must be a whole number >= {MIN_BARE_BYTES}; {example}"
+            )
+        value = int(number)
+    else:
+        value = int(float(number) * _UNITS[unit]) if len(number) <= 20 else MAX_BYTES + 1
+    if value > MAX_BYTES:
+        raise PlanError(f"{what}={text!r} is {value} bytes, above the limit of {MAX_BYTES} (1PiB)")
+    if value < 1:
+        raise PlanError(f"{what}={text!r} is less than one byte; {example}")
+    return value
 
 
 def _dtype(value: str | None, what: str) -> DType | None:
@@ -54,7 +90,12 @@ SpecMethod = Annotated[
     str | None, typer.Option("--spec-method", help="draft | eagle | mtp | ngram | suffix")
 ]
 NumSpec = Annotated[
-    int, typer.Option("--num-spec", "--num-speculative-tokens", help="K: draft tokens per step")
+    int | None,
+    typer.Option(
+        "--num-spec",
+        "--num-speculative-tokens",
+        help=f"K: draft tokens per step (default {DEFAULT_NUM_SPEC} with a method, else 0)",
+    ),
 ]
 SpecConfig = Annotated[
     str | None,
@@ -65,10 +106,17 @@ SpecConfig = Annotated[
 KvDtype = Annotated[str, typer.Option("--kv-dtype", "--kv-cache-dtype", help="auto or a dtype")]
 ConvDtype = Annotated[str, typer.Option("--conv-dtype", "--mamba-cache-dtype")]
 SsmDtype = Annotated[str, typer.Option("--ssm-dtype", "--mamba-ssm-cache-dtype")]
-Memory = Annotated[str | None, typer.Option("--memory", help="cache budget, e.g. 60GiB")]
+Memory = Annotated[
+    str | None,
+    typer.Option(
+        "--memory", help=f"cache budget, e.g. 60GiB; default 64GiB. {SIZE_HELP}", show_default=False
+    ),
+]
 GpuMemory = Annotated[
     str | None,
-    typer.Option("--gpu-memory", help="device bytes; budget = this x --gpu-memory-utilization"),
+    typer.Option(
+        "--gpu-memory", help="device memory (units as --memory); budget = this x utilization"
+    ),
 ]
 GpuUtil = Annotated[float, typer.Option("--gpu-memory-utilization")]
 Tp = Annotated[int, typer.Option("--tp", "--tensor-parallel-size")]
@@ -116,6 +164,78 @@ def _normalize_method(method: str | None) -> str | None:
     return name  # ngram, suffix, or an unknown name the planner rejects with the list
 
 
+SPEC_CONFIG_KEYS = ("method", "model", "num_speculative_tokens")
+# vLLM --speculative-config keys we know and refuse, with why: silently dropping them
+# would plan something else than what was asked (a tree planned as a chain).
+SPEC_CONFIG_UNSUPPORTED = {
+    "speculative_token_tree": "tree drafts (hybridkv plans a chain of K drafts per step)",
+    "topk": "top-k tree drafts (hybridkv plans a chain of K drafts per step)",
+    "draft_tensor_parallel_size": "a draft TP size different from --tp",
+    "quantization": "draft quantization (weights do not change the cache plan)",
+    "max_model_len": "a draft max_model_len (use --max-model-len for both)",
+    "revision": "a draft revision",
+    "code_revision": "a draft code revision",
+    "disable_by_batch_size": "disabling drafts by batch size",
+    "prompt_lookup_min": "n-gram lookup bounds (the cache only sees K)",
+    "prompt_lookup_max": "n-gram lookup bounds (the cache only sees K)",
+    "acceptance_method": "an acceptance method (the cache only sees accepted counts)",
+    "parallel_drafting": "parallel drafting",
+}
+
+
+def _check_num_spec(k: object, what: str) -> None:
+    if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_SPEC_TOKENS:
+        raise PlanError(f"{what}={k!r}: K must be an integer from 0 to {MAX_SPEC_TOKENS}")
+
+
+def parse_speculative_config(
+    text: str, method: str | None, draft: str | None, k: int | None
+) -> tuple[str | None, str | None, int | None]:
+    """vLLM's ``--speculative-config`` JSON over the flags' (method, draft, K).
+
+    Only ``method``, ``model`` and ``num_speculative_tokens`` are read; any other key is
+    refused by name (`SPEC_CONFIG_UNSUPPORTED` says why for vLLM's own keys)."""
+    try:
+        config = json.loads(text)
+    except (json.JSONDecodeError, ValueError, RecursionError) as err:
+        raise PlanError(f"--speculative-config is not JSON: {err}") from None
+    if not isinstance(config, dict):
+        raise PlanError(
+            f"--speculative-config must be a JSON object, got {type(config).__name__}; "
+            '{"method": "draft_model", "model": "qwen3-0.6b", "num_speculative_tokens": 4}'
+        )
+    unsupported = [key for key in config if key in SPEC_CONFIG_UNSUPPORTED]
+    if unsupported:
+        why = "; ".join(f"{key}: {SPEC_CONFIG_UNSUPPORTED[key]}" for key in unsupported)
+        raise PlanError(f"--speculative-config: not supported: {why}")
+    unknown = sorted(set(config) - set(SPEC_CONFIG_KEYS))
+    if unknown:
+        raise PlanError(
+            f"--speculative-config: unknown key(s) {', '.join(map(repr, unknown))}; "
+            f"hybridkv reads {', '.join(SPEC_CONFIG_KEYS)}"
+        )
+    for key in ("method", "model"):
+        value = config.get(key)
+        if value is not None and (not isinstance(value, str) or not value.strip()):
+            raise PlanError(
+                f"--speculative-config: {key!r} must be a non-empty string, got {value!r}"
+            )
+    if config.get("method") is not None:
+        method = config["method"]
+    if config.get("model") is not None:
+        draft = config["model"]
+    if "num_speculative_tokens" in config:
+        value = config["num_speculative_tokens"]
+        if value is None:
+            raise PlanError(
+                "--speculative-config: 'num_speculative_tokens' is null; give K, an integer "
+                f"from 1 to {MAX_SPEC_TOKENS}"
+            )
+        _check_num_spec(value, "--speculative-config num_speculative_tokens")
+        k = value
+    return method, draft, k
+
+
 @dataclass
 class PlanArgs:
     """Raw CLI values for planning; `resolve` turns them into specs and options."""
@@ -123,7 +243,7 @@ class PlanArgs:
     model: str
     draft: str | None = None
     spec_method: str | None = None
-    num_spec: int = 0
+    num_spec: int | None = None
     speculative_config: str | None = None
     kv_dtype: str = "auto"
     conv_dtype: str = "auto"
@@ -142,22 +262,26 @@ class PlanArgs:
     max_block_size: int | None = None
     target_len: int | None = None
     typical_len: int | None = None
+    notes: list[str] = field(default_factory=list)  # said on stderr by the commands
 
     def _speculative(self) -> tuple[str | None, str | None, int]:
         method, draft, k = self.spec_method, self.draft, self.num_spec
         if self.speculative_config:
-            try:
-                config: dict[str, Any] = json.loads(self.speculative_config)
-            except json.JSONDecodeError as err:
-                raise PlanError(f"--speculative-config is not JSON: {err}") from err
-            if not isinstance(config, dict):
-                raise PlanError("--speculative-config must be a JSON object")
-            method = config.get("method", method)
-            draft = config.get("model", draft)
-            k = int(config.get("num_speculative_tokens", k))
+            method, draft, k = parse_speculative_config(self.speculative_config, method, draft, k)
         if method is None and draft is not None:
             method = "draft"
-        return _normalize_method(method), draft, k
+        method = _normalize_method(method)
+        if k is None:
+            k = 0
+            if method is not None:
+                # the same default as `hybridkv generate`, and said so (see `notes`)
+                k = DEFAULT_NUM_SPEC
+                self.notes.append(
+                    f"--num-spec not given: K = {DEFAULT_NUM_SPEC} drafts per step (the "
+                    "default of hybridkv generate); pass --num-spec K to change it"
+                )
+        _check_num_spec(k, "--num-spec")
+        return method, draft, k
 
     def _memory_bytes(self) -> int:
         if self.memory is not None:

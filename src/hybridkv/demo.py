@@ -26,6 +26,7 @@ DEMO_MAIN = DEMO_MODELS / "main"
 DEMO_DRAFT = DEMO_MODELS / "draft"
 DEMO_MEMORY_BYTES = 32 << 20
 DEMO_MAX_MODEL_LEN = 1024
+MAX_DEMO_REQUESTS = 1024
 
 HEADER = (
     '"""Command line tool: read files, count lines, print a report."""\n'
@@ -68,15 +69,18 @@ class DemoOptions:
 
 def run_demo(options: DemoOptions, progress: bool = True) -> tuple[Any, dict[str, Any]]:
     """Serve the demo batch; returns (the `LLM`, the JSON-ready report)."""
-    import torch
 
     from hybridkv.engine.llm import LLM
     from hybridkv.engine.sampler import SamplingParams
+    from hybridkv.engine.threads import apply_threads
 
     if options.num_requests < 1 or options.max_new_tokens < 1 or options.num_spec_tokens < 1:
         raise ValueError("--num-requests, --max-new-tokens and --num-spec must be >= 1")
-    if options.threads:
-        torch.set_num_threads(options.threads)
+    if options.num_requests > MAX_DEMO_REQUESTS:  # prompts are built up front
+        raise ValueError(
+            f"--num-requests={options.num_requests}: the demo serves at most {MAX_DEMO_REQUESTS}"
+        )
+    apply_threads(options.threads, (DEMO_MAIN, DEMO_DRAFT))  # tiny models: 1 thread
     start = time.perf_counter()
     llm = LLM(
         DEMO_MAIN,
@@ -107,7 +111,7 @@ def run_demo(options: DemoOptions, progress: bool = True) -> tuple[Any, dict[str
                     llm.add_request(p, params, i) for i, p in enumerate(prompts[1:], start=1)
                 )
             # a request stopped at EOS leaves its remaining tokens to the bar
-            now = sum(r.params.max_new_tokens if r.done else len(r.output) for r in requests)
+            now = sum(r.max_new_tokens if r.done else len(r.output) for r in requests)
             advance(now - done)
             done = now
 

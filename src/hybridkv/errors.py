@@ -40,5 +40,10 @@ class SimulationError(HybridKVError):
     """The simulator cannot make progress (a request that can never fit, a stuck queue)."""
 
 
+class SchedulerError(HybridKVError):
+    """A scheduling call or config that cannot work (a request that can never fit, an
+    executor result that contradicts the step it was given)."""
+
+
 class EngineError(HybridKVError):
     """The reference engine cannot load or run a checkpoint."""

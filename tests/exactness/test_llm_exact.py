@@ -82,7 +82,9 @@ def test_llm_many_preemptions_give_the_same_tokens(llm_case, name):
     tight = LLM(case.folder, memory_bytes=TIGHT_MEMORY[name], chunk_size=3, max_model_len=128)
     assert tokens(tight, case.prompts, LONG_NEW) == expected  # cold cache
     assert tokens(tight, case.prompts, LONG_NEW) == expected  # warm cache
-    assert tight.stats().num_preemptions >= 50
+    # Chunks end on state checkpoints (align mode), so recomputes restore more state and
+    # the pool preempts less than with free chunking: nemotron_h goes from 80 to 30.
+    assert tight.stats().num_preemptions >= 25
     tight.manager.check_invariants()
 
 

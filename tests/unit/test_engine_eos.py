@@ -11,9 +11,8 @@ torch = pytest.importorskip("torch")
 
 from hybridkv.engine.llm import resolve_device  # noqa: E402
 from hybridkv.engine.loader import eos_token_ids  # noqa: E402
-from hybridkv.engine.sampler import SamplingParams  # noqa: E402
-from hybridkv.engine.scheduler import Request  # noqa: E402
-from hybridkv.errors import EngineError  # noqa: E402
+from hybridkv.errors import EngineError, SchedulerError  # noqa: E402
+from hybridkv.sched import Request  # noqa: E402
 
 
 def write(folder, config, generation=None):
@@ -41,7 +40,7 @@ def test_config_eos_without_generation_config(tmp_path):
 
 
 def request(max_new_tokens=5, stop=()):
-    return Request("r", 0, [1, 2], SamplingParams(max_new_tokens), stop_token_ids=frozenset(stop))
+    return Request("r", [1, 2], max_new_tokens, stop_token_ids=frozenset(stop))
 
 
 def test_emit_cuts_after_the_first_stop_id_and_at_max_new_tokens():
@@ -51,12 +50,12 @@ def test_emit_cuts_after_the_first_stop_id_and_at_max_new_tokens():
     assert not req.done
     req.emit([9])
     assert req.done and req.finish_reason == "stop" and req.output == [4, 9]
-    with pytest.raises(EngineError):
+    with pytest.raises(SchedulerError):
         req.emit([3])
 
     req = request(max_new_tokens=3)
     assert req.num_to_emit([4, 5, 6, 7]) == 3
-    with pytest.raises(EngineError):  # not cut first
+    with pytest.raises(SchedulerError):  # not cut first
         req.emit([4, 5, 6, 7])
     req.emit([4, 5, 6])
     assert req.finish_reason == "length"

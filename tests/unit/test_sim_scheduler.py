@@ -130,8 +130,9 @@ def test_drafts_follow_the_trace_and_are_capped_by_the_plan() -> None:
     capped = simulate(
         trace, toy_plan([ToyGroup("full", 4), ToyGroup("state", 4)], num_spec_tokens=4)
     )
-    # steps: prefill emits 1; (6->4 capped, 4 accepted) 5; (3,1) 2; (0,0) 1; (5->4, 2) 3
-    assert capped.drafts_proposed == 4 + 3 + 0 + 4
+    # steps: prefill emits 1; (6->4 capped, 4 accepted) 5; (3,1) 2; (0,0) 1; then 3
+    # tokens are left, so (5->2: drafts never pass max_new_tokens, 2 accepted) 3
+    assert capped.drafts_proposed == 4 + 3 + 0 + 2
     assert capped.drafts_accepted == 4 + 1 + 0 + 2
     none = simulate(trace, toy_plan([ToyGroup("full", 4)]))  # no spec method: no drafts
     assert none.drafts_proposed == 0 and none.num_finished == 1

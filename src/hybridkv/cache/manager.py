@@ -204,6 +204,20 @@ class CacheManager:
     def num_computed_tokens(self, req_id: str) -> int:
         return self._get(req_id).num_computed
 
+    @property
+    def hash_unit_tokens(self) -> int:
+        """Tokens per chain hash (the unit of `block_hashes`)."""
+        return self.coordinator.hasher.unit_tokens
+
+    def block_hashes(self, req_id: str, start: int = 0, stop: int | None = None) -> list[bytes]:
+        """Chain hashes ``[start, stop)`` of the request's full hash units of verified
+        tokens (unit i covers tokens ``[i*U, (i+1)*U)``, U = `hash_unit_tokens`). Equal
+        hashes mean equal prefixes and cache salt; a scheduler uses them to see which
+        requests would compute the same blocks. Read-only (hashes are memoised)."""
+        r = self._get(req_id)
+        self._ensure_hashes(r, len(r.tokens))
+        return r.hashes[start:stop]
+
     def token_ids(self, req_id: str) -> list[int]:
         """The request's verified tokens (a copy)."""
         return list(self._get(req_id).tokens)

@@ -13,6 +13,8 @@ import typer
 from hybridkv.cli import app, emit_json, run_guarded
 from hybridkv.cli_options import parse_bytes
 
+THREADS_HELP = "torch CPU threads (default: 1 for models under 256 MiB, else torch's)"
+
 
 def parse_prompt_ids(text: str, option: str = "--prompt-ids") -> list[int]:
     """``"1,2,3"`` -> ``[1, 2, 3]``; raises ValueError naming the bad entry."""
@@ -55,6 +57,7 @@ def generate_command(
         typer.Option("--num-spec", "--num-speculative-tokens", help="K: drafts per step at most"),
     ] = None,
     device: Annotated[str, typer.Option("--device", help="cpu, cuda or cuda:N")] = "cpu",
+    threads: Annotated[int | None, typer.Option("--threads", help=THREADS_HELP)] = None,
     ignore_eos: Annotated[
         bool, typer.Option("--ignore-eos", help="do not stop at the checkpoint's EOS id")
     ] = False,
@@ -80,8 +83,11 @@ def generate_command(
             raise ValueError("give --prompt TEXT or --prompt-ids 1,2,3 (one of them, repeatable)")
         from hybridkv.demo import resolve_model
         from hybridkv.engine.llm import DEFAULT_MEMORY_BYTES, LLM
+        from hybridkv.engine.threads import apply_threads
 
         budget = DEFAULT_MEMORY_BYTES if memory is None else parse_bytes(memory)
+        folders = [resolve_model(name) for name in (model, draft) if name is not None]
+        apply_threads(threads, folders)
         speculative = draft is not None or spec_method is not None
         num_spec_tokens = (4 if speculative else 0) if num_spec is None else num_spec
         llm = LLM(
@@ -163,7 +169,7 @@ def demo_command(
     num_requests: Annotated[int, typer.Option("--num-requests")] = 8,
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens")] = 64,
     num_spec: Annotated[int, typer.Option("--num-spec", help="K: drafts per step")] = 4,
-    threads: Annotated[int | None, typer.Option("--threads", help="torch CPU threads")] = None,
+    threads: Annotated[int | None, typer.Option("--threads", help=THREADS_HELP)] = None,
     device: Annotated[str, typer.Option("--device", help="cpu, cuda or cuda:N")] = "cpu",
     as_json: Annotated[bool, typer.Option("--json", help="machine-readable output")] = False,
 ) -> None:

@@ -4,8 +4,13 @@ caching and preemption, all through the real `CacheManager`.
 
     LLM(folder) -> load_model_spec + plan(...) -> CacheManager(plan) + build_cache_tensors
     generate(prompts) -> add requests -> step()* -> GenerationResult per prompt
-    step():  Scheduler.schedule -> ModelRunner.execute -> sample -> CacheManager.commit
-             (`hybridkv.engine.stepper`)
+    step():  propose drafts -> Scheduler.schedule -> ModelRunner.execute -> verify ->
+             Scheduler.update (cut, commit, emit)   (`hybridkv.sched`, `engine.stepper`)
+
+``max_model_len`` (default: the checkpoint's ``max_position_embeddings``, at most 4096)
+caps prompt + output tokens: `add_request` refuses a longer prompt (status ``refused``
+with a reason, for a server's HTTP 400; `generate` raises `EngineError`), and a request
+stops with ``finish_reason == "length"`` at the limit.
 
 Speculative decoding (`hybridkv.engine.speculative`): ``draft=FOLDER`` (a draft model
 planned with its own groups), ``spec_method="ngram" | "suffix"`` or any `Proposer`
@@ -39,7 +44,6 @@ from hybridkv.engine.proposers import Proposer
 from hybridkv.engine.results import EngineStats, GenerationResult, RequestStats
 from hybridkv.engine.runner import ModelRunner
 from hybridkv.engine.sampler import SamplingParams
-from hybridkv.engine.scheduler import Request, Scheduler, Status
 from hybridkv.engine.speculative import DraftModelDrafter, SpecCounters, make_proposer
 from hybridkv.engine.stepper import Stepper
 from hybridkv.engine.tensors import build_cache_tensors, torch_dtype
@@ -47,6 +51,7 @@ from hybridkv.errors import EngineError
 from hybridkv.models.registry import load_model_spec
 from hybridkv.plan.planner import plan as make_plan
 from hybridkv.plan.types import CachePlan, PlanOptions
+from hybridkv.sched import Request, Scheduler, Status, config_from_plan
 from hybridkv.spec.dtypes import DType, parse_dtype
 
 DEFAULT_MEMORY_BYTES = 64 << 20  # tiny CPU models: plenty, and allocated eagerly
@@ -72,6 +77,7 @@ class LLM:
         spec_method: str | None = None,
         num_spec_tokens: int = 0,
         proposer: Proposer | None = None,
+        cache_aware: bool = True,
         eviction_policy: str = DEFAULT_EVICTION_POLICY,
         checkpoint_rules: Sequence[str] | None = None,
         **plan_options: Any,
@@ -96,10 +102,8 @@ class LLM:
                     f"draft vocabulary {self.draft_model.vocab_size} != main vocabulary "
                     f"{self.model.vocab_size}; a draft model must share the tokenizer"
                 )
-        if max_model_len is None:
-            max_model_len = min(
-                spec.max_position_embeddings or DEFAULT_MAX_MODEL_LEN, DEFAULT_MAX_MODEL_LEN
-            )
+        max_model_len = self._max_model_len(max_model_len, spec.max_position_embeddings)
+        self.max_model_len = max_model_len
         options = PlanOptions(
             kv_dtype=cache_dtype,
             conv_dtype=cache_dtype,
@@ -144,9 +148,13 @@ class LLM:
             self.plan,
             self.manager,
             self.runner,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            chunk_size=chunk_size,
+            config=config_from_plan(
+                self.plan,
+                chunk_size=chunk_size,
+                max_model_len=max_model_len,
+                max_spec_tokens=num_spec_tokens if spec_method is not None else 0,
+                cache_aware=cache_aware,
+            ),
             spec_method=spec_method,
             num_spec_tokens=num_spec_tokens,
             drafter=drafter,
@@ -159,6 +167,22 @@ class LLM:
     @property
     def scheduler(self) -> Scheduler:
         return self.stepper.scheduler
+
+    @staticmethod
+    def _max_model_len(requested: int | None, max_positions: int | None) -> int:
+        """The checkpoint's positions when it states them, at most 4096 by default (the
+        plan must hold one request of max_model_len tokens in ``memory_bytes``; pass more
+        explicitly); a value past the checkpoint's positions is refused."""
+        if requested is None:
+            return min(max_positions or DEFAULT_MAX_MODEL_LEN, DEFAULT_MAX_MODEL_LEN)
+        if requested < 2:
+            raise EngineError(f"max_model_len={requested}: needs >= 2 (a prompt and a token)")
+        if max_positions is not None and requested > max_positions:
+            raise EngineError(
+                f"max_model_len={requested} exceeds the checkpoint's max_position_embeddings "
+                f"{max_positions}; use at most {max_positions}"
+            )
+        return requested
 
     @staticmethod
     def _spec_setup(
@@ -214,8 +238,17 @@ class LLM:
 
     # ------------------------------------------------------------------ requests
     def add_request(
-        self, prompt: Sequence[int] | str, params: SamplingParams, index: int = 0
+        self,
+        prompt: Sequence[int] | str,
+        params: SamplingParams,
+        index: int = 0,
+        *,
+        cache_salt: str | None = None,
+        priority: int = 0,
     ) -> Request:
+        """Queue one request (``index`` seeds its sampler). A prompt that leaves no room
+        under ``max_model_len`` comes back with status ``refused``, ``finish_reason``
+        ``"refused"`` and the reason in ``refusal``; nothing is queued then."""
         tokens = self._encode(prompt)
         if not tokens:
             raise EngineError("empty prompt: needs >= 1 token")
@@ -227,9 +260,14 @@ class LLM:
         if not params.ignore_eos:
             stop.update(self.eos_token_ids)
         req = Request(
-            f"req-{next(self._ids)}", index, tokens, params, stop_token_ids=frozenset(stop)
+            f"req-{next(self._ids)}",
+            tokens,
+            params.max_new_tokens,
+            stop_token_ids=frozenset(stop),
+            priority=priority,
+            cache_salt=cache_salt,
         )
-        self.stepper.add(req)
+        self.stepper.add(req, params, index)
         return req
 
     def cancel(self, req: Request) -> None:
@@ -255,7 +293,14 @@ class LLM:
         params = SamplingParams(
             max_new_tokens, temperature, seed, ignore_eos, tuple(int(t) for t in stop_token_ids)
         )
-        requests = [self.add_request(p, params, i) for i, p in enumerate(prompts)]
+        encoded = [self._encode(p) for p in prompts]
+        for i, tokens in enumerate(encoded):
+            if len(tokens) >= self.max_model_len:
+                raise EngineError(
+                    f"prompt {i} has {len(tokens)} tokens; max_model_len={self.max_model_len} "
+                    f"leaves room for prompts of at most {self.max_model_len - 1} tokens"
+                )
+        requests = [self.add_request(p, params, i) for i, p in enumerate(encoded)]
         while any(r.status in (Status.WAITING, Status.RUNNING) for r in requests):
             self.step()
         return [self.result(r) for r in requests]

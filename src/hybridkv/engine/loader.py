@@ -39,8 +39,15 @@ def safetensors_files(folder: Path) -> list[Path]:
     """The weight files of a checkpoint: the index's shards, or the single file."""
     index = folder / INDEX_FILE
     if index.exists():
-        weight_map = json.loads(index.read_text()).get("weight_map", {})
-        return [folder / name for name in sorted(set(weight_map.values()))]
+        try:
+            weight_map = json.loads(index.read_text()).get("weight_map", {})
+            names = sorted({str(name) for name in weight_map.values()})
+        except (ValueError, AttributeError, TypeError) as err:
+            raise EngineError(
+                f"{index} is not a safetensors index (a JSON object with a 'weight_map' "
+                f"of tensor -> file): {err}"
+            ) from None
+        return [folder / name for name in names]
     if (folder / SINGLE_FILE).exists():
         return [folder / SINGLE_FILE]
     files = sorted(folder.glob("*.safetensors"))
@@ -60,9 +67,17 @@ class Checkpoint:
         self.device = torch.device(device)
         self._tensors: dict[str, torch.Tensor] = {}
         for file in safetensors_files(self.folder):
-            with safe_open(str(file), framework="pt") as handle:
-                for name in handle.keys():  # noqa: SIM118 - safe_open is not a mapping
-                    self._tensors[name] = handle.get_tensor(name)
+            try:
+                with safe_open(str(file), framework="pt") as handle:
+                    for name in handle.keys():  # noqa: SIM118 - safe_open is not a mapping
+                        self._tensors[name] = handle.get_tensor(name)
+            except FileNotFoundError:
+                raise EngineError(f"weights file {file} is missing (listed by the index)") from None
+            except Exception as err:  # SafetensorError, or a torch error on a bad header
+                raise EngineError(
+                    f"cannot read weights file {file}: {type(err).__name__}: {err}; the file "
+                    "is truncated or not safetensors (download it again)"
+                ) from None
         self._taken: set[str] = set()
 
     def has(self, name: str) -> bool:
@@ -81,8 +96,15 @@ class Checkpoint:
                 f"tensor {name!r} in {self.folder} has shape {tuple(tensor.shape)} but the "
                 f"config implies {tuple(shape)}; the checkpoint does not match its config.json"
             )
+        target = dtype or self.dtype
+        if target.is_floating_point and not tensor.is_floating_point():
+            raise EngineError(
+                f"tensor {name!r} in {self.folder} is {tensor.dtype} but the model needs "
+                f"floating-point weights ({target}); quantized or corrupt checkpoints are not "
+                "supported by the reference engine"
+            )
         self._taken.add(name)
-        return tensor.to(device=self.device, dtype=dtype or self.dtype)
+        return tensor.to(device=self.device, dtype=target)
 
     def take_optional(self, name: str, shape: tuple[int, ...]) -> torch.Tensor | None:
         return self.take(name, shape) if self.has(name) else None
@@ -90,6 +112,32 @@ class Checkpoint:
     def unused(self) -> list[str]:
         """Tensors nobody took (e.g. an MTP head we do not run)."""
         return sorted(set(self._tensors) - self._taken)
+
+    def check_all_used(self) -> None:
+        """Refuse a checkpoint with tensors the config's layers did not take: a config of
+        4 layers over 6-layer weights would otherwise run and emit wrong tokens. MTP heads
+        (which the engine does not run) and rotary caches are allowed to stay unused."""
+        unused = [name for name in self.unused() if not _ignorable(name)]
+        if unused:
+            shown = ", ".join(unused[:8]) + (
+                f", ... ({len(unused)} in all)" if len(unused) > 8 else ""
+            )
+            raise EngineError(
+                f"checkpoint {self.folder} has {len(unused)} tensor(s) its config.json does not "
+                f"use: {shown}; the config does not describe these weights (e.g. "
+                "num_hidden_layers or layer_types is wrong)"
+            )
+
+
+# Checkpoint tensors that may stay unused: multi-token-prediction heads (Qwen3-Next /
+# Qwen3.5 "mtp.*", DeepSeek-style "model.mtp.*") and the rotary inverse frequencies some
+# exporters save as buffers.
+_IGNORABLE_PREFIXES = ("mtp.", "model.mtp.")
+_IGNORABLE_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def _ignorable(name: str) -> bool:
+    return name.startswith(_IGNORABLE_PREFIXES) or name.endswith(_IGNORABLE_SUFFIXES)
 
 
 def cfg_get(config: dict[str, Any], *names: str, default: Any = None) -> Any:

@@ -1,12 +1,14 @@
-"""One engine step, end to end: schedule, draft, run the main model, verify, emit, commit.
+"""The model executor of the one scheduler (`hybridkv.sched`): propose drafts, run the
+main model, verify. The scheduler decides the step and settles it (cut, commit, emit).
 
-    schedule   Scheduler.schedule -> chunks (prefill pieces, decode steps with L drafts)
-    draft      draft model passes (`DraftModelDrafter`), or the proposer's drafts that
-               were reserved at scheduling time (`lookahead`)
+    propose    n-gram / suffix: the proposal for each decode-ready request (its length
+               is offered); draft model: K offered, it drafts after the allocation
+    schedule   `Scheduler.schedule` -> chunks (prefill pieces, decode steps with L drafts)
+    draft      draft model passes (`DraftModelDrafter`), or the first L proposed drafts
     main       ModelRunner.execute -> logits [1 + L, vocab] per sampling request
-    verify     greedy / speculative sampling -> a accepted drafts + 1 token
-    emit       cut at max_new_tokens and after the first stop id: a' <= a
-    commit     CacheManager.commit(r, a', tokens): state after c + 1 + a' tokens runs on
+    verify     greedy / speculative sampling -> a accepted drafts + 1 token (`StepResult`)
+    update     `Scheduler.update`: cut at max_new_tokens / max_model_len and after the
+               first stop id (a' <= a), CacheManager.commit(r, a', tokens), emit
 
 Cutting after a stop id is a smaller verdict of the same shape: emitting the stop token
 ``d_j`` (draft j, or the bonus) is "j drafts accepted, then d_j", so the cache commits
@@ -23,32 +25,37 @@ request's CPU generator (logits rows are tiny), so a seed gives the same stream 
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 import torch
 
 from hybridkv.cache import CacheManager
 from hybridkv.engine.proposers import Proposer
 from hybridkv.engine.runner import ModelRunner, StepInput
-from hybridkv.engine.sampler import make_generator, sample
-from hybridkv.engine.scheduler import Request, ScheduledChunk, Scheduler
+from hybridkv.engine.sampler import SamplingParams, make_generator, sample
 from hybridkv.engine.speculative import DraftModelDrafter, Drafts, SpecCounters
 from hybridkv.engine.verify import Verdict, verify_greedy, verify_sampling
 from hybridkv.errors import EngineError
 from hybridkv.plan.types import CachePlan
+from hybridkv.sched import (
+    Request,
+    ScheduledChunk,
+    Scheduler,
+    SchedulerConfig,
+    SchedulerOutput,
+    StepReport,
+    StepResult,
+    run_step,
+)
 from hybridkv.spec.layers import STATE
 
-
-def emitted(verdict: Verdict, req: Request) -> Verdict:
-    """``verdict`` cut to what ``req`` emits (max_new_tokens, first stop id)."""
-    n = req.num_to_emit(verdict.token_ids)
-    if n == len(verdict.token_ids):
-        return verdict
-    assert n >= 1, f"request {req.req_id!r} sampled while already finished"
-    return Verdict(n - 1, verdict.token_ids[:n])
+StepHook = Callable[[SchedulerOutput, StepReport], None]
 
 
 class Stepper:
-    """The per-step loop of `LLM` and the per-request state it needs between steps
-    (random generators, drafts proposed at scheduling time, acceptance counters)."""
+    """The `Executor` of `LLM` and the per-request executor data it needs between steps
+    (sampling params, random generators, proposals, acceptance counters). Progress
+    (computed tokens, output, status) lives in the `Request` record only."""
 
     def __init__(
         self,
@@ -56,9 +63,7 @@ class Stepper:
         manager: CacheManager,
         runner: ModelRunner,
         *,
-        max_num_seqs: int,
-        max_num_batched_tokens: int,
-        chunk_size: int | None,
+        config: SchedulerConfig,
         spec_method: str | None,
         num_spec_tokens: int,
         drafter: DraftModelDrafter | None,
@@ -71,27 +76,27 @@ class Stepper:
         self.num_spec_tokens = num_spec_tokens
         self.drafter = drafter
         self.proposer = proposer
-        self.scheduler = Scheduler(
-            manager,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            chunk_size=chunk_size,
-            lookahead=self.lookahead if spec_method is not None else None,
-        )
+        self.scheduler = Scheduler(manager, config)
+        self.params: dict[str, SamplingParams] = {}
         self.generators: dict[str, torch.Generator] = {}
-        self.drafts: dict[str, Drafts] = {}
+        self.proposals: dict[str, list[int]] = {}
         self.spec = SpecCounters()
         self.req_spec: dict[str, SpecCounters] = {}
         self.num_steps = self.num_tokens = self.num_output = 0
         self.hits = {"attention": 0, "state": 0}
+        self.hooks: list[StepHook] = []  # called after every step (traces, servers)
         self._has_attention = any(g.kind != STATE for g in plan.groups)
         self._state_groups = [g.group_id for g in plan.groups if g.kind == STATE]
 
     # ------------------------------------------------------------------ requests
-    def add(self, req: Request) -> None:
-        if req.params.temperature > 0:
-            self.generators[req.req_id] = make_generator(req.params.seed, req.index)
-        self.scheduler.add(req)
+    def add(self, req: Request, params: SamplingParams, index: int = 0) -> bool:
+        """Queue ``req``; False when the scheduler refused it (see `Request.refusal`)."""
+        if not self.scheduler.add(req):
+            return False
+        self.params[req.req_id] = params
+        if params.temperature > 0:
+            self.generators[req.req_id] = make_generator(params.seed, index)
+        return True
 
     def cancel(self, req: Request) -> None:
         self.scheduler.cancel(req)
@@ -99,62 +104,75 @@ class Stepper:
 
     def forget(self, req: Request) -> None:
         self.generators.pop(req.req_id, None)
-        self.drafts.pop(req.req_id, None)
+        self.proposals.pop(req.req_id, None)
         if self.proposer is not None:
             self.proposer.forget(req.req_id)
 
-    def lookahead(self, req: Request, budget: int) -> int:
-        """Drafts to reserve for ``req``'s decode step (called by the scheduler)."""
-        left = req.params.max_new_tokens - len(req.output) - 1  # the bonus token is extra
-        limit = max(0, min(self.num_spec_tokens, left, budget))
-        if self.proposer is None:  # draft model: it drafts after the allocation
-            return limit
-        drafts = self.proposer.propose(req.req_id, req.tokens, limit)[:limit] if limit else []
-        self.drafts[req.req_id] = Drafts([int(t) for t in drafts])
-        return len(drafts)
+    # ------------------------------------------------------------------ executor
+    def propose(self, ready: Sequence[Request]) -> dict[str, int]:
+        """Drafts offered per decode-ready request (before scheduling)."""
+        offered: dict[str, int] = {}
+        self.proposals.clear()
+        if self.spec_method is None:
+            return offered
+        for req in ready:
+            limit = min(self.num_spec_tokens, req.num_tokens_left - 1)
+            if limit <= 0:
+                continue
+            if self.proposer is None:  # draft model: it drafts after the allocation
+                offered[req.req_id] = limit
+                continue
+            drafts = [int(t) for t in self.proposer.propose(req.req_id, req.tokens, limit)]
+            self.proposals[req.req_id] = drafts[:limit]
+            offered[req.req_id] = len(self.proposals[req.req_id])
+        return offered
 
-    # ------------------------------------------------------------------ one step
-    def step(self) -> list[Request]:
-        """Run one scheduler step; returns the requests that finished in it."""
-        chunks = self.scheduler.schedule()
+    def execute(self, output: SchedulerOutput) -> dict[str, StepResult]:
+        """Draft (draft model), run the main model over every chunk, verify."""
+        chunks = output.chunks
         drafts: dict[str, Drafts] = {}
         if self.drafter is not None:
-            temps = {c.request.req_id: c.request.params.temperature for c in chunks}
+            temps = {c.request.req_id: self.params[c.request.req_id].temperature for c in chunks}
             drafts = self.drafter.run(chunks, temps, self.generators)
         else:
             for c in chunks:
                 if c.num_lookahead:
-                    drafts[c.request.req_id] = self.drafts.pop(c.request.req_id)
+                    drafts[c.request.req_id] = Drafts(
+                        self.proposals[c.request.req_id][: c.num_lookahead]
+                    )
         logits = self.runner.execute([self._step_input(c, drafts) for c in chunks])
-        self.num_steps += 1
-        finished = []
+        results: dict[str, StepResult] = {}
         for chunk, rows in zip(chunks, logits, strict=True):
-            req = chunk.request
-            req.num_steps += 1
-            self.num_tokens += chunk.num_new_tokens + chunk.num_lookahead
-            if not chunk.samples:
-                req.num_computed = chunk.num_computed + chunk.num_new_tokens
-                self.manager.commit(req.req_id)
+            self.num_tokens += chunk.num_scheduled_tokens
+            if chunk.samples:
+                req = chunk.request
+                verdict = self._verify(req, rows, drafts.get(req.req_id))
+                results[req.req_id] = StepResult(verdict.num_accepted, verdict.token_ids)
+        return results
+
+    # ------------------------------------------------------------------ one step
+    def step(self) -> list[Request]:
+        """Run one scheduler step; returns the requests that finished in it."""
+        output, report = run_step(self.scheduler, self)
+        self.num_steps += 1
+        for chunk in output.chunks:
+            req_id = chunk.request.req_id
+            if req_id not in report.emitted:
                 continue
-            verdict = emitted(self._verify(req, rows, drafts.get(req.req_id)), req)
-            req.num_computed = chunk.num_computed + chunk.num_new_tokens + verdict.num_accepted
-            req.emit(verdict.token_ids)
-            self.num_output += len(verdict.token_ids)
-            self.manager.commit(req.req_id, verdict.num_accepted, verdict.token_ids)
+            self.num_output += len(report.emitted[req_id])
             if self.spec_method is not None:
-                self.spec.add(chunk.num_lookahead, verdict.num_accepted)
-                self.req_spec.setdefault(req.req_id, SpecCounters()).add(
-                    chunk.num_lookahead, verdict.num_accepted
-                )
-            if req.done:
-                self.scheduler.finish(req)
-                self.forget(req)
-                finished.append(req)
-        return finished
+                accepted = report.accepted[req_id]
+                self.spec.add(chunk.num_lookahead, accepted)
+                self.req_spec.setdefault(req_id, SpecCounters()).add(chunk.num_lookahead, accepted)
+        for req in report.finished:
+            self.forget(req)
+        for hook in self.hooks:
+            hook(output, report)
+        return report.finished
 
     def _verify(self, req: Request, logits: torch.Tensor, drafts: Drafts | None) -> Verdict:
         """Accepted drafts + one sampled token from the main model's ``[1 + L, vocab]``."""
-        temperature = req.params.temperature
+        temperature = self.params[req.req_id].temperature
         generator = self.generators.get(req.req_id)
         if temperature > 0:
             logits = logits.cpu()  # drawn with the request's CPU generator
@@ -162,7 +180,8 @@ class Stepper:
             return Verdict(0, [sample(logits[-1], temperature, generator)])
         if temperature <= 0:
             return verify_greedy(logits, drafts.token_ids)
-        assert generator is not None
+        if generator is None:
+            raise EngineError(f"request {req.req_id!r} samples but has no generator")
         return verify_sampling(logits, drafts.token_ids, temperature, generator, drafts.probs)
 
     def _step_input(self, chunk: ScheduledChunk, drafts: dict[str, Drafts]) -> StepInput:

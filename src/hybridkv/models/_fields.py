@@ -37,8 +37,24 @@ SSM_DTYPE_KEYS = ("mamba_ssm_dtype", "mamba_ssm_cache_dtype")
 # Keys that count MTP (multi-token prediction) layers, in order of preference.
 MTP_KEYS = ("mtp_num_hidden_layers", "mtp_num_layers", "num_nextn_predict_layers", "num_mtp_layers")
 
+# Limits on config numbers, checked as the fields are read. The largest released models
+# have under 200 decoder layers; an absurd count (2^31 layers) would otherwise build
+# billions of layer specs before anything could fail. No size or count in a real config
+# comes near 2^32.
+MAX_LAYERS = 1024
+LAYER_COUNT_KEYS = frozenset({"num_hidden_layers", *MTP_KEYS})
+MAX_FIELD_VALUE = 1 << 32
+
 IndexedLayers = list[tuple[int, LayerSpec]]
 """(decoder-layer index, spec) pairs in model order; see `registry.decoder_layer_indices`."""
+
+
+def _short(value: object, limit: int = 60) -> str:
+    """``repr(value)`` cut to ``limit`` characters, so a corrupt field cannot flood a log."""
+    if isinstance(value, int) and value.bit_length() > 200:
+        return f"<an integer of {value.bit_length()} bits>"
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 @dataclass(frozen=True)
@@ -90,7 +106,7 @@ class ConfigReader:
     def get_str(self, key: str) -> str | None:
         value = self.config.get(key, self.defaults.get(key))
         if value is not None and not isinstance(value, str):
-            raise self.error(key, f"must be a string, got {value!r}")
+            raise self.error(key, f"must be a string, got {_short(value)}")
         return value
 
     def get_list(self, key: str) -> list[Any] | None:
@@ -102,7 +118,18 @@ class ConfigReader:
     def _positive(self, key: str, value: Any, minimum: int = 1) -> int:
         if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
             what = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
-            raise self.error(key, f"must be {what}, got {value!r}")
+            raise self.error(key, f"must be {what}, got {_short(value)}")
+        return self._bounded(key, value)
+
+    def _bounded(self, key: str, value: int) -> int:
+        limit = MAX_LAYERS if key in LAYER_COUNT_KEYS else MAX_FIELD_VALUE
+        if value > limit:
+            what = "layers" if key in LAYER_COUNT_KEYS else "for any config field"
+            raise self.error(
+                key,
+                f"is {_short(value)}, above hybridkv's limit of {limit} {what}; is the "
+                "config corrupt?",
+            )
         return value
 
     # -- model-wide values
@@ -135,8 +162,8 @@ class ConfigReader:
             value = self.config.get(key, self.defaults.get(key))
             if value is not None:
                 if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                    raise self.error(key, f"must be a non-negative integer, got {value!r}")
-                return value
+                    raise self.error(key, f"must be a non-negative integer, got {_short(value)}")
+                return self._bounded(key, value)
         return 0
 
     @property

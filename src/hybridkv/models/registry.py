@@ -22,6 +22,7 @@ writes them from the shared model table.
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
 from collections.abc import Mapping
@@ -80,8 +81,13 @@ def supported_model_types() -> list[str]:
 
 
 def _unsupported(model_type: object) -> ConfigError:
+    shown = repr(model_type) if len(repr(model_type)) <= 60 else repr(model_type)[:57] + "..."
+    hint = ""
+    if isinstance(model_type, str):
+        close = difflib.get_close_matches(model_type, supported_model_types(), n=3)
+        hint = f" (did you mean {' or '.join(close)}?)" if close else ""
     return ConfigError(
-        f"unsupported model_type {model_type!r}; supported model types: "
+        f"unsupported model_type {shown}{hint}; supported model types: "
         f"{', '.join(supported_model_types())}"
     )
 
@@ -89,6 +95,10 @@ def _unsupported(model_type: object) -> ConfigError:
 def text_config(config: Mapping[str, Any]) -> Mapping[str, Any]:
     """The dict the adapter reads: ``config`` itself, or a wrapper's ``text_config``."""
     model_type = config.get("model_type")
+    if not isinstance(model_type, str | None):  # e.g. a dict: unhashable, never a type
+        raise ConfigError(
+            f"config field 'model_type' must be a string, got {type(model_type).__name__}"
+        )
     if model_type in TABLE:
         return config
     text = config.get("text_config")
@@ -170,6 +180,8 @@ def _read_json(text: str, where: str) -> dict[str, Any]:
         data = json.loads(text)
     except json.JSONDecodeError as err:
         raise ConfigError(f"{where} is not valid JSON: {err}") from err
+    except (ValueError, RecursionError) as err:  # an int of > 4300 digits, deep nesting
+        raise ConfigError(f"{where} is not a JSON config we can read: {err}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{where} must hold a JSON object, got {type(data).__name__}")
     return data
@@ -183,16 +195,54 @@ def load_config(path_or_preset: PathLike) -> tuple[dict[str, Any], str]:
         if not path.is_file():
             raise ConfigError(f"folder {path.parent} holds no config.json")
     if path.is_file():
-        return _read_json(path.read_text(encoding="utf-8"), str(path)), str(path)
-    key = str(path_or_preset).strip().lower()
-    preset = _presets_dir().joinpath(f"{key}.json")
-    if key and "/" not in key and preset.is_file():
-        config = _read_json(preset.read_text(encoding="utf-8"), f"preset {key}")
-        return config, f"preset {key}"
-    raise ConfigError(
-        f"{str(path_or_preset)!r} is neither a config.json, a folder holding one, nor a preset; "
-        f"presets: {', '.join(preset_names())}"
-    )
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as err:
+            raise ConfigError(f"{path} is not UTF-8 text (byte {err.start})") from None
+        return _read_json(text, str(path)), str(path)
+    name = resolve_preset_name(str(path_or_preset))
+    config = _read_json(_presets_dir().joinpath(f"{name}.json").read_text(encoding="utf-8"), name)
+    return config, f"preset {name}"
+
+
+def _hf_ids() -> dict[str, str]:
+    """Lowercase Hugging Face id -> preset name, from each preset's ``_hybridkv.hf_id``."""
+    ids: dict[str, str] = {}
+    for name in preset_names():
+        text = _presets_dir().joinpath(f"{name}.json").read_text(encoding="utf-8")
+        meta = json.loads(text).get(META_KEY, {})
+        hf_id = meta.get("hf_id") if isinstance(meta, dict) else None
+        if isinstance(hf_id, str) and hf_id:
+            ids[hf_id.lower()] = name
+    return ids
+
+
+def resolve_preset_name(text: str) -> str:
+    """The preset ``text`` names: a preset name (any case), or a Hugging Face id such as
+    ``Qwen/Qwen3.5-9B`` whose repository name (any case) is a preset. Raises `ConfigError`
+    with the closest preset names otherwise."""
+    key = text.strip().lower()
+    names = preset_names()
+    if key in names:
+        return key
+    if "/" in key:
+        hf_ids = _hf_ids()
+        if key in hf_ids:
+            return hf_ids[key]
+        repo = key.rsplit("/", 1)[1]
+        if repo in names:
+            return repo
+    guess = key.rsplit("/", 1)[-1]
+    close = difflib.get_close_matches(guess, names, n=3, cutoff=0.6)
+    where = "neither a config.json, a folder holding one, nor a preset"
+    if "/" in key:
+        where = "not a file or folder, and no preset matches that Hugging Face id"
+    if close:
+        raise ConfigError(
+            f"{text!r} is {where}; did you mean {' or '.join(close)}? "
+            "(hybridkv models lists every preset)"
+        )
+    raise ConfigError(f"{text!r} is {where}; presets: {', '.join(names)}")
 
 
 def load_model_spec(path_or_preset: PathLike | Mapping[str, Any]) -> ModelSpec:

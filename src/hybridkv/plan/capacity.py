@@ -13,7 +13,7 @@ from __future__ import annotations
 from math import lcm
 
 from hybridkv.errors import PlanError
-from hybridkv.plan.layouts import LayoutDraft
+from hybridkv.plan.layouts import LayoutDraft, split_prefill_reserve_blocks
 from hybridkv.plan.types import (
     CachePlan,
     Capacity,
@@ -22,6 +22,7 @@ from hybridkv.plan.types import (
     PoolPlan,
     TensorPlacement,
 )
+from hybridkv.spec.attention import ChunkedLocalSpec, SlidingWindowSpec
 from hybridkv.spec.layers import FULL_ATTENTION, MLA, STATE
 
 GROWING_KINDS = (FULL_ATTENTION, MLA)  # kinds whose blocks per request grow without bound
@@ -63,8 +64,13 @@ def _split_pages(
     growing: list[int] = []
     for g, slab in zip(groups, slabs, strict=True):
         if g.kind not in GROWING_KINDS:
-            pages[g.pool_id] = num_requests * g.blocks_for(target, k) + 1
-            available -= num_requests * g.blocks_for(target, k) * slab
+            blocks = num_requests * g.blocks_for(target, k)
+            if isinstance(g.spec, SlidingWindowSpec | ChunkedLocalSpec):  # room to prefill
+                blocks += split_prefill_reserve_blocks(
+                    g.spec, g.block_size, options, num_requests, target
+                )
+            pages[g.pool_id] = blocks + 1
+            available -= blocks * slab
         else:
             growing.append(g.group_id)
     weight = {gid: slabs[gid] / groups[gid].block_size for gid in growing}

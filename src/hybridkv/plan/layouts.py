@@ -26,6 +26,7 @@ from hybridkv.plan.grouping import (
     vllm_group_size,
 )
 from hybridkv.plan.types import LayerRef, PlanOptions
+from hybridkv.spec.attention import ChunkedLocalSpec, SlidingWindowSpec
 from hybridkv.spec.layers import MLASpec
 
 BLOCK_ALIGN_TOKENS = 16  # attention kernels (FlashAttention, FlashInfer) want multiples of 16
@@ -275,6 +276,30 @@ def split_layout(classes: list[LayerClass], options: PlanOptions) -> LayoutDraft
         page_sizes.append(raw)
         tensors.append(len(cls.layers))
     return LayoutDraft("split", groups, page_sizes, tensors)
+
+
+def split_prefill_reserve_blocks(
+    spec: SlidingWindowSpec | ChunkedLocalSpec,
+    block_size: int,
+    options: PlanOptions,
+    num_requests: int,
+    target: int,
+) -> int:
+    """Extra blocks a split-layout window pool holds beyond ``num_requests`` requests'
+    decode-time blocks, so one step's prefill chunks fit.
+
+    A windowed request with ``t`` tokens in flight holds ``max_live_blocks(bs, t + K)``
+    blocks; decode sizing counts ``t = 1``. Since ``cdiv(a + b, bs) <= cdiv(a, bs) +
+    cdiv(b, bs)``, any split of one step's ``max_num_batched_tokens`` (capped at the
+    target length) among the ``num_requests`` requests needs at most
+    ``cdiv(chunk, bs) + num_requests`` more blocks than their decode sizing. Without
+    this, gpt-oss-120b's sliding pool fit 8 decoding requests and none could prefill an
+    8,192-token chunk.
+    """
+    chunk = min(options.max_num_batched_tokens, target)
+    k = options.num_spec_tokens
+    grow = spec.max_live_blocks(block_size, chunk + k) - spec.max_live_blocks(block_size, 1 + k)
+    return cdiv(chunk, block_size) + num_requests if grow > 0 else 0
 
 
 # --------------------------------------------------------------------------- vllm

@@ -81,6 +81,17 @@ def _warnings(plan: CachePlan, main: ModelSpec, draft: ModelSpec | None) -> tupl
         notes.append(
             f"padding wastes {plan.waste_fraction:.1%} of the budget ({plan.waste_bytes} bytes)"
         )
+    if main.max_position_embeddings is not None and main.max_position_embeddings < (
+        cap.max_model_len
+    ):
+        # a warning, not an error: rope scaling (YaRN) legitimately runs past the config's
+        # positions, and the planner answers what-if questions; vLLM refuses it unless
+        # VLLM_ALLOW_LONG_MAX_MODEL_LEN is set
+        notes.append(
+            f"max_model_len={cap.max_model_len} exceeds the {main.max_position_embeddings} "
+            f"positions of {main.name!r} (max_position_embeddings); the model may not "
+            "handle longer contexts without rope scaling"
+        )
     if (
         draft is not None
         and draft.max_position_embeddings is not None

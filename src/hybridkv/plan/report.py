@@ -15,6 +15,43 @@ def format_bytes(num_bytes: float) -> str:
     return f"{int(num_bytes)} B"
 
 
+# Deliberate abbreviations so the groups table stays readable in an 80-column log;
+# `--json` keeps the full names. `LEGEND` is printed under the table.
+KIND_SHORT = {
+    "full_attention": "full",
+    "sliding_attention": "swa",
+    "chunked_attention": "chunk",
+    "mla": "mla",
+    "state:gated_delta_net": "gdn",
+    "state:mamba2": "mamba2",
+    "state:mamba1": "mamba1",
+    "state:short_conv": "sconv",
+    "state:kda": "kda",
+    "state:lightning": "light",
+}
+DTYPE_SHORT = {
+    "bfloat16": "bf16",
+    "float16": "fp16",
+    "float32": "fp32",
+    "fp8_e4m3": "e4m3",
+    "fp8_e5m2": "e5m2",
+}
+LEGEND = (
+    "page: raw (padded); kinds: full/swa/chunk = full/sliding/chunked attention, "
+    "gdn = Gated DeltaNet, sconv = short conv; dtypes: bf16, fp16, fp32, e4m3/e5m2 = fp8"
+)
+
+
+def short_kind(kind: str) -> str:
+    return KIND_SHORT.get(kind, kind)
+
+
+def short_spec(text: str) -> str:
+    for long, short in DTYPE_SHORT.items():
+        text = text.replace(long, short)
+    return text
+
+
 def _layer_span(names: list[str]) -> str:
     if len(names) <= 2:
         return ",".join(names)
@@ -36,8 +73,14 @@ def _row_key(g: GroupPlan) -> tuple[object, ...]:
 def groups_table(plan: CachePlan) -> Table:
     """One row per run of consecutive groups that differ only in their layers."""
     table = Table(title=f"groups (layout {plan.layout})", title_justify="left")
-    for col in ("ids", "model", "kind", "spec", "layers", "block", "page", "padded", "pool"):
-        table.add_column(col, justify="right" if col in ("block", "pool") else "left")
+    for col in ("ids", "model", "kind", "spec", "layers", "block", "page", "pool"):
+        numeric = col in ("block", "pool", "page")
+        table.add_column(
+            col,
+            justify="right" if numeric else "left",
+            overflow="fold",  # wrap or fold, never cut with an ellipsis
+            no_wrap=col != "spec",
+        )
     runs: list[list[GroupPlan]] = []
     for g in plan.groups:
         if runs and _row_key(runs[-1][-1]) == _row_key(g):
@@ -49,15 +92,17 @@ def groups_table(plan: CachePlan) -> Table:
         ids = str(g.group_id) if len(run) == 1 else f"{g.group_id}-{run[-1].group_id}"
         layers = [r.name for group in run for r in group.layers]
         per_group = f"{len(run)} x {len(g.layers)}" if len(run) > 1 else str(len(g.layers))
+        page = format_bytes(g.page_bytes)
+        if g.padded_page_bytes != g.page_bytes:
+            page += f"\n({format_bytes(g.padded_page_bytes)})"
         table.add_row(
             ids,
             g.model,
-            g.kind + (f":{g.state_family}" if g.state_family else ""),
-            g.spec.describe(),
-            f"{per_group}: {_layer_span(layers)}",
+            short_kind(g.kind + (f":{g.state_family}" if g.state_family else "")),
+            short_spec(g.spec.describe()),
+            f"{per_group}:\n{_layer_span(layers)}",
             str(g.block_size),
-            format_bytes(g.page_bytes),
-            format_bytes(g.padded_page_bytes),
+            page,
             str(g.pool_id),
         )
     return table
@@ -66,7 +111,7 @@ def groups_table(plan: CachePlan) -> Table:
 def pools_table(plan: CachePlan) -> Table:
     table = Table(title="pools", title_justify="left")
     for col in ("pool", "packing", "page", "pages", "tensors", "bytes", "groups"):
-        table.add_column(col)
+        table.add_column(col, overflow="fold", no_wrap=col in ("page", "bytes"))
     for p in plan.pools:
         groups = ",".join(map(str, p.group_ids))
         if len(p.group_ids) > 4 and list(p.group_ids) == list(
@@ -99,7 +144,7 @@ def comparison_table(plan: CachePlan) -> Table:
         "attention blocks",
         "hit granularity",
     ):
-        table.add_column(col)
+        table.add_column(col, overflow="fold")
     for p in (plan, *plan.alternatives):
         s = p.summary()
         mark = " *" if p is plan else ""
@@ -136,7 +181,7 @@ def render(plan: CachePlan, console: Console | None = None) -> None:
     if plan.reason:
         lines.append(f"why: {plan.reason}")
     console.print(head)
-    console.print(Group(groups_table(plan), pools_table(plan)))
+    console.print(Group(groups_table(plan), LEGEND, pools_table(plan)))
     if plan.alternatives:
         console.print(comparison_table(plan))
     for line in lines:

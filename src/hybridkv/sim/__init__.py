@@ -1,7 +1,7 @@
 """Simulator: traces, workload generators, a scheduler model and `simulate`.
 
-``simulate(trace, plan)`` replays a JSONL trace (`hybridkv.sim.trace`) through a
-continuous-batching scheduler model (`hybridkv.sim.scheduler`) and the real
+``simulate(trace, plan)`` replays a JSONL trace (`hybridkv.sim.trace`) through the
+engine's own scheduler (`hybridkv.sched`, trace replay in `hybridkv.sim.scheduler`) and the real
 `hybridkv.cache.CacheManager`, with a linear step-time clock (`hybridkv.sim.cost`),
 and returns a `SimResult` (`hybridkv.sim.metrics`). Workloads come from
 `hybridkv.sim.workloads`; the CLI commands live in `hybridkv.sim.cli`.

@@ -26,7 +26,14 @@ from rich.console import Console
 from rich.table import Table
 
 from hybridkv import cli_options as o
-from hybridkv.cli import app, emit_json, run_guarded
+from hybridkv.cli import app, emit_json, run_guarded, say_notes
+from hybridkv.errors import PlanError, TraceError
+from hybridkv.plan.types import CachePlan
+from hybridkv.sim.trace import TraceRequest
+
+# The simulator builds one Python object per block; a plan with more pages than this
+# (e.g. --memory 1PiB) would exhaust host memory before the first step.
+MAX_SIMULATED_PAGES = 20_000_000
 
 Range = Annotated[str | None, typer.Option(help="token range LO:HI")]
 
@@ -124,6 +131,30 @@ def _plot(result: object, path: str) -> None:
     plt.close(fig)
 
 
+def check_lengths(requests: list[TraceRequest], max_model_len: int) -> None:
+    """Refuse a trace whose requests need more positions than the plan's max_model_len
+    (a real engine would reject them at admission; replaying them would overstate hits
+    and capacity)."""
+    too_long = [r for r in requests if len(r.prompt) + len(r.output) > max_model_len]
+    if too_long:
+        first = too_long[0]
+        raise TraceError(
+            f"{len(too_long)} request(s) exceed max_model_len={max_model_len}: e.g. "
+            f"{first.id!r} has {len(first.prompt)} prompt + {len(first.output)} output "
+            f"tokens = {len(first.prompt) + len(first.output)}; raise --max-model-len or "
+            "shorten the trace"
+        )
+
+
+def check_simulated_pages(cache_plan: CachePlan) -> None:
+    pages = sum(p.num_pages for p in cache_plan.pools)
+    if pages > MAX_SIMULATED_PAGES:
+        raise PlanError(
+            f"the plan has {pages} pages; the simulator holds at most {MAX_SIMULATED_PAGES} "
+            "(one object each): lower --memory or raise --block-size"
+        )
+
+
 _SIM_KEYS = frozenset(
     {
         "trace",
@@ -144,7 +175,7 @@ def simulate_command(
     model: o.Model,
     draft: o.Draft = None,
     spec_method: o.SpecMethod = None,
-    num_spec: o.NumSpec = 0,
+    num_spec: o.NumSpec = None,
     speculative_config: o.SpecConfig = None,
     kv_dtype: o.KvDtype = "auto",
     conv_dtype: o.ConvDtype = "auto",
@@ -191,8 +222,13 @@ def simulate_command(
         from hybridkv.sim.trace import read_trace
 
         requests = read_trace(trace)
+        if not requests:
+            raise TraceError(f"trace {trace} holds no requests (every line is blank)")
         main_spec, draft_spec, options = args.resolve()
+        say_notes(args.notes)
         cache_plan = plan(main_spec, draft_spec, options)
+        check_lengths(requests, cache_plan.capacity.max_model_len)
+        check_simulated_pages(cache_plan)
         result = simulate(
             requests,
             cache_plan,

@@ -9,15 +9,16 @@ summed over pools, and `check_invariants()` runs once more at the end.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from time import perf_counter
 from typing import Any
 
 from hybridkv.plan.types import CachePlan
+from hybridkv.sched import SchedulerOutput, StepReport, chunk_align_for
 from hybridkv.sim.cost import StepCost
 from hybridkv.sim.metrics import MetricsRecorder, SimResult, finalize
-from hybridkv.sim.scheduler import Scheduler, SchedulerConfig
+from hybridkv.sim.scheduler import SchedulerConfig, TraceReplay
 from hybridkv.sim.trace import TraceRequest, read_trace
 
 EAGLE_METHODS = ("eagle", "mtp")  # drafters that read their own KV at the hit position
@@ -54,16 +55,16 @@ def leaked_blocks(manager: Any, plan: CachePlan) -> int:
 
 
 def scheduler_config(plan: CachePlan, **overrides: Any) -> SchedulerConfig:
-    """Limits from the plan's options: max_num_seqs, the token budget, K drafts, and
+    """Limits from the plan's options, read as the engine reads them
+    (`hybridkv.sched.config_from_plan`): max_num_seqs, the token budget, K drafts, and
     chunk alignment to the hit granularity when state groups checkpoint (``align``)."""
     opts = plan.options
-    align = any(g.kind == "state" and g.state_mode == "align" for g in plan.groups)
     base = SchedulerConfig(
         max_num_seqs=opts.max_num_seqs,
         max_num_batched_tokens=opts.max_num_batched_tokens,
         # Without a speculative method the plan reserves no draft slots or states.
         max_spec_tokens=opts.num_spec_tokens if opts.spec_method else 0,
-        chunk_align_tokens=plan.hit_granularity_tokens if align and opts.prefix_caching else 0,
+        chunk_align_tokens=chunk_align_for(plan),
     )
     return dataclasses.replace(base, **overrides)
 
@@ -79,6 +80,7 @@ def simulate(
     enable_prefix_caching: bool | None = None,
     config: SchedulerConfig | None = None,
     manager: Any = None,
+    on_step: Callable[[SchedulerOutput, StepReport], None] | None = None,
     eviction_policy: str | None = None,
     checkpoint_rules: Sequence[str] | None = None,
 ) -> SimResult:
@@ -88,7 +90,8 @@ def simulate(
     once at the end). ``batched`` drives the running requests through
     `allocate_batch` / `commit_batch`. ``config`` overrides the scheduler limits that
     otherwise come from ``plan.options``; ``manager`` lets a caller pass its own;
-    ``eviction_policy`` and ``checkpoint_rules`` configure the one built otherwise.
+    ``on_step(output, report)`` sees every step's decisions (to compare with an engine);
+    ``eviction_policy`` and ``checkpoint_rules`` configure the manager built otherwise.
     Raises `TraceError` for a bad trace file and `SimulationError` when a request
     cannot fit alone.
     """
@@ -105,7 +108,7 @@ def simulate(
             checkpoint_rules=checkpoint_rules,
         )
     recorder = MetricsRecorder()
-    scheduler = Scheduler(manager, requests, config, cost or StepCost(), recorder)
+    scheduler = TraceReplay(manager, requests, config, cost or StepCost(), recorder, on_step)
     start = perf_counter()
     scheduler.run()
     wall_s = perf_counter() - start

@@ -38,6 +38,12 @@ ALLOWED_KEYS = frozenset(REQUIRED_KEYS + OPTIONAL_KEYS)
 
 SpecStep = tuple[int, int]  # (num_proposed, num_accepted)
 
+# Token ids are hashed as fixed-width integers; real vocabularies are far below 2^31.
+MAX_TOKEN_ID = (1 << 31) - 1
+# About 31 years: later arrivals are typos (or a clock in ns), and floats lose the step.
+MAX_ARRIVAL_S = 1e9
+MAX_SPEC_DRAFTS = 1 << 16  # num_proposed per step: no proposer drafts more
+
 
 @dataclass(frozen=True, kw_only=True)
 class TraceRequest:
@@ -72,6 +78,12 @@ class TraceRequest:
         return line
 
 
+def _short(value: object, limit: int = 40) -> str:
+    """``repr(value)`` cut to ``limit`` characters (a 4000-digit id must not flood a log)."""
+    text = repr(value) if not isinstance(value, int) or value.bit_length() < 4000 else "<huge>"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -84,9 +96,10 @@ def _token_list(value: object, key: str, line_no: int, *, min_len: int) -> tuple
     if len(value) < min_len:
         raise TraceError(f"line {line_no}: {key!r} has {len(value)} tokens; needs >= {min_len}")
     for pos, token in enumerate(value):
-        if not _is_int(token) or token < 0:
+        if not _is_int(token) or not 0 <= token <= MAX_TOKEN_ID:
             raise TraceError(
-                f"line {line_no}: {key}[{pos}]={token!r} is not a token id (a non-negative int)"
+                f"line {line_no}: {key}[{pos}]={_short(token)} is not a token id (an int "
+                f"from 0 to {MAX_TOKEN_ID})"
             )
     return tuple(value)
 
@@ -102,10 +115,15 @@ def _spec_steps(value: object, num_output: int, line_no: int) -> tuple[SpecStep,
     for pos, step in enumerate(value):
         if not isinstance(step, list) or len(step) != 2 or not all(_is_int(n) for n in step):
             raise TraceError(
-                f"line {line_no}: spec[{pos}]={step!r} is not a "
+                f"line {line_no}: spec[{pos}]={_short(step)} is not a "
                 "[num_proposed, num_accepted] pair of ints"
             )
         proposed, accepted = step
+        if proposed > MAX_SPEC_DRAFTS:
+            raise TraceError(
+                f"line {line_no}: spec[{pos}] proposes {_short(proposed)} drafts; at most "
+                f"{MAX_SPEC_DRAFTS} per step"
+            )
         if proposed < 0 or not 0 <= accepted <= proposed:
             raise TraceError(
                 f"line {line_no}: spec[{pos}]=[{proposed}, {accepted}] needs "
@@ -129,6 +147,8 @@ def parse_trace_line(text: str, line_no: int) -> TraceRequest:
         raise TraceError(
             f"line {line_no}: not valid JSON ({err.msg} at column {err.colno})"
         ) from None
+    except (ValueError, RecursionError) as err:  # e.g. an int of more than 4300 digits
+        raise TraceError(f"line {line_no}: not valid JSON for a trace ({err})") from None
     if not isinstance(obj, dict):
         raise TraceError(f"line {line_no}: expected a JSON object, got {type(obj).__name__}")
     unknown = sorted(set(obj) - ALLOWED_KEYS)
@@ -142,23 +162,24 @@ def parse_trace_line(text: str, line_no: int) -> TraceRequest:
         raise TraceError(f"line {line_no}: missing key(s) {', '.join(map(repr, missing))}")
     req_id = obj["id"]
     if not isinstance(req_id, str) or not req_id:
-        raise TraceError(f"line {line_no}: 'id' must be a non-empty string, got {req_id!r}")
+        raise TraceError(f"line {line_no}: 'id' must be a non-empty string, got {_short(req_id)}")
     arrival = obj["arrival_s"]
     if (
         not isinstance(arrival, int | float)
         or isinstance(arrival, bool)
+        or not 0 <= arrival <= MAX_ARRIVAL_S
         or not math.isfinite(arrival)
-        or arrival < 0
     ):
         raise TraceError(
-            f"line {line_no}: 'arrival_s'={arrival!r} must be a finite number >= 0 (seconds)"
+            f"line {line_no}: 'arrival_s'={_short(arrival)} must be a number of seconds from 0 "
+            f"to {MAX_ARRIVAL_S:.0e}"
         )
     prompt = _token_list(obj["prompt"], "prompt", line_no, min_len=1)
     output = _token_list(obj["output"], "output", line_no, min_len=1)
     spec = _spec_steps(obj["spec"], len(output), line_no) if obj.get("spec") is not None else None
     salt = obj.get("cache_salt")
     if salt is not None and not isinstance(salt, str):
-        raise TraceError(f"line {line_no}: 'cache_salt' must be a string, got {salt!r}")
+        raise TraceError(f"line {line_no}: 'cache_salt' must be a string, got {_short(salt)}")
     return TraceRequest(
         id=req_id,
         arrival_s=float(arrival),
@@ -189,8 +210,13 @@ def parse_trace(lines: Iterable[str]) -> list[TraceRequest]:
 
 def read_trace(path: str | Path) -> list[TraceRequest]:
     """Read a JSONL trace file; raises `TraceError` (with the line) or `OSError`."""
-    with open(path, encoding="utf-8") as handle:
-        return parse_trace(handle)
+    try:
+        with open(path, encoding="utf-8") as handle:
+            return parse_trace(handle)
+    except UnicodeDecodeError as err:
+        raise TraceError(
+            f"trace {path} is not UTF-8 text (byte {err.start}): {err.reason}"
+        ) from None
 
 
 def iter_trace_lines(requests: Iterable[TraceRequest]) -> Iterator[str]:

@@ -34,9 +34,20 @@ from typing import Any
 
 import numpy as np
 
+from hybridkv.errors import HybridKVError
 from hybridkv.sim.trace import SpecStep, TraceRequest
 
 VOCAB_SIZE = 32000
+# Up-front bound on the tokens a workload may hold (worst case of its ranges): a Python
+# token list costs ~36 bytes per token before the JSONL is written, so 50M tokens is
+# about 2 GB. Larger traces are refused before anything is generated.
+MAX_WORKLOAD_TOKENS = 50_000_000
+MAX_DRAFTS = 256  # K per step, as `hybridkv plan` bounds it
+MAX_RATE_PER_S = 1e6
+
+
+class WorkloadError(HybridKVError, ValueError):
+    """Workload options that are impossible or would not fit in memory."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -256,13 +267,55 @@ def generate_workload(kind: str, opts: WorkloadOptions) -> list[TraceRequest]:
         raise ValueError(
             f"unknown workload kind {kind!r}; use one of {', '.join(WORKLOADS)}"
         ) from None
-    if opts.num_requests < 0 or opts.max_drafts < 0 or opts.num_sessions < 1:
-        raise ValueError(
-            f"num_requests={opts.num_requests} and max_drafts={opts.max_drafts} must be >= 0, "
-            f"num_sessions={opts.num_sessions} >= 1"
+    check_workload_options(kind, opts)
+    return generator(opts)
+
+
+def worst_case_tokens(kind: str, opts: WorkloadOptions) -> int:
+    """An upper bound on the tokens ``kind`` generates under ``opts`` (prompt + output
+    of every request plus the shared prefixes), from the high ends of the ranges."""
+    prefix, suffix, output = opts.prefix_len[1], opts.suffix_len[1], opts.output_len[1]
+    if kind in ("chat", "agentic", "roundrobin"):  # a turn's prompt: the session so far
+        per_request = prefix + opts.max_turns * (suffix + output)
+    else:
+        per_request = prefix + suffix + output
+    num_contexts = opts.num_sessions if kind == "roundrobin" else opts.num_prefixes
+    return num_contexts * prefix + opts.num_requests * per_request
+
+
+def check_workload_options(kind: str, opts: WorkloadOptions) -> None:
+    """Refuse impossible options and workloads above `MAX_WORKLOAD_TOKENS`, up front."""
+
+    def whole(name: str, value: object, low: int) -> int:
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise WorkloadError(f"{name}={value!r} must be an integer >= {low}")
+        return value
+
+    whole("num_requests", opts.num_requests, 0)
+    whole("num_prefixes", opts.num_prefixes, 1)
+    whole("max_turns", opts.max_turns, 1)
+    whole("num_sessions", opts.num_sessions, 1)
+    if whole("max_drafts", opts.max_drafts, 0) > MAX_DRAFTS:
+        raise WorkloadError(f"max_drafts={opts.max_drafts} must be at most {MAX_DRAFTS}")
+    if isinstance(opts.seed, bool) or not isinstance(opts.seed, int) or opts.seed < 0:
+        raise WorkloadError(f"seed={opts.seed!r} must be an integer >= 0")
+    rate = opts.rate_per_s
+    if isinstance(rate, bool) or not isinstance(rate, int | float) or not 0 <= rate <= 1e6:
+        raise WorkloadError(
+            f"rate_per_s={rate!r} must be a number of arrivals per second from 0 "
+            f"(all at once) to {MAX_RATE_PER_S:.0e}"
         )
     for name in ("output_len", "prefix_len", "suffix_len"):
         low, high = getattr(opts, name)
         if not 1 <= low <= high:
-            raise ValueError(f"{name}=({low}, {high}) needs 1 <= low <= high")
-    return generator(opts)
+            raise WorkloadError(f"{name}=({low}, {high}) needs 1 <= low <= high")
+    bound = worst_case_tokens(kind, opts)
+    if bound > MAX_WORKLOAD_TOKENS:
+        raise WorkloadError(
+            f"workload {kind!r} could hold up to {bound} tokens ({opts.num_requests} requests, "
+            f"{opts.num_prefixes} prefixes of up to {opts.prefix_len[1]}, suffixes up to "
+            f"{opts.suffix_len[1]}, outputs up to {opts.output_len[1]}"
+            + (f", {opts.max_turns} turns" if kind in ("chat", "agentic") else "")
+            + f"); the limit is {MAX_WORKLOAD_TOKENS}: lower --num-requests, --num-prefixes "
+            "or the high ends of the length ranges"
+        )

@@ -57,7 +57,10 @@ def load_model(
             f"model_type {model_type!r} is not supported by the reference engine; "
             f"supported: {sorted(loaders)}"
         )
-    return loader(config, Checkpoint(folder, dtype, device))
+    checkpoint = Checkpoint(folder, dtype, device)
+    model = loader(config, checkpoint)
+    checkpoint.check_all_used()
+    return model
 
 
 __all__ = ["CausalLM", "LayerDesc", "load_model"]

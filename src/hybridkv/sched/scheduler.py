@@ -1,0 +1,469 @@
+"""`Scheduler`: the one continuous-batching policy over a `CacheManager`, for the
+engine and the simulator alike (torch-free). A step::
+
+    1. running requests, oldest first, while the token budget lasts:
+         decode step   1 token + L drafts, L = min(offered, K, budget - 1, left - 1)
+         prefill chunk min(uncomputed, budget, chunk_size), cut at a checkpoint (`chunk`)
+       allocate; on a miss: drop this request's drafts, then preempt the newest running
+       request (recompute) and retry; the newest preempts itself; alone, a prefill
+       chunk halves; a step that cannot fit alone is a `SchedulerError`
+    2. if nobody was preempted: admit waiting requests by (priority, longest cached
+       prefix among the first `reorder_window`, arrival) while budget and max_num_seqs
+       allow: lookup (prefix hit), allocate a chunk from the hit; a request whose next
+       uncached block a running prefill is computing is deferred (in-batch dedupe), a
+       request that does not fit stops admission
+    3. the executor runs the step; `update` cuts each verdict at the request's limits and
+       stop ids, commits accepted tokens, emits, frees finished requests
+
+Example, budget 8, chunk size 4: running A decodes (1 token + 2 drafts: budget 5),
+B prefills 4 of 10 (budget 1); waiting C (prompt 9, hit 4) gets 1 token. Waiting D and E
+share an uncached 64-token prefix: D is admitted and computes it; E's next uncached block
+is one D computes, so E waits and hits D's blocks once D's chunks commit.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping
+from typing import Any
+
+from hybridkv.errors import InvariantError, SchedulerError
+from hybridkv.sched.config import SchedulerConfig
+from hybridkv.sched.request import Request, Status
+from hybridkv.sched.step import (
+    Preemption,
+    ScheduledChunk,
+    SchedulerOutput,
+    StepReport,
+    StepResult,
+)
+
+
+class Scheduler:
+    """Requests waiting and running over ``manager`` (a `CacheManager` or a proxy)."""
+
+    def __init__(self, manager: Any, config: SchedulerConfig) -> None:
+        self.manager = manager
+        self.config = config
+        self.waiting: list[Request] = []  # kept in (priority, arrival) order
+        self.running: list[Request] = []  # admission order: the last is the newest
+        self.num_steps = 0
+        self.num_preemptions = 0
+        self.num_deferrals = 0  # waiting-request steps deferred by in-batch dedupe
+        self._seq = itertools.count()
+        self._live: dict[str, Request] = {}
+        self._order_hits: dict[str, tuple[int, int]] = {}  # req -> (step, hit) for ordering
+        self._pending: SchedulerOutput | None = None
+        self._dedupe = config.cache_aware and bool(getattr(manager, "caching", True))
+        self._unit = int(manager.hash_unit_tokens) if self._dedupe else 0
+        # Hits come in granules (state checkpoints, attention blocks): waiting pays only
+        # when a running prefill computes the whole next granule of a waiting request.
+        granule = getattr(getattr(manager, "plan", None), "hit_granularity_tokens", None)
+        self._granule: int = self._unit
+        if isinstance(granule, int) and self._unit and granule % self._unit == 0:
+            self._granule = granule
+
+    # ------------------------------------------------------------------ requests
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def get(self, req_id: str) -> Request | None:
+        """A waiting or running request."""
+        return self._live.get(req_id)
+
+    def add(self, req: Request) -> bool:
+        """Queue ``req``; False (status REFUSED, `Request.refusal` says why) when its
+        prompt leaves no room for an output token under ``max_model_len``."""
+        if req.req_id in self._live:
+            raise SchedulerError(f"request {req.req_id!r} was already added")
+        if req.status is not Status.WAITING or req.output or req.num_computed:
+            raise SchedulerError(
+                f"request {req.req_id!r}: only a new request can be added (status "
+                f"{req.status.value}, {len(req.output)} output, {req.num_computed} computed)"
+            )
+        limit = self.config.max_model_len
+        if limit is not None:
+            req.max_total_tokens = (
+                limit if req.max_total_tokens is None else min(limit, req.max_total_tokens)
+            )
+        if req.max_total_tokens is not None and req.num_tokens >= req.max_total_tokens:
+            req.status = Status.REFUSED
+            req.finish_reason = "refused"
+            req.refusal = (
+                f"request {req.req_id!r}: prompt of {req.num_tokens} tokens leaves no room "
+                f"for output under max_model_len={req.max_total_tokens} (it needs at most "
+                f"{req.max_total_tokens - 1}); shorten the prompt or raise max_model_len"
+            )
+            return False
+        self.manager.add_request(req.req_id, list(req.prompt), cache_salt=req.cache_salt)
+        req.seq = next(self._seq)
+        self._live[req.req_id] = req
+        self._insert_waiting(req)
+        return True
+
+    def cancel(self, req: Request) -> None:
+        """Drop a waiting or running request and release its blocks (between steps)."""
+        if req.status not in (Status.WAITING, Status.RUNNING):
+            return
+        if self._pending is not None:
+            raise SchedulerError(
+                f"cancel of request {req.req_id!r} while step {self._pending.step} is in "
+                "flight; cancel between update() and the next schedule()"
+            )
+        if req.status is Status.RUNNING:
+            self.running.remove(req)
+        else:
+            self.waiting.remove(req)
+        self._retire(req, Status.CANCELLED)
+
+    def decode_ready(self) -> list[Request]:
+        """Running requests whose next step is a decode step (they may carry drafts)."""
+        return [r for r in self.running if r.decode_ready]
+
+    # ------------------------------------------------------------------ schedule
+    def schedule(self, offered: Mapping[str, int] | None = None) -> SchedulerOutput:
+        """Decide this step (module doc); ``offered`` drafts per decode-ready request."""
+        if self._pending is not None:
+            raise SchedulerError(
+                f"schedule() called while step {self._pending.step} awaits update()"
+            )
+        offered = offered or {}
+        budget = self.config.max_num_batched_tokens
+        chunks: list[ScheduledChunk] = []
+        preempted: list[Preemption] = []
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            chunk = self._schedule_running(req, budget, offered, preempted)
+            if chunk is None:
+                continue  # req preempted itself; the next request moved to index i
+            chunks.append(chunk)
+            budget -= chunk.num_scheduled_tokens
+            i += 1
+        deferred: list[str] = []
+        # vLLM's rule too: no admissions in a step that had to preempt.
+        if not preempted:
+            self._admit(budget, chunks, deferred)
+        if not chunks and self.has_work:
+            raise SchedulerError(
+                f"no request could be scheduled ({len(self.running)} running, "
+                f"{len(self.waiting)} waiting); the cache is too small for one request"
+            )
+        out = SchedulerOutput(self.num_steps, tuple(chunks), tuple(preempted), tuple(deferred))
+        self._pending = out
+        return out
+
+    def _schedule_running(
+        self,
+        req: Request,
+        budget: int,
+        offered: Mapping[str, int],
+        preempted: list[Preemption],
+    ) -> ScheduledChunk | None:
+        c = req.num_computed
+        decode = req.decode_ready
+        proposed = max(0, int(offered.get(req.req_id, 0))) if decode else 0
+        if decode:
+            n, lookahead = 1, self._lookahead(req, proposed, budget - 1)
+        else:
+            n, lookahead = self.chunk(c, req.num_tokens - c, self._prefill_budget(budget)), 0
+        while self.manager.allocate(req.req_id, n, lookahead) is None:
+            if lookahead:  # drafts go before anyone is preempted
+                lookahead = 0
+            elif self.running[-1] is not req:
+                preempted.append(self._preempt(self.running[-1]))
+            elif len(self.running) > 1:
+                preempted.append(self._preempt(req))
+                return None
+            elif n > 1:  # alone: a smaller chunk needs fewer live blocks
+                n = self.chunk(c, n, n // 2)
+            else:
+                raise SchedulerError(
+                    f"request {req.req_id!r} cannot take its next step alone: {c} computed "
+                    f"of {req.num_tokens} tokens ({len(req.prompt)} prompt), usage "
+                    f"{self.manager.usage():.3f}; give the plan more memory or shorten "
+                    "the request"
+                )
+        return ScheduledChunk(req, c, n, None, lookahead, decode, proposed)
+
+    def _lookahead(self, req: Request, proposed: int, budget: int) -> int:
+        """Drafts to reserve: the offer, capped by K, the budget and the request's
+        limits (accepted drafts + the bonus token never pass them)."""
+        cap = self.config.max_spec_tokens
+        lookahead = proposed if cap is None else min(proposed, cap)
+        return max(0, min(lookahead, budget, req.num_tokens_left - 1))
+
+    def _prefill_budget(self, budget: int) -> int:
+        size = self.config.chunk_size
+        return budget if size is None else min(budget, size)
+
+    def chunk(self, num_computed: int, num_uncomputed: int, budget: int) -> int:
+        """Prefill tokens this step: what fits the budget, cut at a checkpoint boundary.
+
+        With ``chunk_align_tokens`` B, a chunk that stops short of the last boundary
+        ``L`` of the known tokens ends on a multiple of B, and a chunk that would cross
+        ``L`` stops at it (the tail follows next step), as vLLM's align mode does::
+
+            B = 16, 100 tokens, L = 96, budget 40:  0-32 | 32-64 | 64-96 | 96-100
+        """
+        num_new = min(num_uncomputed, budget)
+        align = self.config.chunk_align_tokens
+        if not align:
+            return num_new
+        end = num_computed + num_new
+        last = (num_computed + num_uncomputed) // align * align
+        if end < last:
+            aligned_end = end // align * align
+            if aligned_end > num_computed:
+                return aligned_end - num_computed
+        elif num_computed < last < end:
+            return last - num_computed
+        return num_new
+
+    def _preempt(self, req: Request) -> Preemption:
+        self.running.remove(req)
+        self.manager.preempt(req.req_id)
+        lost = req.num_computed
+        req.status = Status.WAITING
+        req.num_computed = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self._insert_waiting(req)
+        return Preemption(req, lost)
+
+    # ------------------------------------------------------------------ admission
+    def _admit(self, budget: int, chunks: list[ScheduledChunk], deferred: list[str]) -> None:
+        cfg = self.config
+        if not self.waiting or budget <= 0 or len(self.running) >= cfg.max_num_seqs:
+            return
+        order = self._admission_order()
+        inflight = self._inflight_hashes() if self._dedupe else None
+        for req in order:
+            if budget <= 0 or len(self.running) >= cfg.max_num_seqs:
+                break
+            hit = self.manager.lookup(req.req_id)
+            if inflight is not None and self._computed_by_others(req, hit, inflight):
+                deferred.append(req.req_id)
+                self.num_deferrals += 1
+                continue
+            alone = not self.running and not chunks
+            n = self._first_chunk(req, hit, budget)
+            blocks = self.manager.allocate(req.req_id, n)
+            while blocks is None and alone and n > 1:
+                # Alone, a smaller chunk may fit (a window group needs a block per
+                # in-flight token); look up again: a failed allocate forgets the hit.
+                hit = self.manager.lookup(req.req_id)
+                n = self._first_chunk(req, hit, max(1, n // 2))
+                blocks = self.manager.allocate(req.req_id, n)
+            if blocks is None:
+                if alone:
+                    raise SchedulerError(
+                        f"request {req.req_id!r} ({req.num_tokens} tokens: "
+                        f"{len(req.prompt)} prompt + {len(req.output)} output) cannot be "
+                        f"allocated even with no other request running (usage "
+                        f"{self.manager.usage():.3f}); give the plan more memory or "
+                        "shorten the request"
+                    )
+                break
+            self.waiting.remove(req)
+            self._order_hits.pop(req.req_id, None)
+            req.status = Status.RUNNING
+            req.num_computed = hit
+            req.prefix_hit_tokens += hit
+            req.admitted = True
+            self.running.append(req)
+            chunks.append(ScheduledChunk(req, hit, n, hit))
+            budget -= n
+            if inflight is not None:
+                inflight.update(self._uncomputed_hashes(req))
+
+    def _first_chunk(self, req: Request, hit: int, budget: int) -> int:
+        if not 0 <= hit < req.num_tokens:
+            raise SchedulerError(
+                f"lookup of request {req.req_id!r} returned a hit of {hit} tokens for "
+                f"{req.num_tokens} known tokens; a hit must leave >= 1 token to compute"
+            )
+        return self.chunk(hit, req.num_tokens - hit, self._prefill_budget(budget))
+
+    def _admission_order(self) -> list[Request]:
+        """Waiting requests in admission order: (priority, longest cached prefix first,
+        arrival) among the first ``reorder_window``, arrival order after them.
+
+        The ordering hit of a request is looked up again only every
+        ``reorder_refresh_steps`` steps (lookups cost a prefix scan each; a stale key
+        only changes the order, admission itself looks up afresh)."""
+        window = self.config.reorder_window if self._dedupe else 0
+        if window < 2 or len(self.waiting) < 2:
+            return list(self.waiting)
+        head = self.waiting[:window]
+        refresh = self.config.reorder_refresh_steps
+        hits: dict[str, int] = {}
+        for r in head:
+            memo = self._order_hits.get(r.req_id)
+            if memo is None or self.num_steps - memo[0] >= refresh:
+                memo = (self.num_steps, self.manager.lookup(r.req_id))
+                self._order_hits[r.req_id] = memo
+            hits[r.req_id] = memo[1]
+        head.sort(key=lambda r: (r.priority, -hits[r.req_id], r.seq))
+        return head + self.waiting[window:]
+
+    def _uncomputed_hashes(self, req: Request) -> list[bytes]:
+        """Hashes of the full units a running prefill has still to compute and commit."""
+        if req.num_tokens - req.num_computed <= 1:
+            return []
+        unit = self._unit
+        return list(
+            self.manager.block_hashes(req.req_id, req.num_computed // unit, req.num_tokens // unit)
+        )
+
+    def _inflight_hashes(self) -> set[bytes]:
+        inflight: set[bytes] = set()
+        for req in self.running:
+            inflight.update(self._uncomputed_hashes(req))
+        return inflight
+
+    def _computed_by_others(self, req: Request, hit: int, inflight: set[bytes]) -> bool:
+        """Whether a running prefill computes ``req``'s next hit granule, up to its last
+        unit: then ``req`` waits for that commit and hits it instead of computing it
+        twice. (Deferring for a partly shared granule would gain nothing: the hit stays
+        at the granule start, and the waiters would prefill one after another.)
+
+            G = 64, unit 16, hit 192: wait iff the unit [240, 256) is in flight
+        """
+        if not inflight:
+            return False
+        index = (hit // self._granule + 1) * self._granule // self._unit - 1
+        nxt = self.manager.block_hashes(req.req_id, index, index + 1)
+        return bool(nxt) and nxt[0] in inflight
+
+    def _insert_waiting(self, req: Request) -> None:
+        key = (req.priority, req.seq)
+        index = len(self.waiting)
+        while index > 0 and (self.waiting[index - 1].priority, self.waiting[index - 1].seq) > key:
+            index -= 1
+        self.waiting.insert(index, req)
+
+    # ------------------------------------------------------------------ update
+    def update(self, output: SchedulerOutput, results: Mapping[str, StepResult]) -> StepReport:
+        """Settle ``output`` with the executor's ``results`` (module doc, step 3)."""
+        if output is not self._pending:
+            raise SchedulerError(
+                f"update() for step {output.step}, but the step in flight is "
+                f"{None if self._pending is None else self._pending.step}"
+            )
+        report = StepReport()
+        ids: list[str] = []
+        accepted_counts: list[int] = []
+        new_tokens: list[list[int]] = []
+        for chunk in output.chunks:
+            req = chunk.request
+            ids.append(req.req_id)
+            if not chunk.samples:
+                accepted_counts.append(0)
+                new_tokens.append([])
+                continue
+            tokens, accepted = self._cut(chunk, results.get(req.req_id))
+            accepted_counts.append(accepted)
+            new_tokens.append(tokens)
+            report.emitted[req.req_id] = tokens
+            report.accepted[req.req_id] = accepted
+        self._commit(ids, accepted_counts, new_tokens)
+        for chunk, accepted, tokens in zip(output.chunks, accepted_counts, new_tokens, strict=True):
+            req = chunk.request
+            req.num_steps += 1
+            req.num_computed = chunk.num_computed + chunk.num_new_tokens + accepted
+            if tokens:
+                req.emit(tokens)
+            if req.done:
+                self.running.remove(req)
+                self._retire(req, Status.FINISHED)
+                report.finished.append(req)
+        self._pending = None
+        self.num_steps += 1
+        return report
+
+    def _cut(self, chunk: ScheduledChunk, result: StepResult | None) -> tuple[list[int], int]:
+        req = chunk.request
+        if result is None:
+            raise SchedulerError(
+                f"step {self.num_steps}: no result for request {req.req_id!r}, whose chunk "
+                f"({chunk.num_new_tokens} tokens from {chunk.num_computed}) samples"
+            )
+        a = result.num_accepted
+        if not 0 <= a <= chunk.num_lookahead or len(result.token_ids) != a + 1:
+            raise SchedulerError(
+                f"step {self.num_steps}, request {req.req_id!r}: {a} accepted drafts and "
+                f"{len(result.token_ids)} tokens for {chunk.num_lookahead} reserved drafts; "
+                "a result carries accepted + 1 tokens, accepted <= reserved"
+            )
+        k = req.num_to_emit(result.token_ids)
+        if k < 1:
+            raise SchedulerError(f"request {req.req_id!r} sampled while already finished")
+        return [int(t) for t in result.token_ids[:k]], k - 1
+
+    def _commit(self, ids: list[str], accepted: list[int], tokens: list[list[int]]) -> None:
+        batch = getattr(self.manager, "commit_batch", None)
+        if self.config.batch_commits and batch is not None:
+            batch(ids, accepted, tokens)
+            return
+        for req_id, a, new in zip(ids, accepted, tokens, strict=True):
+            self.manager.commit(req_id, a, new)
+
+    def _retire(self, req: Request, status: Status) -> None:
+        self._order_hits.pop(req.req_id, None)
+        self.manager.free(req.req_id)
+        del self._live[req.req_id]
+        req.status = status
+
+    # ------------------------------------------------------------------ checks
+    def check_invariants(self) -> None:
+        """Queues partition the live requests with matching statuses; progress agrees
+        with the manager's record; limits hold."""
+        seen: set[str] = set()
+        for queue, status in ((self.waiting, Status.WAITING), (self.running, Status.RUNNING)):
+            for req in queue:
+                if req.status is not status or req.req_id in seen:
+                    raise InvariantError(
+                        f"request {req.req_id!r} is {req.status.value} in the "
+                        f"{status.value} queue (or in two queues)"
+                    )
+                seen.add(req.req_id)
+                self._check_request(req)
+        if seen != set(self._live):
+            raise InvariantError(
+                f"live requests {sorted(set(self._live) - seen)} are in no queue, "
+                f"{sorted(seen - set(self._live))} are queued but not live"
+            )
+        if len(self.running) > self.config.max_num_seqs:
+            raise InvariantError(
+                f"{len(self.running)} running > max_num_seqs {self.config.max_num_seqs}"
+            )
+        keys = [(r.priority, r.seq) for r in self.waiting]
+        if keys != sorted(keys):
+            raise InvariantError("the waiting queue is out of (priority, arrival) order")
+
+    def _check_request(self, req: Request) -> None:
+        if not self.manager.has_request(req.req_id):
+            raise InvariantError(f"request {req.req_id!r} is queued but unknown to the manager")
+        if req.status is Status.WAITING and req.num_computed:
+            raise InvariantError(
+                f"waiting request {req.req_id!r} has {req.num_computed} computed tokens"
+            )
+        pending = self._pending is not None and any(c.request is req for c in self._pending.chunks)
+        if req.status is Status.RUNNING and not pending:
+            held = self.manager.num_computed_tokens(req.req_id)
+            if held != req.num_computed or not 0 < req.num_computed < req.num_tokens + 1:
+                raise InvariantError(
+                    f"request {req.req_id!r}: {req.num_computed} computed here, {held} in the "
+                    f"manager, {req.num_tokens} tokens"
+                )
+        if len(req.output) > req.max_new_tokens or (
+            req.max_total_tokens is not None and req.num_tokens > req.max_total_tokens
+        ):
+            raise InvariantError(
+                f"request {req.req_id!r}: {len(req.output)} output of {req.max_new_tokens}, "
+                f"{req.num_tokens} tokens of {req.max_total_tokens}"
+            )
+        if req.done:
+            raise InvariantError(f"request {req.req_id!r} finished but is still queued")
