@@ -252,3 +252,49 @@ def test_tokens_per_group_leaves_room_for_the_other_groups():
         assert used <= pool.num_usable_blocks < more  # the largest length that fits
         whole_pool = pool.num_usable_blocks * growing[0].block_size
         assert cap.tokens_per_group[growing[0].group_id] * len(growing) <= whole_pool
+
+
+def test_chain_policy_order_dead_then_probation_tail_first_then_protected():
+    """chain: dead blocks first; never-hit blocks newest burst first but tail first
+    within the burst (a child is useless without its parent); hit blocks last, LRU."""
+    q = FreeQueue(20, [], policy="chain")
+    for b in (5, 4, 3):  # one request's chain 3 -> 4 -> 5, released tail first
+        q.push_cached(BlockId(b))
+    q.push_cached(BlockId(7), dead=True)
+    q.push_cached(BlockId(8), was_hit=True)
+    q.push_cached(BlockId(12), was_hit=True)
+    q.remove_cached(BlockId(12))  # a hit revives it: O(1) unlink, burst ends
+    for b in (11, 10):  # a newer chain 10 -> 11
+        q.push_cached(BlockId(b))
+    q.check_invariants()
+    assert [q.tier_of(b) for b in (7, 3, 8, 12)] == ["dead", "probation", "protected", None]
+    popped = [q.pop() for _ in range(len(q))]
+    assert popped == [(7, True), (11, True), (10, True), (5, True), (4, True), (3, True), (8, True)]
+    q.check_invariants()
+
+
+def test_chain_policy_evicts_stale_probation_before_newer_blocks():
+    """A never-hit block freed more than STALE_TURNOVERS pool sizes of releases ago goes
+    before newer ones: blocks nobody comes back for do not pile up."""
+    from hybridkv.cache.free_queue import STALE_TURNOVERS
+
+    q = FreeQueue(4, [], policy="chain")
+    q.push_cached(BlockId(1))
+    for _ in range(STALE_TURNOVERS * 4 - 1):
+        q.push_cached(BlockId(2))
+        q.remove_cached(BlockId(2))
+    q.push_cached(BlockId(3))
+    assert q.pop() == (3, True)  # block 1 is exactly at the limit: not stale yet
+    q.push_cached(BlockId(3))
+    assert q.pop() == (1, True)  # one more release: block 1 is stale
+    with pytest.raises(CacheError, match="unknown"):
+        FreeQueue(4, [], policy="arc")
+
+
+def test_unknown_eviction_policy_or_checkpoint_rule_is_a_cache_error():
+    plan_ = toy_plan([ToyGroup("full", 4), ToyGroup("state", 8)])
+    with pytest.raises(CacheError, match="eviction policy 'mru' is unknown"):
+        CacheManager(plan_, eviction_policy="mru")
+    with pytest.raises(CacheError, match=r"checkpoint rules \['turn-end'\] are unknown"):
+        CacheManager(plan_, checkpoint_rules=("junction", "turn-end"))
+    assert CacheManager(plan_).checkpoint_rules == ("junction",)  # the default

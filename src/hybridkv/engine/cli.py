@@ -65,6 +65,15 @@ def generate_command(
         str | None,
         typer.Option("--stop-token-ids", help="comma-separated ids that also stop a request"),
     ] = None,
+    state_mode: Annotated[
+        str | None,
+        typer.Option(
+            "--state-mode", "--mamba-cache-mode", help="state checkpoints: align | all | none"
+        ),
+    ] = None,
+    eviction: Annotated[
+        str, typer.Option("--eviction", help="eviction policy of the prefix cache: lru | chain")
+    ] = "lru",
     as_json: Annotated[bool, typer.Option("--json", help="machine-readable output")] = False,
 ) -> None:
     """Generate tokens with the reference engine (planned cache, real cache manager)."""
@@ -89,6 +98,8 @@ def generate_command(
             spec_method=spec_method,
             num_spec_tokens=num_spec_tokens,
             device=device,
+            state_mode=state_mode,
+            eviction_policy=eviction,
         )
         prompts: list[list[int] | str] = (
             list(prompt) if prompt else [parse_prompt_ids(p) for p in prompt_ids or []]

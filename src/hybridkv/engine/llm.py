@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from hybridkv.cache import CacheManager
+from hybridkv.cache.free_queue import DEFAULT_EVICTION_POLICY
 from hybridkv.engine.loader import eos_token_ids
 from hybridkv.engine.models import load_model
 from hybridkv.engine.proposers import Proposer
@@ -77,6 +78,8 @@ class LLM:
         num_spec_tokens: int = 0,
         proposer: Proposer | None = None,
         cache_aware: bool = True,
+        eviction_policy: str = DEFAULT_EVICTION_POLICY,
+        checkpoint_rules: Sequence[str] | None = None,
         **plan_options: Any,
     ) -> None:
         self.model_path = Path(model_path)
@@ -117,7 +120,12 @@ class LLM:
             **plan_options,
         )
         self.plan: CachePlan = make_plan(spec, draft_spec, options)
-        self.manager = CacheManager(self.plan, enable_prefix_caching=prefix_caching)
+        self.manager = CacheManager(
+            self.plan,
+            enable_prefix_caching=prefix_caching,
+            eviction_policy=eviction_policy,
+            checkpoint_rules=checkpoint_rules,
+        )
         self.tensors = build_cache_tensors(
             self.plan,
             self.model.layers,
