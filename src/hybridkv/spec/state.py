@@ -82,6 +82,9 @@ class StateSpec(LayerSpec):
             align, B 8, S 3: c 15 -> 4 (running + 3 drafts); c 16 -> 5 (the state
             after 16 tokens is cached, read only: the step writes a new block)
             all, B 8, S 0: c 16, n 20 -> 4 (cached running, write, checkpoints 24, 32)
+
+        Not counted: the ``junction`` checkpoint rule's one extra transient block in the
+        single step where a request that started from a hit crosses its junction.
         """
         base = 1 + num_spec_states
         if state_mode not in ("align", "all"):
