@@ -298,3 +298,50 @@ def test_unknown_eviction_policy_or_checkpoint_rule_is_a_cache_error():
     with pytest.raises(CacheError, match=r"checkpoint rules \['turn-end'\] are unknown"):
         CacheManager(plan_, checkpoint_rules=("junction", "turn-end"))
     assert CacheManager(plan_).checkpoint_rules == ("junction",)  # the default
+
+
+@pytest.mark.parametrize("policy", ["chain", "lru"])
+def test_release_many_is_exactly_single_releases_under_each_policy(policy):
+    """`release_many` (a request's table at `free`) leaves the free queue exactly as the
+    same `release` calls one by one would: links, tiers, release times, bursts. Mixed
+    fresh / cached / hit / hot blocks, shared references and null entries."""
+    import random
+    from collections import Counter
+
+    rng = random.Random(7)
+    plan_ = PoolPlan(pool_id=0, page_bytes=1, num_pages=40, num_tensors=1, group_ids=(0,))
+    for _trial in range(30):
+        pools = [BlockPool(plan_, None, eviction_policy=policy) for _ in range(2)]
+        for _ in range(rng.randint(5, 30)):  # the same blocks taken on both sides
+            assert pools[0].take() == pools[1].take()
+        held = [b for b in range(1, 40) if pools[0].ref_counts[b]]
+        for j, b in enumerate(held):
+            if rng.random() < 0.6:
+                for pool in pools:
+                    pool.cache(BlockId(b), 0, bytes([j, 1]), 4)
+        # some cached blocks freed and hit again (was_hit), some shared (ref 2)
+        for b in held:
+            if b in pools[0].hashes and rng.random() < 0.3:
+                for pool in pools:
+                    pool.release(BlockId(b))
+                    pool.touch(BlockId(b))
+            if rng.random() < 0.2:
+                for pool in pools:
+                    pool.ref_counts[b] += 1
+        table = [0, *held]
+        rng.shuffle(table)
+        hot = rng.random() < 0.5
+        for pool in pools:
+            pool.releasing_hot = hot
+        pools[0].release_many(table)
+        for b in table:
+            if b:
+                pools[1].release(BlockId(b))
+        a, b_ = pools[0].free, pools[1].free
+        assert a.fresh_ids() == b_.fresh_ids()
+        for tier in range(3):
+            assert a.tier_ids(tier) == b_.tier_ids(tier)
+        assert list(a._freed_at) == list(b_._freed_at)
+        assert a._num_releases == b_._num_releases and a._anchors == b_._anchors
+        for pool in pools:
+            pool.check_invariants(Counter({x: pool.ref_counts[x] for x in range(1, 40)}))

@@ -26,7 +26,7 @@ from collections.abc import Iterable
 
 from hybridkv.cache.block import NULL_BLOCK, BlockInfo
 from hybridkv.cache.events import BLOCK_REMOVED, BLOCK_STORED, CacheEvent
-from hybridkv.cache.free_queue import FreeQueue
+from hybridkv.cache.free_queue import PROBATION, PROTECTED, FreeQueue
 from hybridkv.errors import InvariantError
 from hybridkv.ids import BlockId
 from hybridkv.plan.types import PoolPlan
@@ -138,7 +138,9 @@ class BlockPool:
         it; hit and hot blocks protected); lru links the cached ones in one pass."""
         refs, hashes = self.ref_counts, self.hashes
         if self.free.chain:
-            free, was_hit, hot = self.free, self.was_hit, self.releasing_hot
+            was_hit, hot = self.was_hit, self.releasing_hot
+            freed: list[int] = []
+            tiers: list[int] = []  # -1: fresh; else the cached tier single releases pick
             for block in block_ids:
                 if block == NULL_BLOCK:
                     continue
@@ -147,10 +149,13 @@ class BlockPool:
                     raise InvariantError(f"pool {self.pool_id}: block {block} released while free")
                 refs[block] = count
                 if count == 0:
-                    if block in hashes:
-                        free.push_cached(block, was_hit=hot or bool(was_hit[block]))
+                    freed.append(block)
+                    if block not in hashes:
+                        tiers.append(-1)
                     else:
-                        free.push_fresh(block)
+                        tiers.append(PROTECTED if hot or was_hit[block] else PROBATION)
+            if freed:
+                self.free.push_chain_many(freed, tiers)
             return
         fresh: list[int] = []
         cached: list[int] = []

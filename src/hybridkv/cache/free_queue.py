@@ -202,6 +202,37 @@ class FreeQueue:
         self._tier_len[PROBATION] += len(block_ids)
         self._num_cached += len(block_ids)
 
+    def push_chain_many(self, block_ids: list[int], tiers: list[int]) -> None:
+        """chain: for each block in order, `push_fresh` (tier < 0) or `push_cached` into
+        ``tiers[i]`` (`PROBATION` or `PROTECTED`, never dead): the same links, release
+        times and bursts as those calls, in one loop over local names."""
+        prev, nxt, tier_of, freed_at = self._prev, self._next, self._tier, self._freed_at
+        anchors, burst_at, tier_len = self._anchors, self._burst_freed_at, self._tier_len
+        fresh, base = self._fresh, self._num_blocks
+        now = self._num_releases
+        num_cached = 0
+        for block, tier in zip(block_ids, tiers, strict=True):
+            if tier < 0:
+                fresh.append(block)
+                anchors[DEAD] = anchors[PROBATION] = anchors[PROTECTED] = _NONE
+                continue
+            now += 1
+            anchor = anchors[tier]
+            if anchor == _NONE:
+                anchor = anchors[tier] = prev[base + tier]  # the newest end before the burst
+                burst_at[tier] = now
+            freed_at[block] = burst_at[tier]
+            node = nxt[anchor]  # insert right after the anchor (see `push_cached`)
+            nxt[anchor] = block
+            prev[block] = anchor
+            nxt[block] = node
+            prev[node] = block
+            tier_of[block] = tier
+            tier_len[tier] += 1
+            num_cached += 1
+        self._num_releases = now
+        self._num_cached += num_cached
+
     def remove_cached(self, block_id: BlockId) -> None:
         """Unlink a cached free block (it was hit, or is being evicted), O(1)."""
         tier = self._tier[block_id]
