@@ -126,11 +126,11 @@ class FreeQueue:
         """A cached block was freed: ``dead`` when it can no longer serve a hit of the
         request that freed it, ``was_hit`` when a prefix hit used it since stored."""
         assert self._tier[block_id] < 0, f"block {block_id} is already in the queue"
-        self._num_releases += 1
-        self._freed_at[block_id] = self._num_releases
-        if not self._chain:
+        if not self._chain:  # lru keeps no release times
             self._link_before(block_id, self._num_blocks + PROBATION, PROBATION)
             return
+        self._num_releases += 1
+        self._freed_at[block_id] = self._num_releases
         if dead:
             self._link_before(block_id, self._num_blocks + DEAD, DEAD)
             return
@@ -151,6 +151,8 @@ class FreeQueue:
 
     def note_hit(self, block_id: BlockId) -> None:
         """A prefix hit takes this cached free block: record its reuse distance."""
+        if not self._chain:
+            return
         distance = max(1, self._num_releases - self._freed_at[block_id])
         self._distance[block_id] = distance
         if self._typical == 0.0:
@@ -185,20 +187,16 @@ class FreeQueue:
             for block in block_ids:
                 self.push_cached(block)
             return
-        prev, nxt, tier_of, freed_at = self._prev, self._next, self._tier, self._freed_at
+        prev, nxt, tier_of = self._prev, self._next, self._tier
         sentinel = self._num_blocks + PROBATION
         last = prev[sentinel]
-        now = self._num_releases
         for block in block_ids:
-            now += 1
-            freed_at[block] = now
             tier_of[block] = PROBATION
             nxt[last] = block
             prev[block] = last
             last = block
         nxt[last] = sentinel
         prev[sentinel] = last
-        self._num_releases = now
         self._tier_len[PROBATION] += len(block_ids)
         self._num_cached += len(block_ids)
 
