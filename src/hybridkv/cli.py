@@ -244,7 +244,7 @@ def find_benchmark(name: str) -> Path:
 
 def _register_optional_commands() -> None:
     """Commands whose modules may be absent in a partial install register themselves."""
-    for module in ("hybridkv.sim.cli", "hybridkv.engine.cli"):
+    for module in ("hybridkv.sim.cli", "hybridkv.engine.cli", "hybridkv.serve.cli"):
         try:
             importlib.import_module(module)
         except ModuleNotFoundError as err:

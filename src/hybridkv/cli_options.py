@@ -16,6 +16,7 @@ from typing import Annotated
 import typer
 
 from hybridkv.errors import HybridKVError, PlanError
+from hybridkv.plan.tree import TREE_KEYS, check_chain_drafts
 from hybridkv.plan.types import PlanOptions
 from hybridkv.spec.dtypes import DType, parse_dtype
 from hybridkv.spec.model import ModelSpec
@@ -204,6 +205,13 @@ def parse_speculative_config(
             f"--speculative-config must be a JSON object, got {type(config).__name__}; "
             '{"method": "draft_model", "model": "qwen3-0.6b", "num_speculative_tokens": 4}'
         )
+    if any(key in config for key in TREE_KEYS):  # trees: what is missing, by name
+        try:
+            check_chain_drafts(config.get("topk", 1), config.get("speculative_token_tree"))
+        except PlanError as err:
+            keys = ", ".join(key for key in TREE_KEYS if key in config)
+            raise PlanError(f"--speculative-config: not supported: {keys}: {err}") from None
+        config = {key: value for key, value in config.items() if key != "topk"}  # 1: a chain
     unsupported = [key for key in config if key in SPEC_CONFIG_UNSUPPORTED]
     if unsupported:
         why = "; ".join(f"{key}: {SPEC_CONFIG_UNSUPPORTED[key]}" for key in unsupported)

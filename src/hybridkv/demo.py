@@ -24,6 +24,8 @@ from typing import Any
 DEMO_MODELS = Path(__file__).resolve().parent / "engine" / "demo_models"
 DEMO_MAIN = DEMO_MODELS / "main"
 DEMO_DRAFT = DEMO_MODELS / "draft"
+DEMO_MTP = DEMO_MODELS / "mtp"  # an MTP head for the main (scripts/train_demo_mtp.py)
+DEMO_SPEC_METHODS = ("draft", "mtp")
 DEMO_MEMORY_BYTES = 32 << 20
 DEMO_MAX_MODEL_LEN = 1024
 MAX_DEMO_REQUESTS = 1024
@@ -65,6 +67,7 @@ class DemoOptions:
     num_spec_tokens: int = 4
     threads: int | None = None
     device: str = "cpu"
+    spec_method: str = "draft"  # "draft": the demo draft model; "mtp": the demo MTP head
 
 
 def run_demo(options: DemoOptions, progress: bool = True) -> tuple[Any, dict[str, Any]]:
@@ -76,15 +79,21 @@ def run_demo(options: DemoOptions, progress: bool = True) -> tuple[Any, dict[str
 
     if options.num_requests < 1 or options.max_new_tokens < 1 or options.num_spec_tokens < 1:
         raise ValueError("--num-requests, --max-new-tokens and --num-spec must be >= 1")
+    if options.spec_method not in DEMO_SPEC_METHODS:
+        raise ValueError(
+            f"--spec-method {options.spec_method!r}: the demo runs {' or '.join(DEMO_SPEC_METHODS)}"
+        )
     if options.num_requests > MAX_DEMO_REQUESTS:  # prompts are built up front
         raise ValueError(
             f"--num-requests={options.num_requests}: the demo serves at most {MAX_DEMO_REQUESTS}"
         )
     apply_threads(options.threads, (DEMO_MAIN, DEMO_DRAFT))  # tiny models: 1 thread
     start = time.perf_counter()
+    mtp = options.spec_method == "mtp"
     llm = LLM(
         DEMO_MAIN,
-        draft=DEMO_DRAFT,
+        draft=DEMO_MTP if mtp else DEMO_DRAFT,
+        spec_method=options.spec_method,
         num_spec_tokens=options.num_spec_tokens,
         memory_bytes=DEMO_MEMORY_BYTES,
         max_model_len=DEMO_MAX_MODEL_LEN,
@@ -133,7 +142,10 @@ def _report(llm: Any, results: list[Any], peak_usage: float, wall_s: float) -> d
     cache = llm.manager.stats()
     vllm = next((p for p in plan.alternatives if p.layout == "vllm"), None)
     return {
-        "models": {"main": str(DEMO_MAIN), "draft": str(DEMO_DRAFT)},
+        "models": {
+            "main": str(DEMO_MAIN),
+            "draft": str(DEMO_MTP if llm.spec_method == "mtp" else DEMO_DRAFT),
+        },
         "device": str(llm.device),
         "stop": {
             "eos_token_ids": list(llm.eos_token_ids),
@@ -221,7 +233,8 @@ def print_report(llm: Any, report: dict[str, Any]) -> None:
     spec, cache, mem = report["spec"], report["prefix_cache"], report["memory"]
     console.rule("summary")
     console.print(
-        f"speculative decoding (draft model, K={spec['num_spec_tokens']}): mean accepted "
+        f"speculative decoding ({'MTP head' if spec['method'] == 'mtp' else 'draft model'}, "
+        f"K={spec['num_spec_tokens']}): mean accepted "
         f"length {spec['mean_accepted_length']:.2f}, acceptance {spec['acceptance_rate']:.1%}, "
         f"{spec['tokens_per_step']:.2f} tokens per main-model step (whole batch)"
     )

@@ -47,3 +47,29 @@ class SchedulerError(HybridKVError):
 
 class EngineError(HybridKVError):
     """The reference engine cannot load or run a checkpoint."""
+
+
+class ServeError(HybridKVError):
+    """`hybridkv serve` cannot start (a missing extra, an address in use, bad flags)."""
+
+
+class RequestError(ServeError):
+    """An HTTP API request is invalid. ``param`` names the offending field (None for the
+    whole body), ``status`` is the HTTP status to answer with, ``code`` a short
+    machine-readable reason (OpenAI's error shape: message, type, param, code)."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        param: str | None = None,
+        status: int = 400,
+        code: str | None = None,
+        kind: str = "invalid_request_error",
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.status = status
+        self.code = code
+        self.kind = kind

@@ -87,3 +87,19 @@ def test_generate_on_cuda_without_cuda_exits_2(tiny_qwen3):
     )
     assert result.exit_code == 2
     assert "CUDA" in json.loads(result.stdout)["error"]["message"]
+
+
+@pytest.mark.parametrize("flag", ["--kv-dtype", "--kv-cache-dtype"])
+def test_generate_fp8_kv_matches_the_python_api(tiny_qwen3, flag):
+    from hybridkv.engine import LLM
+
+    args = ["generate", str(tiny_qwen3), "--prompt-ids", "1,2,3,4,5", "--max-new-tokens", "6"]
+    result = CliRunner().invoke(app, [*args, flag, "fp8_e5m2", "--json"])
+    assert result.exit_code == 0, result.output
+    payload = json.loads(result.stdout)
+    assert payload["kv_dtype"] == "fp8_e5m2"
+    want = LLM(tiny_qwen3, kv_dtype="fp8_e5m2").generate([[1, 2, 3, 4, 5]], 6)[0].token_ids
+    assert payload["outputs"][0]["token_ids"] == want
+    bad = CliRunner().invoke(app, [*args, flag, "fp9", "--json"])
+    assert bad.exit_code == 2
+    assert "fp9" in json.loads(bad.stdout)["error"]["message"]

@@ -60,3 +60,14 @@ def test_speculative_sampling_matches_main_distribution(with_draft_probs: bool) 
             second[verdict.token_ids[1]] += 1
     assert (first / trials - p[0]).abs().max() < 0.025
     assert (second / second.sum() - p[1]).abs().max() < 0.03
+
+
+def test_suffix_in_a_loop_copies_from_a_period_back_not_the_overlapping_match():
+    """In a loop the latest occurrence of the suffix overlaps the end (2 tokens follow
+    it); the proposer takes an earlier one with enough continuation for every draft
+    the match earned (before: 2 drafts, however long the loop)."""
+    loop = [7, 8] * 12
+    drafts = SuffixProposer(min_match=2, max_match=8).propose("r", loop, 6)
+    # longest suffix tried: 8 tokens -> earns 7 drafts, K = 6; an occurrence followed by
+    # >= 6 tokens exists (start 10), so all 6 are proposed and continue the loop
+    assert drafts == [7, 8, 7, 8, 7, 8]

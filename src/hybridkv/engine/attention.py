@@ -1,50 +1,103 @@
-"""Paged attention in plain PyTorch: write new K/V through a block table, then attend.
+"""Paged attention for a whole step in a few tensor ops (varlen: prefill and decode mixed).
 
 Pages are ``[num_blocks, block_size, num_kv_heads, head_dim]``; token position ``p`` of
-a request lives at flat slot ``block_ids[p // block_size] * block_size + p % block_size``.
-Example with block_size 4 and block_ids [7, 2]:
+request ``r`` lives at ``(block_ids[r, p // block_size], p % block_size)``. Per step and
+per (group, window), `AttentionIndex` is built once and shared by every layer of the
+group: where the new tokens go, and per part (decode rows / prefill chunks, see
+`varlen.split_by_length`) a padded query grid, the key positions each row reads and a
+boolean mask. Example, block_size 4, window None, two rows::
 
-    position   0  1  2  3 | 4  5  6
-    block      7  7  7  7 | 2  2  2
-    slot      28 29 30 31 | 8  9 10
+    row 0: c = 5, n = 1    keys 0..5   -> key grid [0 1 2 3 4 5]      queries [5]
+    row 1: c = 0, n = 3    keys 0..2   -> key grid [0 1 2 2 2 2]      queries [0 1 2]
+           (cells past a row's keys repeat its last key, masked out: never the null block)
+    mask row 1:  q0 [1 0 0 0 0 0]  q1 [1 1 0 0 0 0]  q2 [1 1 1 0 0 0]
 
-A sliding-window layer with window W lets the token at position p see keys in
-(p - W, p], so a step whose first new token is at position c reads keys from
-``max(0, c - W + 1)`` on. Blocks wholly before that may be the null block (id 0) and
-are never read.
-
-This is a reference implementation: one request at a time, scores materialised in
-full. Correctness and readability over speed.
+A sliding window W lets position p see keys in (p - W, p]; a row reads keys from
+``max(0, c - W + 1)`` on, so blocks wholly before that may be the null block (id 0).
+Without softcap or sinks the grid goes to `scaled_dot_product_attention` (GQA via
+``enable_gqa``); Gemma's softcap and gpt-oss's sinks take an explicit matmul path.
+`attention_reference` is the per-request oracle.
 """
 
 from __future__ import annotations
 
-import torch
+from dataclasses import dataclass
 
-from hybridkv.engine.context import BlockTable, ForwardBatch, KVCache
+import torch
+import torch.nn.functional as F
+
+from hybridkv.engine.attention_reference import check_cache
+from hybridkv.engine.context import ForwardBatch, KVCache
+from hybridkv.engine.kv_io import PageIndex, load_kv, store_kv
+from hybridkv.engine.varlen import Padded, split_by_length
 from hybridkv.errors import EngineError
 
-
-def slot_mapping(block_ids: torch.Tensor, block_size: int, positions: torch.Tensor) -> torch.Tensor:
-    """Flat cache slots of ``positions`` (one request) given its row of block ids."""
-    logical_blocks = positions // block_size
-    if int(logical_blocks.max()) >= block_ids.numel():
-        raise EngineError(
-            f"position {int(positions.max())} needs logical block {int(logical_blocks.max())} "
-            f"but the block table row has only {block_ids.numel()} entries "
-            f"(block_size {block_size})"
-        )
-    return block_ids.long()[logical_blocks] * block_size + positions % block_size
+# Rows with at most this many new tokens share one part (decode and verify steps).
+SHORT_MAX_TOKENS = 8
 
 
-def page_index(
-    block_ids: torch.Tensor, block_size: int, positions: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(block id, offset in block)`` of ``positions``: indexes ``[num_blocks, block_size,
-    ...]`` pages directly, so the pages may be strided views into a pool (a layer's pages
-    are not contiguous there: K and V of one page sit side by side)."""
-    flat = slot_mapping(block_ids, block_size, positions)
-    return flat // block_size, flat % block_size
+@dataclass(frozen=True)
+class AttentionPart:
+    layout: Padded  # the part's queries as [R, Lq]
+    keys: PageIndex  # [R, Kmax] each
+    mask: torch.Tensor  # [R, 1, Lq, Kmax], bool: query may see key
+
+
+@dataclass(frozen=True)
+class AttentionIndex:
+    """One step's page indices for one (group, window): new-token slots and parts."""
+
+    new_slots: PageIndex  # [T] each: where each new token's K/V goes
+    parts: tuple[AttentionPart, ...]
+
+
+def attention_index(batch: ForwardBatch, group: str, window: int | None) -> AttentionIndex:
+    """Built on the first layer of ``group`` in a step, reused by the others."""
+    return batch.memoized(("attention", group, window), lambda: _build(batch, group, window))
+
+
+def _build(batch: ForwardBatch, group: str, window: int | None) -> AttentionIndex:
+    table = batch.block_table(group)
+    block_size = table.block_size
+    device = batch.input_ids.device
+    lengths, computed = batch.host_lengths, batch.host_computed
+    width = int(table.block_ids.shape[1])
+    for r, (n, c) in enumerate(zip(lengths, computed, strict=True)):
+        if n and (c + n - 1) // block_size >= width:
+            raise EngineError(
+                f"attention group {group!r}, request {r}: position {c + n - 1} needs logical "
+                f"block {(c + n - 1) // block_size} but the block table has {width} columns "
+                f"(block_size {block_size})"
+            )
+    ids = table.block_ids.long()
+    rows_of_tokens = torch.repeat_interleave(
+        torch.arange(batch.num_reqs, device=device),
+        torch.tensor(lengths, dtype=torch.long).to(device),
+    )
+    pos = batch.positions
+    new_slots = (ids[rows_of_tokens, pos // block_size], pos % block_size)
+    parts = []
+    for reqs in split_by_length(lengths, SHORT_MAX_TOKENS):
+        layout = Padded.build(batch.host_starts, lengths, reqs, batch.num_tokens, device)
+        first = [0 if window is None else max(0, computed[r] - window + 1) for r in reqs]
+        ends = [computed[r] + lengths[r] for r in reqs]  # one past the last key
+        num_keys = max(e - f for f, e in zip(first, ends, strict=True))
+        first_t = torch.tensor(first, dtype=torch.long).to(device)
+        last_t = torch.tensor(ends, dtype=torch.long).to(device) - 1
+        key_pos = first_t[:, None] + torch.arange(num_keys, device=device)[None, :]
+        key_ok = key_pos <= last_t[:, None]
+        key_pos = torch.minimum(key_pos, last_t[:, None])  # pad cells re-read the last key
+        row_ids = ids[torch.tensor(reqs, dtype=torch.long).to(device)]
+        blocks = torch.gather(row_ids, 1, key_pos // block_size)
+        starts = torch.tensor([computed[r] for r in reqs], dtype=torch.long).to(device)
+        q_pos = starts[:, None] + torch.arange(layout.max_len, device=device)[None, :]
+        mask = (key_pos[:, None, :] <= q_pos[:, :, None]) & key_ok[:, None, :]
+        if window is not None:
+            mask &= key_pos[:, None, :] > q_pos[:, :, None] - window
+        # Padding queries see their row's first key, so no softmax row is all -inf.
+        mask[:, :, 0] |= ~layout.valid
+        parts.append(AttentionPart(layout, (blocks, key_pos % block_size), mask[:, None]))
+    return AttentionIndex(new_slots=new_slots, parts=tuple(parts))
 
 
 def paged_attention(
@@ -59,63 +112,58 @@ def paged_attention(
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Store ``k``/``v`` of the new tokens in ``cache``, then causal attention per request.
+    """Store ``k``/``v`` of the new tokens in ``cache``, then causal attention of every
+    request over its pages.
 
     ``q`` is ``[T, num_heads, head_dim]``, ``k`` ``[T, num_kv_heads, head_dim]`` and ``v``
     ``[T, num_kv_heads, v_head_dim]``; returns ``[T, num_heads, v_head_dim]``. Query heads
     share kv heads in consecutive groups (GQA). Keys and values are read back from the
-    pages, so what attention sees is exactly what later steps will see.
-
-    ``sinks`` (gpt-oss: one learned logit per query head, ``[num_heads]``) joins every
-    softmax as an extra key with no value: it takes probability mass, then is dropped.
+    pages, so what attention sees is exactly what later steps will see. ``sinks``
+    (gpt-oss, ``[num_heads]``) join every softmax as a key with no value.
     """
-    table = batch.block_table(cache.group)
-    _check_cache(cache, table)
-    block_size = table.block_size
-    num_tokens, num_heads, _ = q.shape
-    num_kv_heads = k.shape[1]
-    group_size = num_heads // num_kv_heads
-    out = q.new_empty(num_tokens, num_heads, v.shape[-1])
-
-    for r, (start, end, computed) in enumerate(batch.query_ranges()):
-        if start == end:
-            continue
-        row = table.block_ids[r]
-        new_pos = batch.positions[start:end]
-        new_slots = page_index(row, block_size, new_pos)
-        cache.key[new_slots] = k[start:end].to(cache.key.dtype)
-        cache.value[new_slots] = v[start:end].to(cache.value.dtype)
-
-        first_key = 0 if sliding_window is None else max(0, computed - sliding_window + 1)
-        key_pos = torch.arange(first_key, computed + (end - start), device=new_pos.device)
-        key_slots = page_index(row, block_size, key_pos)
-        keys = cache.key[key_slots].to(q.dtype)  # [K, Hkv, D]
-        values = cache.value[key_slots].to(q.dtype)
-
-        # [Hkv, G, Q, D] x [Hkv, D, K] -> [Hkv, G, Q, K]
-        queries = q[start:end].view(end - start, num_kv_heads, group_size, -1).permute(1, 2, 0, 3)
-        scores = torch.matmul(queries, keys.permute(1, 2, 0).unsqueeze(1)) * scale
-        if softcap is not None:
-            scores = torch.tanh(scores / softcap) * softcap
-        visible = key_pos[None, :] <= new_pos[:, None]
-        if sliding_window is not None:
-            visible &= key_pos[None, :] > new_pos[:, None] - sliding_window
-        scores = scores.masked_fill(~visible, float("-inf"))
-        if sinks is None:
-            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    check_cache(cache, batch.block_table(cache.group))
+    index = attention_index(batch, cache.group, sliding_window)
+    store_kv(cache, index.new_slots, k, v)
+    out = q.new_zeros(q.shape[0], q.shape[1], v.shape[-1])
+    for part in index.parts:
+        queries = part.layout.pad(q).transpose(1, 2)  # [R, H, Lq, D]
+        keys, values = load_kv(cache, part.keys, q.dtype)  # [R, K, Hkv, D]
+        keys, values = keys.transpose(1, 2), values.transpose(1, 2)  # [R, Hkv, K, D]
+        if softcap is None and sinks is None:
+            ctx = F.scaled_dot_product_attention(
+                queries, keys, values, attn_mask=part.mask, scale=scale, enable_gqa=True
+            )
         else:
-            sink = sinks.to(scores.dtype).view(num_kv_heads, group_size, 1, 1)
-            with_sink = torch.cat((scores, sink.expand(-1, -1, scores.shape[2], 1)), dim=-1)
-            with_sink = with_sink - with_sink.amax(dim=-1, keepdim=True)
-            probs = torch.softmax(with_sink, dim=-1, dtype=torch.float32)[..., :-1].to(q.dtype)
-        ctx = torch.matmul(probs, values.permute(1, 0, 2).unsqueeze(1))  # [Hkv, G, Q, Dv]
-        out[start:end] = ctx.permute(2, 0, 1, 3).reshape(end - start, num_heads, -1)
+            ctx = _matmul_attention(queries, keys, values, part.mask, scale, softcap, sinks)
+        part.layout.unpad_into(out, ctx.transpose(1, 2))
     return out
 
 
-def _check_cache(cache: KVCache, table: BlockTable) -> None:
-    if cache.key.shape[1] != table.block_size:
-        raise EngineError(
-            f"attention group {cache.group!r}: cache pages hold {cache.key.shape[1]} tokens "
-            f"but the block table says block_size {table.block_size}"
-        )
+def _matmul_attention(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    softcap: float | None,
+    sinks: torch.Tensor | None,
+) -> torch.Tensor:
+    """Scores materialised: ``[R, Hkv, G, Lq, K]``, softcap and sinks as the reference."""
+    rows, heads, length, _ = queries.shape
+    kv_heads = keys.shape[1]
+    group = heads // kv_heads
+    grouped = queries.view(rows, kv_heads, group, length, -1)
+    scores = torch.matmul(grouped, keys.transpose(-1, -2)[:, :, None]) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask[:, :, None], float("-inf"))
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(queries.dtype)
+    else:
+        sink = sinks.to(scores.dtype).view(1, kv_heads, group, 1, 1)
+        with_sink = torch.cat((scores, sink.expand(rows, -1, -1, length, 1)), dim=-1)
+        with_sink = with_sink - with_sink.amax(dim=-1, keepdim=True)
+        probs = torch.softmax(with_sink, dim=-1, dtype=torch.float32)[..., :-1]
+        probs = probs.to(queries.dtype)
+    ctx = torch.matmul(probs, values[:, :, None])  # [R, Hkv, G, Lq, Dv]
+    return ctx.reshape(rows, heads, length, -1)

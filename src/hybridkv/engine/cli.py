@@ -6,7 +6,7 @@ torch is imported inside the command, so `hybridkv plan` never pays for it.
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -27,6 +27,56 @@ def parse_prompt_ids(text: str, option: str = "--prompt-ids") -> list[int]:
     return ids
 
 
+def load_llm(
+    model: str,
+    *,
+    draft: str | None = None,
+    spec_method: str | None = None,
+    num_spec: int | None = None,
+    memory: str | None = None,
+    dtype: str = "float32",
+    device: str = "cpu",
+    max_model_len: int | None = None,
+    max_num_seqs: int | None = None,
+    threads: int | None = None,
+    kv_dtype: str | None = None,
+    chunk_size: int | None = None,
+    state_mode: str | None = None,
+    eviction_policy: str | None = None,
+) -> Any:
+    """The `LLM` of `generate` / `serve` flags: MODEL and ``--draft`` may name the demo
+    models, ``--draft`` or ``--spec-method`` without ``--num-spec`` drafts 4 per step,
+    ``threads`` as `hybridkv.engine.threads.apply_threads` chooses (None: by model size)."""
+    from hybridkv.demo import resolve_model
+    from hybridkv.engine.llm import DEFAULT_MEMORY_BYTES, LLM
+    from hybridkv.engine.threads import apply_threads
+
+    budget = DEFAULT_MEMORY_BYTES if memory is None else parse_bytes(memory)
+    folders = [resolve_model(name) for name in (model, draft) if name is not None]
+    apply_threads(threads, folders)
+    speculative = draft is not None or spec_method is not None
+    num_spec_tokens = (4 if speculative else 0) if num_spec is None else num_spec
+    extra: dict[str, Any] = {} if max_num_seqs is None else {"max_num_seqs": max_num_seqs}
+    if chunk_size is not None:
+        extra["chunk_size"] = chunk_size
+    if state_mode is not None:
+        extra["state_mode"] = state_mode
+    if eviction_policy is not None:
+        extra["eviction_policy"] = eviction_policy
+    return LLM(
+        resolve_model(model),
+        dtype=dtype,
+        kv_dtype=None if kv_dtype in (None, "auto") else kv_dtype,
+        memory_bytes=budget,
+        draft=None if draft is None else resolve_model(draft),
+        spec_method=spec_method,
+        num_spec_tokens=num_spec_tokens,
+        device=device,
+        max_model_len=max_model_len,
+        **extra,
+    )
+
+
 @app.command("generate")
 def generate_command(
     model: Annotated[
@@ -45,18 +95,40 @@ def generate_command(
     seed: Annotated[int, typer.Option("--seed")] = 0,
     memory: Annotated[str | None, typer.Option("--memory", help="cache budget, e.g. 64MiB")] = None,
     dtype: Annotated[str, typer.Option("--dtype")] = "float32",
+    kv_dtype: Annotated[
+        str,
+        typer.Option(
+            "--kv-dtype",
+            "--kv-cache-dtype",
+            help="KV page dtype: auto (= --dtype), fp8_e4m3, fp8_e5m2, bfloat16, ...",
+        ),
+    ] = "auto",
     draft: Annotated[
         str | None,
-        typer.Option("--draft", help="draft model folder (or demo-draft): speculative decoding"),
+        typer.Option(
+            "--draft",
+            help="draft model folder (or demo-draft), or an EAGLE head with --spec-method eagle",
+        ),
     ] = None,
     spec_method: Annotated[
-        str | None, typer.Option("--spec-method", help="draft (needs --draft), ngram or suffix")
+        str | None,
+        typer.Option(
+            "--spec-method",
+            help="draft (--draft MODEL), mtp (the checkpoint's MTP head), eagle (--draft "
+            "EAGLE_FOLDER), ngram or suffix",
+        ),
     ] = None,
     num_spec: Annotated[
         int | None,
         typer.Option("--num-spec", "--num-speculative-tokens", help="K: drafts per step at most"),
     ] = None,
     device: Annotated[str, typer.Option("--device", help="cpu, cuda or cuda:N")] = "cpu",
+    max_num_seqs: Annotated[
+        int, typer.Option("--max-num-seqs", help="requests running at once (1: one by one)")
+    ] = 16,
+    chunk_size: Annotated[
+        int | None, typer.Option("--chunk-size", help="prefill chunk (tokens); none: whole")
+    ] = None,
     threads: Annotated[int | None, typer.Option("--threads", help=THREADS_HELP)] = None,
     ignore_eos: Annotated[
         bool, typer.Option("--ignore-eos", help="do not stop at the checkpoint's EOS id")
@@ -81,25 +153,20 @@ def generate_command(
     def body() -> None:
         if bool(prompt) == bool(prompt_ids):
             raise ValueError("give --prompt TEXT or --prompt-ids 1,2,3 (one of them, repeatable)")
-        from hybridkv.demo import resolve_model
-        from hybridkv.engine.llm import DEFAULT_MEMORY_BYTES, LLM
-        from hybridkv.engine.threads import apply_threads
-
-        budget = DEFAULT_MEMORY_BYTES if memory is None else parse_bytes(memory)
-        folders = [resolve_model(name) for name in (model, draft) if name is not None]
-        apply_threads(threads, folders)
-        speculative = draft is not None or spec_method is not None
-        num_spec_tokens = (4 if speculative else 0) if num_spec is None else num_spec
-        llm = LLM(
-            resolve_model(model),
-            dtype=dtype,
-            memory_bytes=budget,
-            draft=None if draft is None else resolve_model(draft),
+        llm = load_llm(
+            model,
+            draft=draft,
             spec_method=spec_method,
-            num_spec_tokens=num_spec_tokens,
+            num_spec=num_spec,
+            memory=memory,
+            dtype=dtype,
             device=device,
             state_mode=state_mode,
             eviction_policy=eviction,
+            threads=threads,
+            max_num_seqs=max_num_seqs,
+            chunk_size=chunk_size,
+            kv_dtype=kv_dtype,
         )
         prompts: list[list[int] | str] = (
             list(prompt) if prompt else [parse_prompt_ids(p) for p in prompt_ids or []]
@@ -120,6 +187,7 @@ def generate_command(
                 {
                     "model": model,
                     "layout": llm.plan.layout,
+                    "kv_dtype": str(llm.plan.options.kv_dtype),
                     "device": str(llm.device),
                     "eos_token_ids": list(llm.eos_token_ids),
                     "outputs": [
@@ -171,6 +239,10 @@ def demo_command(
     num_spec: Annotated[int, typer.Option("--num-spec", help="K: drafts per step")] = 4,
     threads: Annotated[int | None, typer.Option("--threads", help=THREADS_HELP)] = None,
     device: Annotated[str, typer.Option("--device", help="cpu, cuda or cuda:N")] = "cpu",
+    spec_method: Annotated[
+        str,
+        typer.Option("--spec-method", help="draft (the demo draft model) or mtp (its MTP head)"),
+    ] = "draft",
     as_json: Annotated[bool, typer.Option("--json", help="machine-readable output")] = False,
 ) -> None:
     """The whole system on the built-in demo models: plan, serve a batch sharing a
@@ -179,7 +251,7 @@ def demo_command(
     def body() -> None:
         from hybridkv.demo import DemoOptions, print_report, run_demo
 
-        options = DemoOptions(num_requests, max_new_tokens, num_spec, threads, device)
+        options = DemoOptions(num_requests, max_new_tokens, num_spec, threads, device, spec_method)
         llm, report = run_demo(options, progress=not as_json)
         if as_json:
             emit_json(report)

@@ -22,12 +22,17 @@ the last token of each request; speculative verification asks for several per re
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any, TypeVar
 
 import torch
 
+from hybridkv.engine.kv_quant import KVQuant
 from hybridkv.errors import EngineError
+
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True)
@@ -110,6 +115,9 @@ class ForwardBatch:
     block_tables: dict[str, BlockTable] = field(default_factory=dict)
     state_slots: dict[str, StateSlots] = field(default_factory=dict)
     logits_indices: torch.Tensor | None = None  # [N] stream indices; None: last of each req
+    # Per-step index tensors that every layer of a group shares (padded layouts, key
+    # indices, state write points), built by the first layer that needs them.
+    memo: dict[Any, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def num_reqs(self) -> int:
@@ -119,11 +127,31 @@ class ForwardBatch:
     def num_tokens(self) -> int:
         return int(self.input_ids.numel())
 
+    @cached_property
+    def host_starts(self) -> list[int]:
+        """``query_start_loc`` on the host (read once per step, not once per layer)."""
+        return [int(x) for x in self.query_start_loc.tolist()]
+
+    @cached_property
+    def host_computed(self) -> list[int]:
+        return [int(x) for x in self.num_computed_tokens.tolist()]
+
+    @cached_property
+    def host_lengths(self) -> list[int]:
+        """New tokens per request."""
+        starts = self.host_starts
+        return [starts[r + 1] - starts[r] for r in range(self.num_reqs)]
+
     def query_ranges(self) -> list[tuple[int, int, int]]:
         """``(start, end, num_computed)`` per request, as Python ints for per-request loops."""
-        starts = self.query_start_loc.tolist()
-        computed = self.num_computed_tokens.tolist()
+        starts, computed = self.host_starts, self.host_computed
         return [(starts[r], starts[r + 1], computed[r]) for r in range(self.num_reqs)]
+
+    def memoized(self, key: Any, build: Callable[[], _T]) -> _T:
+        """``build()`` once per step for ``key``; later layers get the same object."""
+        if key not in self.memo:
+            self.memo[key] = build()
+        return self.memo[key]  # type: ignore[no-any-return]
 
     def selected_indices(self) -> torch.Tensor:
         if self.logits_indices is not None:
@@ -203,6 +231,7 @@ class KVCache:
     key: torch.Tensor  # [num_blocks, block_size, num_kv_heads, head_dim]
     value: torch.Tensor  # [num_blocks, block_size, num_kv_heads, v_head_dim]
     group: str
+    quant: KVQuant | None = None  # fp8 pages (or their float32 simulation): `kv_quant`
 
 
 @dataclass(frozen=True)

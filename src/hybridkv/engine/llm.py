@@ -13,8 +13,12 @@ with a reason, for a server's HTTP 400; `generate` raises `EngineError`), and a 
 stops with ``finish_reason == "length"`` at the limit.
 
 Speculative decoding (`hybridkv.engine.speculative`): ``draft=FOLDER`` (a draft model
-planned with its own groups), ``spec_method="ngram" | "suffix"`` or any `Proposer`
-(``proposer=``); ``num_spec_tokens=K`` drafts at most per step. Then
+planned with its own groups), ``spec_method="mtp"`` (the checkpoint's own MTP head),
+``spec_method="eagle", draft=FOLDER`` (an EAGLE head, `hybridkv.engine.models.eagle`),
+``spec_method="ngram" | "suffix"`` or any `Proposer` (``proposer=``);
+``num_spec_tokens=K`` drafts at most per step. Heads are fed the main model's hidden
+states (`hybridkv.engine.proposers.head`). ``kv_dtype`` (default: ``dtype``) may be
+``fp8_e4m3`` / ``fp8_e5m2``: fp8 KV pages (`hybridkv.engine.kv_quant`). Then
     step():  schedule (reserve L drafts) -> draft model passes -> main verifies 1 + L
              tokens -> verify (greedy / speculative sampling) -> commit(a, a + 1 tokens)
 
@@ -39,20 +43,30 @@ import torch
 from hybridkv.cache import CacheManager
 from hybridkv.cache.free_queue import DEFAULT_EVICTION_POLICY
 from hybridkv.engine.loader import eos_token_ids
-from hybridkv.engine.models import load_model
+from hybridkv.engine.models import LayerDesc, load_model, load_mtp
 from hybridkv.engine.proposers import Proposer
+from hybridkv.engine.proposers.head import DraftHead, HeadDrafter
 from hybridkv.engine.results import EngineStats, GenerationResult, RequestStats
 from hybridkv.engine.runner import ModelRunner
 from hybridkv.engine.sampler import SamplingParams
-from hybridkv.engine.speculative import DraftModelDrafter, SpecCounters, make_proposer
+from hybridkv.engine.speculative import (
+    PROPOSER_METHODS,
+    Drafter,
+    DraftModelDrafter,
+    SpecCounters,
+    make_proposer,
+)
 from hybridkv.engine.stepper import Stepper
 from hybridkv.engine.tensors import build_cache_tensors, torch_dtype
-from hybridkv.errors import EngineError
+from hybridkv.errors import EngineError, SpecError
 from hybridkv.models.registry import load_model_spec
+from hybridkv.plan.planner import HEAD_METHODS
 from hybridkv.plan.planner import plan as make_plan
+from hybridkv.plan.tree import check_chain_drafts
 from hybridkv.plan.types import CachePlan, PlanOptions
 from hybridkv.sched import Request, Scheduler, Status, config_from_plan
 from hybridkv.spec.dtypes import DType, parse_dtype
+from hybridkv.spec.model import ModelSpec
 
 DEFAULT_MEMORY_BYTES = 64 << 20  # tiny CPU models: plenty, and allocated eagerly
 DEFAULT_MAX_MODEL_LEN = 4096
@@ -64,6 +78,7 @@ class LLM:
         model_path: str | Path,
         *,
         dtype: str = "float32",
+        kv_dtype: str | None = None,
         device: str | torch.device = "cpu",
         memory_bytes: int = DEFAULT_MEMORY_BYTES,
         block_size: int | None = None,
@@ -77,6 +92,7 @@ class LLM:
         spec_method: str | None = None,
         num_spec_tokens: int = 0,
         proposer: Proposer | None = None,
+        spec_topk: int = 1,
         cache_aware: bool = True,
         eviction_policy: str = DEFAULT_EVICTION_POLICY,
         checkpoint_rules: Sequence[str] | None = None,
@@ -89,12 +105,16 @@ class LLM:
         self.model = load_model(self.model_path, self.torch_dtype, self.device)
         self.eos_token_ids = eos_token_ids(self.model_path)
         spec = load_model_spec(self.model_path)
+        check_chain_drafts(spec_topk, main=spec)  # trees: refused, naming what is missing
         spec_method, num_spec_tokens = self._spec_setup(
             draft, spec_method, num_spec_tokens, proposer
         )
         self.draft_model = None
+        self.head: DraftHead | None = None
         draft_spec = None
-        if draft is not None:
+        if spec_method in HEAD_METHODS:
+            self.head, draft_spec = self._load_head(spec, spec_method, draft)
+        elif draft is not None:
             self.draft_model = load_model(Path(draft), self.torch_dtype, self.device)
             draft_spec = load_model_spec(Path(draft))
             if self.draft_model.vocab_size != self.model.vocab_size:
@@ -105,7 +125,7 @@ class LLM:
         max_model_len = self._max_model_len(max_model_len, spec.max_position_embeddings)
         self.max_model_len = max_model_len
         options = PlanOptions(
-            kv_dtype=cache_dtype,
+            kv_dtype=cache_dtype if kv_dtype is None else parse_kv_dtype(kv_dtype),
             conv_dtype=cache_dtype,
             ssm_dtype=self._ssm_dtype(cache_dtype),
             memory_bytes=memory_bytes,
@@ -120,9 +140,12 @@ class LLM:
             **plan_options,
         )
         self.plan: CachePlan = make_plan(spec, draft_spec, options)
+        # A head's KV at a position needs the token after it: groups holding head layers
+        # key their blocks one token ahead (`GroupManager.key`).
         self.manager = CacheManager(
             self.plan,
             enable_prefix_caching=prefix_caching,
+            eagle=self.head is not None,
             eviction_policy=eviction_policy,
             checkpoint_rules=checkpoint_rules,
         )
@@ -131,17 +154,21 @@ class LLM:
             self.model.layers,
             self.torch_dtype,
             device=self.device,
-            draft_layers=None if self.draft_model is None else self.draft_model.layers,
+            draft_layers=self._draft_layers(),
         )
         self.runner = ModelRunner(self.model, self.plan, self.manager, self.tensors)
         self.spec_method = spec_method
         self.num_spec_tokens = num_spec_tokens
-        drafter = None
-        if self.draft_model is not None:
+        drafter: Drafter | None = None
+        if self.head is not None:
+            # The runner only builds batches over the draft groups (the head runs itself).
+            batches = ModelRunner(self.model, self.plan, self.manager, self.tensors, "draft")
+            drafter = HeadDrafter(batches, self.head)
+        elif self.draft_model is not None:
             drafter = DraftModelDrafter(
                 ModelRunner(self.draft_model, self.plan, self.manager, self.tensors, "draft")
             )
-        if proposer is None and spec_method is not None and draft is None:
+        if proposer is None and spec_method in PROPOSER_METHODS:
             proposer = make_proposer(spec_method)
         self.proposer: Proposer | None = proposer
         self.stepper = Stepper(
@@ -192,11 +219,18 @@ class LLM:
         proposer: Proposer | None,
     ) -> tuple[str | None, int]:
         """(spec method, K) for planning; a custom proposer plans like n-gram."""
-        if draft is not None and spec_method not in (None, "draft"):
-            raise EngineError(f"a draft model needs spec_method 'draft', not {spec_method!r}")
-        if draft is None and spec_method == "draft":
-            raise EngineError("spec_method 'draft' needs a draft model (draft=FOLDER)")
-        if draft is not None:
+        if draft is not None and spec_method not in (None, "draft", "eagle", "mtp"):
+            raise EngineError(
+                f"a draft folder goes with spec_method 'draft' (a model), 'eagle' (an EAGLE "
+                f"head) or 'mtp' (an MTP head kept apart from the main checkpoint), not "
+                f"{spec_method!r}"
+            )
+        if draft is None and spec_method in ("draft", "eagle"):
+            what = "a draft model" if spec_method == "draft" else "an EAGLE head folder"
+            raise EngineError(f"spec_method {spec_method!r} needs {what} (draft=FOLDER)")
+        if proposer is not None and spec_method in HEAD_METHODS:
+            raise EngineError(f"spec_method {spec_method!r} drafts with a head, not a proposer")
+        if draft is not None and spec_method is None:
             spec_method = "draft"
         elif proposer is not None and spec_method is None:
             spec_method = "ngram"
@@ -208,6 +242,25 @@ class LLM:
         if spec_method is None and num_spec_tokens:
             raise EngineError(f"num_spec_tokens={num_spec_tokens} needs a spec method or draft")
         return spec_method, num_spec_tokens
+
+    def _load_head(
+        self, spec: ModelSpec, method: str, draft: str | Path | None
+    ) -> tuple[DraftHead, ModelSpec]:
+        """The MTP head shipped with the main checkpoint, or the EAGLE head in ``draft``,
+        and its layers as a draft `ModelSpec` (planned as draft layers)."""
+        if method == "mtp":  # in the main checkpoint, or in its own folder (``draft``)
+            head: DraftHead = load_mtp(self.model_path if draft is None else draft, self.model)
+            return head, spec.draft_head(len(head.layers), method="mtp")
+        from hybridkv.engine.models.eagle import load_eagle_head
+
+        assert draft is not None  # _spec_setup refused eagle without a folder
+        eagle = load_eagle_head(Path(draft), self.model)
+        return eagle, eagle.model_spec(spec)
+
+    def _draft_layers(self) -> list[LayerDesc] | None:
+        if self.head is not None:
+            return self.head.layers
+        return None if self.draft_model is None else self.draft_model.layers
 
     def _ssm_dtype(self, cache_dtype: DType) -> DType:
         """The model's ssm state dtype (a config may pin it, e.g. float32), else ours."""
@@ -229,6 +282,11 @@ class LLM:
             self._tokenizer_loaded = True
         return self._tokenizer
 
+    def encode(self, prompt: Sequence[int] | str) -> list[int]:
+        """The prompt's token ids as `add_request` sees them (text goes through the
+        checkpoint's tokenizer; ids are passed through)."""
+        return self._encode(prompt)
+
     def _encode(self, prompt: Sequence[int] | str) -> list[int]:
         if not isinstance(prompt, str):
             return [int(t) for t in prompt]
@@ -237,6 +295,14 @@ class LLM:
         return list(self.tokenizer.encode(prompt))
 
     # ------------------------------------------------------------------ requests
+    @property
+    def vocab_size(self) -> int:
+        return int(self.model.vocab_size)
+
+    def num_requests(self) -> tuple[int, int]:
+        """(running, waiting) requests right now."""
+        return len(self.scheduler.running), len(self.scheduler.waiting)
+
     def add_request(
         self,
         prompt: Sequence[int] | str,
@@ -248,7 +314,11 @@ class LLM:
     ) -> Request:
         """Queue one request (``index`` seeds its sampler). A prompt that leaves no room
         under ``max_model_len`` comes back with status ``refused``, ``finish_reason``
-        ``"refused"`` and the reason in ``refusal``; nothing is queued then."""
+        ``"refused"`` and the reason in ``refusal``; nothing is queued then.
+        ``cache_salt`` keys its prefix-cache blocks, so it only hits blocks computed
+        under the same salt (per-tenant isolation; None is a salt of its own)."""
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise EngineError(f"cache_salt must be a string or None, got {cache_salt!r}")
         tokens = self._encode(prompt)
         if not tokens:
             raise EngineError("empty prompt: needs >= 1 token")
@@ -287,12 +357,15 @@ class LLM:
         *,
         ignore_eos: bool = False,
         stop_token_ids: Sequence[int] = (),
+        cache_salt: str | Sequence[str | None] | None = None,
     ) -> list[GenerationResult]:
         """Generate for every prompt (a batch under continuous batching), in order. Each
-        stops after ``max_new_tokens``, or after its first EOS / stop token (module doc)."""
+        stops after ``max_new_tokens``, or after its first EOS / stop token (module doc).
+        ``cache_salt``: one salt for every prompt, or one per prompt (`add_request`)."""
         params = SamplingParams(
             max_new_tokens, temperature, seed, ignore_eos, tuple(int(t) for t in stop_token_ids)
         )
+        salts = per_prompt_salts(cache_salt, len(prompts))
         encoded = [self._encode(p) for p in prompts]
         for i, tokens in enumerate(encoded):
             if len(tokens) >= self.max_model_len:
@@ -300,7 +373,10 @@ class LLM:
                     f"prompt {i} has {len(tokens)} tokens; max_model_len={self.max_model_len} "
                     f"leaves room for prompts of at most {self.max_model_len - 1} tokens"
                 )
-        requests = [self.add_request(p, params, i) for i, p in enumerate(encoded)]
+        requests = [
+            self.add_request(p, params, i, cache_salt=salt)
+            for i, (p, salt) in enumerate(zip(encoded, salts, strict=True))
+        ]
         while any(r.status in (Status.WAITING, Status.RUNNING) for r in requests):
             self.step()
         return [self.result(r) for r in requests]
@@ -351,6 +427,37 @@ class LLM:
             mean_accepted_length=loop.spec.mean_accepted_length,
             tokens_per_step=loop.num_output / loop.num_steps if loop.num_steps else 0.0,
         )
+
+
+def per_prompt_salts(
+    cache_salt: str | Sequence[str | None] | None, num_prompts: int
+) -> list[str | None]:
+    """``generate``'s ``cache_salt`` as one salt (or None) per prompt."""
+    if cache_salt is None or isinstance(cache_salt, str):
+        return [cache_salt] * num_prompts
+    if not isinstance(cache_salt, Sequence):
+        raise EngineError(
+            f"cache_salt must be a string, None, or one of those per prompt; got {cache_salt!r}"
+        )
+    salts = list(cache_salt)
+    bad = [s for s in salts if s is not None and not isinstance(s, str)]
+    if bad:
+        raise EngineError(f"cache_salt entries must be strings or None; got {bad[:3]!r}")
+    if len(salts) != num_prompts:
+        raise EngineError(
+            f"cache_salt has {len(salts)} entries for {num_prompts} prompts; give one salt "
+            "per prompt, or a single string for all of them"
+        )
+    return salts
+
+
+def parse_kv_dtype(name: str) -> DType:
+    """``kv_dtype``: a cache dtype name (``fp8_e4m3``, ``fp8_e5m2``, ``bfloat16``...);
+    "auto" means the model dtype and is handled by the caller passing None."""
+    try:
+        return parse_dtype(name)
+    except SpecError as err:
+        raise EngineError(f"kv_dtype {name!r}: {err}") from None
 
 
 def resolve_device(device: str | torch.device) -> torch.device:

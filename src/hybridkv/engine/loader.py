@@ -79,9 +79,17 @@ class Checkpoint:
                     "is truncated or not safetensors (download it again)"
                 ) from None
         self._taken: set[str] = set()
+        self._ignored: dict[str, str] = {}  # name prefix -> why the model does not take it
 
     def has(self, name: str) -> bool:
         return name in self._tensors
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The stored shape of tensor ``name`` (`EngineError` if it is missing)."""
+        tensor = self._tensors.get(name)
+        if tensor is None:
+            raise EngineError(f"checkpoint {self.folder} has no tensor {name!r}")
+        return tuple(tensor.shape)
 
     def take(
         self, name: str, shape: tuple[int, ...], dtype: torch.dtype | None = None
@@ -109,14 +117,31 @@ class Checkpoint:
     def take_optional(self, name: str, shape: tuple[int, ...]) -> torch.Tensor | None:
         return self.take(name, shape) if self.has(name) else None
 
+    def ignore(self, prefix: str, reason: str) -> None:
+        """Tensors under ``prefix`` belong to a part loaded elsewhere (an MTP head: by
+        `load_mtp` when speculative decoding asks for it); `unused` leaves them out and
+        `ignored` says why."""
+        self._ignored[prefix] = reason
+
+    def ignored(self) -> dict[str, str]:
+        """Untaken tensor names under an ignored prefix -> the reason."""
+        return {
+            name: reason
+            for name in sorted(set(self._tensors) - self._taken)
+            for prefix, reason in self._ignored.items()
+            if name.startswith(prefix)
+        }
+
     def unused(self) -> list[str]:
-        """Tensors nobody took (e.g. an MTP head we do not run)."""
-        return sorted(set(self._tensors) - self._taken)
+        """Tensors nobody took and nobody declared as loaded elsewhere."""
+        ignored = self.ignored()
+        return sorted(set(self._tensors) - self._taken - set(ignored))
 
     def check_all_used(self) -> None:
         """Refuse a checkpoint with tensors the config's layers did not take: a config of
         4 layers over 6-layer weights would otherwise run and emit wrong tokens. MTP heads
-        (which the engine does not run) and rotary caches are allowed to stay unused."""
+        (loaded apart, by `load_mtp`, when spec_method 'mtp' asks for them) and rotary
+        caches are allowed to stay unused."""
         unused = [name for name in self.unused() if not _ignorable(name)]
         if unused:
             shown = ", ".join(unused[:8]) + (

@@ -2,10 +2,11 @@
 `CacheManager`'s block tables and state slots, run the model, return the logits.
 
 Per attention group, request ``r``'s row is ``manager.block_table(r, g)`` padded with
-the null block; a sliding-window row may hold null blocks for positions that left the
-window (attention never reads them). Per state group, `CacheManager.state_slots` turns
-into one read slot and a list of write points, counted in new tokens ``k`` of this step
-(``c`` = computed tokens before the step)::
+the null block, kept on the device across steps (`block_tables.PersistentBlockTable`:
+only rows that changed are written); a sliding-window row may hold null blocks for
+positions that left the window (attention never reads them). Per state group,
+`CacheManager.state_slots` turns into one read slot and a list of write points,
+counted in new tokens ``k`` of this step (``c`` = computed tokens before the step)::
 
     read          read_block (None: zeros)
     (W - c, w)    write_block gets the state after write_num_tokens = W tokens
@@ -25,9 +26,10 @@ from dataclasses import dataclass
 
 import torch
 
-from hybridkv.cache import NULL_BLOCK, CacheManager
+from hybridkv.cache import CacheManager
+from hybridkv.engine.block_tables import PersistentBlockTable
 from hybridkv.engine.context import BlockTable, ForwardBatch, StateSlots, WritePoint, make_batch
-from hybridkv.engine.models.common import CausalLM
+from hybridkv.engine.models.common import CausalLM, HiddenStates
 from hybridkv.engine.tensors import CacheTensors, group_key
 from hybridkv.errors import EngineError
 from hybridkv.plan.types import CachePlan
@@ -116,16 +118,22 @@ class ModelRunner:
         mine = [g for g in plan.groups if any(ref.model == model_name for ref in g.layers)]
         self.attention_groups = [g for g in mine if not g.is_state]
         self.state_groups = [g for g in mine if g.is_state]
+        self.block_tables = {
+            g.group_id: PersistentBlockTable(g.block_size, self.device)
+            for g in self.attention_groups
+        }
 
     def build_batch(self, steps: Sequence[StepInput]) -> ForwardBatch:
         tables: dict[str, BlockTable] = {}
+        live = self.manager.has_request
         for group in self.attention_groups:
-            rows = [self.manager.block_table(s.req_id, group.group_id) for s in steps]
-            width = max(1, max(len(row) for row in rows))
-            padded = [list(row) + [NULL_BLOCK] * (width - len(row)) for row in rows]
-            tables[group_key(group.group_id)] = BlockTable(
-                torch.tensor(padded, dtype=torch.long, device=self.device), group.block_size
-            )
+            persistent = self.block_tables[group.group_id]
+            rows = [
+                persistent.apply(s.req_id, self.manager.block_table(s.req_id, group.group_id), live)
+                for s in steps
+            ]
+            widths = [len(persistent.host[s.req_id]) for s in steps]
+            tables[group_key(group.group_id)] = persistent.table(rows, widths)
         slots: dict[str, StateSlots] = {}
         for group in self.state_groups:
             reads: list[int | None] = []
@@ -167,6 +175,21 @@ class ModelRunner:
             s.num_computed,
             s.num_draft_tokens,
         )
+
+    def check_invariants(self) -> None:
+        """Every persistent block table matches its host rows (`PersistentBlockTable`)."""
+        for table in self.block_tables.values():
+            table.check_invariants()
+
+    def execute_with_hidden(
+        self, steps: Sequence[StepInput], capture: Sequence[int] = ()
+    ) -> tuple[list[torch.Tensor], HiddenStates]:
+        """`execute`, plus the hidden states of every token (batch order: the steps'
+        tokens one after the other) that a drafter head reads (`CausalLM.forward_with_hidden`)."""
+        batch = self.build_batch(steps)
+        batch.check()
+        logits, hidden = self.model.forward_with_hidden(batch, self.caches, capture)
+        return list(torch.split(logits, [1 + s.num_draft_tokens for s in steps])), hidden
 
     def execute(self, steps: Sequence[StepInput]) -> list[torch.Tensor]:
         """Run one step; per request, logits ``[1 + num_draft_tokens, vocab]`` at its

@@ -20,9 +20,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 
+from hybridkv.engine.models.common import HiddenStates
 from hybridkv.engine.proposers import NgramProposer, Proposer, SuffixProposer
 from hybridkv.engine.runner import ModelRunner, StepInput
 from hybridkv.engine.scheduler import ScheduledChunk
@@ -83,6 +85,30 @@ class SpecCounters:
         return self.num_accepted / self.num_proposed if self.num_proposed else 0.0
 
 
+class Drafter(Protocol):
+    """What the stepper drives: drafts before the main pass, and a look at what the
+    main pass computed (hidden-state heads catch their KV up there)."""
+
+    capture: tuple[int, ...] | None  # None: needs no main hidden states
+
+    def run(
+        self,
+        chunks: Sequence[ScheduledChunk],
+        temperature: Mapping[str, float],
+        generators: Mapping[str, torch.Generator],
+    ) -> dict[str, Drafts]: ...
+
+    def max_drafts(self, req_id: str, num_computed: int, limit: int) -> int:
+        """Drafts it can make for a decode step at ``num_computed`` (<= ``limit``)."""
+        ...
+
+    def features(self, hidden: HiddenStates) -> torch.Tensor: ...
+
+    def observe(self, observations: Sequence[Any]) -> None: ...
+
+    def forget(self, req_id: str) -> None: ...
+
+
 class DraftModelDrafter:
     """Runs a draft model on its own plan groups, aligned with the main model.
 
@@ -90,6 +116,8 @@ class DraftModelDrafter:
     same positions, so the draft's cache holds the prompt); a decode chunk with L
     reserved drafts gets L + 1 single-token passes, batched across requests pass by pass.
     """
+
+    capture: tuple[int, ...] | None = None
 
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
@@ -121,7 +149,7 @@ class DraftModelDrafter:
         for step, row in zip(first, logits, strict=True):
             if step.req_id in wanted:
                 tokens[step.req_id], probs[step.req_id] = [], []
-                self._pick(step.req_id, row[-1], temperature, generators, tokens, probs)
+                pick_draft(step.req_id, row[-1], temperature, generators, tokens, probs)
         max_pass = 1 + max(wanted.values(), default=0)
         for j in range(2, max_pass + 1):
             steps = [
@@ -132,22 +160,37 @@ class DraftModelDrafter:
             logits = self.runner.execute(steps)
             for step, row in zip(steps, logits, strict=True):
                 if wanted[step.req_id] >= j:
-                    self._pick(step.req_id, row[-1], temperature, generators, tokens, probs)
+                    pick_draft(step.req_id, row[-1], temperature, generators, tokens, probs)
         return {r: Drafts(tokens[r], torch.stack(probs[r]) if probs[r] else None) for r in wanted}
 
-    @staticmethod
-    def _pick(
-        req_id: str,
-        logits: torch.Tensor,
-        temperature: Mapping[str, float],
-        generators: Mapping[str, torch.Generator],
-        tokens: dict[str, list[int]],
-        probs: dict[str, list[torch.Tensor]],
-    ) -> None:
-        temp = temperature.get(req_id, 0.0)
-        if temp <= 0:
-            tokens[req_id].append(int(logits.argmax()))
-            return
-        q = token_probs(logits.cpu(), temp)  # drawn with the request's CPU generator
-        tokens[req_id].append(int(torch.multinomial(q, 1, generator=generators[req_id])))
-        probs[req_id].append(q)
+    def max_drafts(self, req_id: str, num_computed: int, limit: int) -> int:
+        return limit  # it runs the step's tokens itself, then drafts
+
+    def features(self, hidden: HiddenStates) -> torch.Tensor:
+        raise EngineError("a draft model reads no hidden states of the main model")
+
+    def observe(self, observations: Sequence[Any]) -> None:
+        """A draft model ran the step's chunks already (`run`); nothing to catch up."""
+        return None
+
+    def forget(self, req_id: str) -> None:
+        return None
+
+
+def pick_draft(
+    req_id: str,
+    logits: torch.Tensor,
+    temperature: Mapping[str, float],
+    generators: Mapping[str, torch.Generator],
+    tokens: dict[str, list[int]],
+    probs: dict[str, list[torch.Tensor]],
+) -> None:
+    """Append one draft for ``req_id``: greedy argmax, or a draw from the request's CPU
+    generator (its proposal distribution kept for speculative sampling)."""
+    temp = temperature.get(req_id, 0.0)
+    if temp <= 0:
+        tokens[req_id].append(int(logits.argmax()))
+        return
+    q = token_probs(logits.cpu(), temp)  # drawn with the request's CPU generator
+    tokens[req_id].append(int(torch.multinomial(q, 1, generator=generators[req_id])))
+    probs[req_id].append(q)

@@ -7,6 +7,9 @@ main model, verify. The scheduler decides the step and settles it (cut, commit, 
     draft      draft model passes (`DraftModelDrafter`), or the first L proposed drafts
     main       ModelRunner.execute -> logits [1 + L, vocab] per sampling request
     verify     greedy / speculative sampling -> a accepted drafts + 1 token (`StepResult`)
+    observe    a hidden-state head (MTP, EAGLE) writes its KV at the positions the step
+               computed, from the main pass's hidden states (`proposers.head`); before
+               the update commits, so no block is cached without the head's KV
     update     `Scheduler.update`: cut at max_new_tokens / max_model_len and after the
                first stop id (a' <= a), CacheManager.commit(r, a', tokens), emit
 
@@ -30,11 +33,13 @@ from collections.abc import Callable, Sequence
 import torch
 
 from hybridkv.cache import CacheManager
+from hybridkv.engine.models.common import HiddenStates
 from hybridkv.engine.proposers import Proposer
+from hybridkv.engine.proposers.head import Observation
 from hybridkv.engine.runner import ModelRunner, StepInput
-from hybridkv.engine.sampler import SamplingParams, make_generator, sample
-from hybridkv.engine.speculative import DraftModelDrafter, Drafts, SpecCounters
-from hybridkv.engine.verify import Verdict, verify_greedy, verify_sampling
+from hybridkv.engine.sampler import SamplingParams, greedy_ids, make_generator, sample
+from hybridkv.engine.speculative import Drafter, Drafts, SpecCounters
+from hybridkv.engine.verify import Verdict, accept_greedy, verify_sampling
 from hybridkv.errors import EngineError
 from hybridkv.plan.types import CachePlan
 from hybridkv.sched import (
@@ -65,7 +70,7 @@ class Stepper:
         config: SchedulerConfig,
         spec_method: str | None,
         num_spec_tokens: int,
-        drafter: DraftModelDrafter | None,
+        drafter: Drafter | None,
         proposer: Proposer | None,
     ) -> None:
         self.plan = plan
@@ -104,6 +109,8 @@ class Stepper:
     def forget(self, req: Request) -> None:
         self.generators.pop(req.req_id, None)
         self.proposals.pop(req.req_id, None)
+        if self.drafter is not None:
+            self.drafter.forget(req.req_id)
         if self.proposer is not None:
             self.proposer.forget(req.req_id)
 
@@ -118,7 +125,10 @@ class Stepper:
             limit = min(self.num_spec_tokens, req.num_tokens_left - 1)
             if limit <= 0:
                 continue
-            if self.proposer is None:  # draft model: it drafts after the allocation
+            if self.drafter is not None:  # draft model / head: drafts after the allocation
+                offered[req.req_id] = self.drafter.max_drafts(req.req_id, req.num_computed, limit)
+                continue
+            if self.proposer is None:
                 offered[req.req_id] = limit
                 continue
             drafts = [int(t) for t in self.proposer.propose(req.req_id, req.tokens, limit)]
@@ -139,15 +149,57 @@ class Stepper:
                     drafts[c.request.req_id] = Drafts(
                         self.proposals[c.request.req_id][: c.num_lookahead]
                     )
-        logits = self.runner.execute([self._step_input(c, drafts) for c in chunks])
+        steps = [self._step_input(c, drafts) for c in chunks]
+        capture = None if self.drafter is None else self.drafter.capture
+        hidden = None
+        if capture is None:
+            logits = self.runner.execute(steps)
+        else:
+            logits, hidden = self.runner.execute_with_hidden(steps, capture)
         results: dict[str, StepResult] = {}
-        for chunk, rows in zip(chunks, logits, strict=True):
+        best = greedy_ids(logits)  # every row's argmax at once (greedy requests use it)
+        for chunk, rows, argmax in zip(chunks, logits, best, strict=True):
             self.num_tokens += chunk.num_scheduled_tokens
             if chunk.samples:
                 req = chunk.request
-                verdict = self._verify(req, rows, drafts.get(req.req_id))
+                verdict = self._verify(req, rows, argmax, drafts.get(req.req_id))
                 results[req.req_id] = StepResult(verdict.num_accepted, verdict.token_ids)
+        if hidden is not None and self.drafter is not None:
+            self.drafter.observe(self._observations(chunks, steps, results, hidden))
         return results
+
+    def _observations(
+        self,
+        chunks: Sequence[ScheduledChunk],
+        steps: Sequence[StepInput],
+        results: dict[str, StepResult],
+        hidden: HiddenStates,
+    ) -> list[Observation]:
+        """Per chunk, the positions this step computes (verified tokens and accepted
+        drafts), the token after each and the head's feature rows there (rows follow
+        the steps' tokens in order). The verdicts are the uncut ones: a cut (stop id,
+        length) finishes the request, and its first positions are the same either way."""
+        assert self.drafter is not None
+        features = self.drafter.features(hidden)
+        out = []
+        start = 0
+        for chunk, step in zip(chunks, steps, strict=True):
+            req = chunk.request
+            c, n = chunk.num_computed, chunk.num_new_tokens
+            result = results.get(req.req_id)
+            if result is None:  # a prefill piece: the next prompt token is known
+                next_ids = list(req.tokens[c + 1 : c + n + 1])
+            else:
+                next_ids = [*req.tokens[c + 1 : c + n], *result.token_ids]
+            if len(next_ids) < n:
+                raise EngineError(
+                    f"request {req.req_id!r}: {n} positions computed from {c} but only "
+                    f"{len(next_ids)} tokens follow them"
+                )
+            rows = features[start : start + len(next_ids)]
+            out.append(Observation(req.req_id, c, next_ids, rows, result is not None))
+            start += len(step.token_ids)
+        return out
 
     # ------------------------------------------------------------------ one step
     def step(self) -> list[Request]:
@@ -169,16 +221,19 @@ class Stepper:
             hook(output, report)
         return report.finished
 
-    def _verify(self, req: Request, logits: torch.Tensor, drafts: Drafts | None) -> Verdict:
-        """Accepted drafts + one sampled token from the main model's ``[1 + L, vocab]``."""
+    def _verify(
+        self, req: Request, logits: torch.Tensor, argmax: list[int], drafts: Drafts | None
+    ) -> Verdict:
+        """Accepted drafts + one sampled token from the main model's ``[1 + L, vocab]``
+        (``argmax``: its rows' argmax ids, for greedy requests)."""
         temperature = self.params[req.req_id].temperature
+        if temperature <= 0:
+            draft_ids = [] if drafts is None else drafts.token_ids
+            return accept_greedy(argmax[len(argmax) - 1 - len(draft_ids) :], draft_ids)
         generator = self.generators.get(req.req_id)
-        if temperature > 0:
-            logits = logits.cpu()  # drawn with the request's CPU generator
+        logits = logits.cpu()  # drawn with the request's CPU generator
         if drafts is None or not drafts.token_ids:
             return Verdict(0, [sample(logits[-1], temperature, generator)])
-        if temperature <= 0:
-            return verify_greedy(logits, drafts.token_ids)
         if generator is None:
             raise EngineError(f"request {req.req_id!r} samples but has no generator")
         return verify_sampling(logits, drafts.token_ids, temperature, generator, drafts.probs)

@@ -24,12 +24,14 @@ the layer must agree on every state shape and dtype, or nothing runs.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from hybridkv.engine.context import KVCache, LayerCache, StateCache
+from hybridkv.engine.kv_quant import FP8_DTYPES, KVQuant
 from hybridkv.engine.models.common import SLIDING_ATTENTION, STATE, LayerDesc
 from hybridkv.errors import EngineError
 from hybridkv.plan.types import CachePlan, GroupPlan, TensorPlacement
@@ -161,7 +163,40 @@ def _attention_view(
         where,
         num_pages,
     )
-    return KVCache(key=key, value=value, group=group_key(group.group_id))
+    return KVCache(
+        key=key, value=value, group=group_key(group.group_id), quant=kv_quant_of(desc, dtype)
+    )
+
+
+def kv_quant_of(desc: LayerDesc, page_dtype: torch.dtype) -> KVQuant | None:
+    """The quantisation of an attention layer's pages: fp8 pages use the checkpoint's
+    per-tensor ``k_scale`` / ``v_scale`` when it has them, else 1.0; other dtypes store
+    values as they are (a checkpoint's scales are then unused)."""
+    if page_dtype not in FP8_DTYPES:
+        return None
+    key_scale, value_scale = desc.kv_scales or (1.0, 1.0)
+    return KVQuant(page_dtype, key_scale, value_scale)
+
+
+def simulate_fp8_kv(
+    tensors: CacheTensors,
+    fp8_dtype: torch.dtype,
+    layers: Sequence[LayerDesc],
+    draft_layers: Sequence[LayerDesc] = (),
+) -> None:
+    """Make every attention cache of (non-fp8) ``tensors`` round the values it stores
+    through ``fp8_dtype`` with the layers' scales, in place (`KVQuant.simulate`): the
+    fp8 oracle, same numerics in wider pages."""
+    for caches, descs in ((tensors.caches, layers), (tensors.draft_caches, draft_layers)):
+        by_index = {d.index: d for d in descs}
+        for index, cache in caches.items():
+            if not isinstance(cache, KVCache):
+                continue
+            if cache.quant is not None:
+                raise EngineError(f"layer {index}: its pages are fp8 already, not simulated")
+            scales = by_index[index].kv_scales or (1.0, 1.0)
+            quant = KVQuant(fp8_dtype, scales[0], scales[1], simulate=True)
+            caches[index] = dataclasses.replace(cache, quant=quant)
 
 
 def _state_view(

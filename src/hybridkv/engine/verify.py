@@ -31,7 +31,12 @@ class Verdict:
 
 def verify_greedy(logits: torch.Tensor, draft_ids: list[int]) -> Verdict:
     """``logits``: [K + 1, vocab] for one request."""
-    best = logits.argmax(dim=-1).tolist()
+    return accept_greedy(logits.argmax(dim=-1).tolist(), draft_ids)
+
+
+def accept_greedy(best: list[int], draft_ids: list[int]) -> Verdict:
+    """`verify_greedy` from the argmax ids ``best`` (K + 1) of the scored positions
+    (batched sampling computes them for the whole step at once)."""
     accepted = 0
     while accepted < len(draft_ids) and draft_ids[accepted] == best[accepted]:
         accepted += 1

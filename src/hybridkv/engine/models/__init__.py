@@ -8,13 +8,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from hybridkv.engine.loader import Checkpoint, read_config
 from hybridkv.engine.models.common import CausalLM, LayerDesc
 from hybridkv.errors import EngineError
+
+if TYPE_CHECKING:
+    from hybridkv.engine.models.mtp import MTPHead
 
 Loader = Callable[[dict[str, Any], Checkpoint], CausalLM]
 
@@ -63,4 +66,17 @@ def load_model(
     return model
 
 
-__all__ = ["CausalLM", "LayerDesc", "load_model"]
+def load_mtp(
+    folder: str | Path, main: CausalLM, device: str | torch.device | None = None
+) -> MTPHead:
+    """The MTP head in ``folder`` (Qwen3.5 / Qwen3-Next), sharing ``main``'s embedding
+    and LM head, in ``main``'s dtype on its device. ``folder`` is the main checkpoint
+    itself, or a folder holding only the ``mtp.*`` tensors next to a ``config.json`` of
+    the same architecture that states the MTP layer count (the demo's ``mtp/``)."""
+    from hybridkv.engine.models.mtp import load_mtp_head
+
+    ckpt = Checkpoint(folder, main.dtype, main.device if device is None else device)
+    return load_mtp_head(read_config(folder), ckpt, main)
+
+
+__all__ = ["CausalLM", "LayerDesc", "load_model", "load_mtp"]

@@ -88,6 +88,7 @@ class Attention:
     softcap: float | None = None
     sinks: torch.Tensor | None = None  # [num_heads]
     key_multiplier: float | None = None  # Falcon-H1: k_proj output scaled before rope
+    kv_scales: tuple[float, float] | None = None  # fp8 checkpoints' k_scale / v_scale
 
     @classmethod
     def load(
@@ -142,6 +143,7 @@ class Attention:
             softcap=softcap,
             sinks=ckpt.take(f"{prefix}.sinks", (s.num_heads,)) if s.sinks else None,
             key_multiplier=key_multiplier,
+            kv_scales=load_kv_scales(ckpt, prefix),
         )
 
     def desc(self, index: int) -> LayerDesc:
@@ -152,6 +154,7 @@ class Attention:
             family="attention",
             shapes={"key": (s.num_kv_heads, s.head_dim), "value": (s.num_kv_heads, s.head_dim)},
             sliding_window=self.sliding_window,
+            kv_scales=self.kv_scales,
         )
 
     def __call__(self, x: torch.Tensor, batch: ForwardBatch, cache: LayerCache) -> torch.Tensor:
@@ -187,3 +190,26 @@ class Attention:
         if gate is not None:
             out = out * torch.sigmoid(gate)
         return F.linear(out, self.o_proj, self.o_bias)
+
+
+def load_kv_scales(ckpt: Checkpoint, prefix: str) -> tuple[float, float] | None:
+    """``{prefix}.k_scale`` / ``{prefix}.v_scale``: the per-tensor fp8 KV scales that fp8
+    checkpoints (ModelOpt, compressed-tensors, as vLLM reads them) store next to the
+    projections, as a scalar or a one-element tensor. Both or neither."""
+    names = (f"{prefix}.k_scale", f"{prefix}.v_scale")
+    present = [ckpt.has(n) for n in names]
+    if not any(present):
+        return None
+    if not all(present):
+        missing = names[present.index(False)]
+        raise EngineError(f"checkpoint {ckpt.folder} has one fp8 KV scale but not {missing!r}")
+    scales = []
+    for name in names:
+        shape = ckpt.shape(name)
+        if len(shape) > 1 or (shape and shape[0] != 1):
+            raise EngineError(
+                f"{name!r} has shape {shape}; the engine supports per-tensor KV scales "
+                "(a scalar or one element), not per-head or per-channel ones"
+            )
+        scales.append(float(ckpt.take(name, shape, torch.float32).reshape(())))
+    return scales[0], scales[1]

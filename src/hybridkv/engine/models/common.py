@@ -40,6 +40,8 @@ class LayerDesc:
     shapes: Mapping[str, tuple[int, ...]]
     sliding_window: int | None = None
     ssm_dtype: torch.dtype | None = None  # None: the model dtype
+    # Attention layers of fp8 checkpoints: per-tensor (k_scale, v_scale); None: 1.0 each.
+    kv_scales: tuple[float, float] | None = None
 
 
 class Block(Protocol):
@@ -67,6 +69,14 @@ class MultiCacheBlock(Protocol):
     def __call__(
         self, hidden: torch.Tensor, batch: ForwardBatch, caches: Sequence[LayerCache]
     ) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True)
+class HiddenStates:
+    """Hidden states of one step's tokens, in batch order, for a drafter head."""
+
+    final: torch.Tensor  # [T, hidden], after the final norm
+    layers: Mapping[int, torch.Tensor]  # decoder layer index -> its output [T, hidden]
 
 
 class CausalLM:
@@ -129,7 +139,48 @@ class CausalLM:
         ``caches`` maps every layer index to its `KVCache` or `StateCache`; the caches
         are updated in place (K/V of the new tokens written, state slots advanced).
         """
-        hidden = F.embedding(batch.input_ids, self.embed)
+        hidden, _ = self._trunk(batch, caches, ())
+        return self._logits(self.final_norm(hidden[batch.selected_indices()]))
+
+    @torch.inference_mode()
+    def forward_with_hidden(
+        self, batch: ForwardBatch, caches: Mapping[int, LayerCache], capture: Sequence[int] = ()
+    ) -> tuple[torch.Tensor, HiddenStates]:
+        """`forward`, plus what a hidden-state-fed drafter (MTP, EAGLE) reads: the final-
+        normed hidden states of every token and the outputs of decoder layers
+        ``capture`` (block indices), ``[T, hidden]`` each. The logits are computed
+        exactly as `forward` computes them."""
+        hidden, captured = self._trunk(batch, caches, capture)
+        logits = self._logits(self.final_norm(hidden[batch.selected_indices()]))
+        return logits, HiddenStates(final=self.final_norm(hidden), layers=captured)
+
+    def _trunk(
+        self, batch: ForwardBatch, caches: Mapping[int, LayerCache], capture: Sequence[int]
+    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """Embedding and every block: the last hidden states (before the final norm)
+        of all tokens, and the outputs of the blocks in ``capture``."""
+        hidden = self.embed_tokens(batch.input_ids)
+        captured: dict[int, torch.Tensor] = {}
+        for i, block in enumerate(self.blocks):
+            descs = getattr(block, "descs", None)
+            if descs is not None:
+                multi = cast(MultiCacheBlock, block)
+                hidden = multi(hidden, batch, [self._cache(caches, d) for d in descs])
+            else:
+                block = cast(Block, block)
+                cache = None
+                if block.desc is not None:
+                    cache = caches.get(block.desc.index)
+                    if cache is None:
+                        raise EngineError(f"no cache given for layer {block.desc.index}")
+                hidden = block(hidden, batch, cache)
+            if i in capture:
+                captured[i] = hidden
+        return hidden, captured
+
+    def embed_tokens(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """Input embeddings of ``token_ids`` with the architecture's scale / multiplier."""
+        hidden = F.embedding(token_ids, self.embed)
         if self.embed_scale is not None:
             # The scale is rounded to the model dtype before multiplying, as trained.
             hidden = hidden * torch.tensor(
@@ -137,21 +188,10 @@ class CausalLM:
             )
         if self.embed_multiplier is not None:
             hidden = hidden * self.embed_multiplier
-        for block in self.blocks:
-            descs = getattr(block, "descs", None)
-            if descs is not None:
-                multi = cast(MultiCacheBlock, block)
-                hidden = multi(hidden, batch, [self._cache(caches, d) for d in descs])
-                continue
-            block = cast(Block, block)
-            cache = None
-            if block.desc is not None:
-                cache = caches.get(block.desc.index)
-                if cache is None:
-                    raise EngineError(f"no cache given for layer {block.desc.index}")
-            hidden = block(hidden, batch, cache)
-        hidden = self.final_norm(hidden[batch.selected_indices()])
-        logits = F.linear(hidden, self.lm_head)
+        return hidden
+
+    def _logits(self, normed: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(normed, self.lm_head)
         if self.logits_multiplier is not None:
             logits = logits * self.logits_multiplier
         if self.logits_divisor is not None:

@@ -18,9 +18,19 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from hybridkv.engine import delta_rule
 from hybridkv.engine.context import ForwardBatch, LayerCache, StateCache
 from hybridkv.engine.loader import Checkpoint, cfg_get, cfg_require
 from hybridkv.engine.models.common import STATE, LayerDesc
+from hybridkv.engine.state_batched import (
+    SHORT_MAX_TOKENS,
+    capture_steps,
+    causal_conv_grid,
+    gather_state,
+    state_parts,
+    write_conv,
+    write_ssm,
+)
 from hybridkv.engine.state_ops import (
     causal_conv1d_history,
     gated_delta_rule_capture,
@@ -155,6 +165,12 @@ class GatedDeltaNet:
         )
 
     def __call__(self, x: torch.Tensor, batch: ForwardBatch, cache: LayerCache) -> torch.Tensor:
+        return self.forward(x, batch, cache, batched=True)
+
+    def forward(
+        self, x: torch.Tensor, batch: ForwardBatch, cache: LayerCache, *, batched: bool
+    ) -> torch.Tensor:
+        """``batched`` False runs the per-request reference loop (the oracle in tests)."""
         if not isinstance(cache, StateCache):
             raise EngineError(f"Gated DeltaNet layer got a {type(cache).__name__}, not StateCache")
         s = self.shape
@@ -162,18 +178,75 @@ class GatedDeltaNet:
         beta = torch.sigmoid(b)
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
         core = x.new_empty(x.shape[0], s.num_v_heads, s.head_v_dim)
+        if batched:
+            self._core_batched(core, mixed, g, beta, batch, cache)
+        else:
+            self._core_reference(core, mixed, g, beta, batch, cache)
+        gate = z.view(-1, s.num_v_heads, s.head_v_dim)
+        normed = self._gated_norm(core, gate).reshape(x.shape[0], s.value_dim)
+        return F.linear(normed, self.out_proj)
+
+    def _split_heads(
+        self, conv_out: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``[..., conv_dim]`` -> q, k ``[..., Hv, dk]`` (key heads repeated), v
+        ``[..., Hv, dv]``."""
+        s = self.shape
+        lead = conv_out.shape[:-1]
         ratio = s.num_v_heads // s.num_k_heads
+        q, k, v = torch.split(conv_out, [s.key_dim, s.key_dim, s.value_dim], dim=-1)
+        q = q.reshape(*lead, s.num_k_heads, s.head_k_dim).repeat_interleave(ratio, dim=-2)
+        k = k.reshape(*lead, s.num_k_heads, s.head_k_dim).repeat_interleave(ratio, dim=-2)
+        return q, k, v.reshape(*lead, s.num_v_heads, s.head_v_dim)
+
+    def _core_batched(
+        self,
+        core: torch.Tensor,
+        mixed: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        batch: ForwardBatch,
+        cache: StateCache,
+    ) -> None:
+        """All requests at once per part (decode rows / prefill chunks; `state_batched`)."""
+        for part in state_parts(batch, cache.group):
+            grid = part.layout
+            conv_out, history = causal_conv_grid(
+                grid.pad(mixed), gather_state(cache.conv, part), self.conv_weight, None
+            )
+            q, k, v = self._split_heads(F.silu(conv_out))
+            # The ssm buffer is [Hv, dv, dk]; the rule works on [Hv, dk, dv].
+            state = gather_state(cache.ssm, part).transpose(-1, -2)
+            q, k, v, g_grid, beta_grid = delta_rule.prepare(q, k, v, grid.pad(g), grid.pad(beta))
+            if grid.max_len <= SHORT_MAX_TOKENS:
+                at, index = capture_steps(part)
+                out, states = delta_rule.delta_rule_recurrent(
+                    q, k, v, g_grid, beta_grid, state, at, index, part.point_rows
+                )
+            else:
+                out, states = delta_rule.delta_rule_chunked(
+                    q, k, v, g_grid, beta_grid, state, part.point_rows, list(part.point_k_host)
+                )
+            grid.unpad_into(core, out)
+            write_conv(cache.conv, part, history)
+            write_ssm(cache.ssm, part, states.transpose(-1, -2))
+
+    def _core_reference(
+        self,
+        core: torch.Tensor,
+        mixed: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        batch: ForwardBatch,
+        cache: StateCache,
+    ) -> None:
+        """One request at a time, token by token (`state_ops`)."""
         for req in request_slots(batch, cache):
             start, end = req.start, req.end
             conv_out, history = causal_conv1d_history(
                 mixed[start:end], read_state(cache.conv, req.read_slot), self.conv_weight, None
             )
-            conv_out = F.silu(conv_out)
-            q, k, v = torch.split(conv_out, [s.key_dim, s.key_dim, s.value_dim], dim=-1)
-            n = end - start
-            q = q.reshape(n, s.num_k_heads, s.head_k_dim).repeat_interleave(ratio, dim=1)
-            k = k.reshape(n, s.num_k_heads, s.head_k_dim).repeat_interleave(ratio, dim=1)
-            v = v.reshape(n, s.num_v_heads, s.head_v_dim)
+            q, k, v = self._split_heads(F.silu(conv_out))
             state = read_state(cache.ssm, req.read_slot).transpose(-1, -2)
             out, states = gated_delta_rule_capture(
                 q, k, v, g[start:end], beta[start:end], state, req.capture_at
@@ -181,9 +254,6 @@ class GatedDeltaNet:
             core[start:end] = out
             stored = {at: st.transpose(-1, -2) for at, st in states.items()}
             write_states(cache.conv, cache.ssm, req, history, stored)
-        gate = z.view(-1, s.num_v_heads, s.head_v_dim)
-        normed = self._gated_norm(core, gate).reshape(x.shape[0], s.value_dim)
-        return F.linear(normed, self.out_proj)
 
     def _gated_norm(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         """RMSNorm over each head (plain weight, no +1), then times silu(gate)."""

@@ -22,6 +22,15 @@ import torch.nn.functional as F
 from hybridkv.engine.context import ForwardBatch, LayerCache, StateCache
 from hybridkv.engine.loader import Checkpoint, cfg_get, cfg_require
 from hybridkv.engine.models.common import STATE, LayerDesc, rms_norm
+from hybridkv.engine.ssm_batched import mamba1_scan_grid
+from hybridkv.engine.state_batched import (
+    capture_steps,
+    causal_conv_grid,
+    gather_state,
+    state_parts,
+    write_conv,
+    write_ssm,
+)
 from hybridkv.engine.state_ops import (
     causal_conv1d_history,
     read_state,
@@ -129,11 +138,53 @@ class Mamba1:
         )
 
     def __call__(self, x: torch.Tensor, batch: ForwardBatch, cache: LayerCache) -> torch.Tensor:
+        return self.forward(x, batch, cache, batched=True)
+
+    def _dt_b_c(self, hs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        dt_r, B, C = torch.split(
+            F.linear(hs, self.x_proj), [self.dt_rank, self.state_size, self.state_size], dim=-1
+        )
+        dt_r = rms_norm(dt_r, self.dt_norm, self.eps)
+        B = rms_norm(B, self.b_norm, self.eps)
+        C = rms_norm(C, self.c_norm, self.eps)
+        dt = F.softplus(F.linear(dt_r, self.dt_proj).float() + self.dt_bias.float())
+        return dt, B, C
+
+    def forward(
+        self, x: torch.Tensor, batch: ForwardBatch, cache: LayerCache, *, batched: bool
+    ) -> torch.Tensor:
+        """``batched`` False runs the per-request reference loop (the oracle in tests)."""
         if not isinstance(cache, StateCache):
             raise EngineError(f"Mamba1 layer got a {type(cache).__name__}, not StateCache")
         xs, z = F.linear(x, self.in_proj, self.in_bias).chunk(2, dim=-1)
         A = -torch.exp(self.A_log.float())
         y = x.new_empty(x.shape[0], self.inner)
+        if batched:
+            for part in state_parts(batch, cache.group):
+                grid = part.layout
+                conv_out, history = causal_conv_grid(
+                    grid.pad(xs), gather_state(cache.conv, part), self.conv_weight, self.conv_bias
+                )
+                hs = F.silu(conv_out)
+                dt, B, C = self._dt_b_c(hs)
+                dt = torch.where(grid.valid[..., None], dt, 0.0)  # padding: state unchanged
+                at, index = capture_steps(part)
+                out, states = mamba1_scan_grid(
+                    hs,
+                    dt,
+                    A,
+                    B,
+                    C,
+                    self.D,
+                    gather_state(cache.ssm, part),
+                    at,
+                    index,
+                    part.point_rows,
+                )
+                grid.unpad_into(y, out)
+                write_conv(cache.conv, part, history)
+                write_ssm(cache.ssm, part, states)
+            return F.linear(y * F.silu(z), self.out_proj, self.out_bias)
         for req in request_slots(batch, cache):
             start, end = req.start, req.end
             conv_out, history = causal_conv1d_history(
@@ -143,14 +194,8 @@ class Mamba1:
                 self.conv_bias,
             )
             hs = F.silu(conv_out)
-            dt_r, B, C = torch.split(
-                F.linear(hs, self.x_proj), [self.dt_rank, self.state_size, self.state_size], dim=-1
-            )
-            dt_r = rms_norm(dt_r, self.dt_norm, self.eps)
-            B = rms_norm(B, self.b_norm, self.eps)
-            C = rms_norm(C, self.c_norm, self.eps)
-            dt = F.softplus(F.linear(dt_r, self.dt_proj).float() + self.dt_bias.float())
-            out, states = mamba1_scan_capture(
+            dt, B, C = self._dt_b_c(hs)
+            out, captured = mamba1_scan_capture(
                 hs,
                 dt,
                 A,
@@ -161,5 +206,5 @@ class Mamba1:
                 req.capture_at,
             )
             y[start:end] = out * F.silu(z[start:end])
-            write_states(cache.conv, cache.ssm, req, history, states)
+            write_states(cache.conv, cache.ssm, req, history, captured)
         return F.linear(y, self.out_proj, self.out_bias)

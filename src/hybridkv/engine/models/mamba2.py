@@ -34,6 +34,15 @@ import torch.nn.functional as F
 from hybridkv.engine.context import ForwardBatch, LayerCache, StateCache
 from hybridkv.engine.loader import Checkpoint, cfg_get, cfg_require
 from hybridkv.engine.models.common import STATE, LayerDesc
+from hybridkv.engine.ssm_batched import mamba2_scan_grid
+from hybridkv.engine.state_batched import (
+    capture_steps,
+    causal_conv_grid,
+    gather_state,
+    state_parts,
+    write_conv,
+    write_ssm,
+)
 from hybridkv.engine.state_ops import (
     causal_conv1d_history,
     mamba2_scan_capture,
@@ -198,6 +207,12 @@ class Mamba2:
         )
 
     def __call__(self, x: torch.Tensor, batch: ForwardBatch, cache: LayerCache) -> torch.Tensor:
+        return self.forward(x, batch, cache, batched=True)
+
+    def forward(
+        self, x: torch.Tensor, batch: ForwardBatch, cache: LayerCache, *, batched: bool
+    ) -> torch.Tensor:
+        """``batched`` False runs the per-request reference loop (the oracle in tests)."""
         if not isinstance(cache, StateCache):
             raise EngineError(f"Mamba2 layer got a {type(cache).__name__}, not StateCache")
         s = self.shape
@@ -213,8 +228,73 @@ class Mamba2:
         else:
             dt = dt.clamp(min=self.dt_min)
         A = -torch.exp(self.A_log.float())
-        heads_per_group = s.num_heads // s.n_groups
         y = x.new_empty(x.shape[0], s.inner)
+        if batched:
+            self._scan_batched(y, xbc, dt, A, batch, cache)
+        else:
+            self._scan_reference(y, xbc, dt, A, batch, cache)
+        return F.linear(self._gated_norm(y, z), self.out_proj, self.out_bias)
+
+    def _split_conv(
+        self, conv_out: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """silu'd conv output ``[..., conv_dim]`` -> x ``[..., H, P]``, B and C ``[..., H,
+        N]`` (groups repeated over their heads)."""
+        s = self.shape
+        lead = conv_out.shape[:-1]
+        per_group = s.num_heads // s.n_groups
+        hs, B, C = torch.split(
+            F.silu(conv_out),
+            [s.inner, s.n_groups * s.state_size, s.n_groups * s.state_size],
+            dim=-1,
+        )
+        B = B.reshape(*lead, s.n_groups, s.state_size).repeat_interleave(per_group, dim=-2)
+        C = C.reshape(*lead, s.n_groups, s.state_size).repeat_interleave(per_group, dim=-2)
+        return hs.reshape(*lead, s.num_heads, s.head_dim), B, C
+
+    def _scan_batched(
+        self,
+        y: torch.Tensor,
+        xbc: torch.Tensor,
+        dt: torch.Tensor,
+        A: torch.Tensor,
+        batch: ForwardBatch,
+        cache: StateCache,
+    ) -> None:
+        """All requests of a part at once (`state_batched`; padding cells get dt = 0)."""
+        for part in state_parts(batch, cache.group):
+            grid = part.layout
+            conv_out, history = causal_conv_grid(
+                grid.pad(xbc), gather_state(cache.conv, part), self.conv_weight, self.conv_bias
+            )
+            hs, B, C = self._split_conv(conv_out)
+            at, index = capture_steps(part)
+            out, states = mamba2_scan_grid(
+                hs,
+                grid.pad(dt),
+                A,
+                B,
+                C,
+                self.D,
+                gather_state(cache.ssm, part),
+                at,
+                index,
+                part.point_rows,
+            )
+            grid.unpad_into(y, out.flatten(-2))
+            write_conv(cache.conv, part, history)
+            write_ssm(cache.ssm, part, states)
+
+    def _scan_reference(
+        self,
+        y: torch.Tensor,
+        xbc: torch.Tensor,
+        dt: torch.Tensor,
+        A: torch.Tensor,
+        batch: ForwardBatch,
+        cache: StateCache,
+    ) -> None:
+        """One request at a time, token by token (`state_ops`)."""
         for req in request_slots(batch, cache):
             start, end = req.start, req.end
             conv_out, history = causal_conv1d_history(
@@ -223,16 +303,9 @@ class Mamba2:
                 self.conv_weight,
                 self.conv_bias,
             )
-            hs, B, C = torch.split(
-                F.silu(conv_out),
-                [s.inner, s.n_groups * s.state_size, s.n_groups * s.state_size],
-                dim=-1,
-            )
-            n = end - start
-            B = B.reshape(n, s.n_groups, s.state_size).repeat_interleave(heads_per_group, dim=1)
-            C = C.reshape(n, s.n_groups, s.state_size).repeat_interleave(heads_per_group, dim=1)
+            hs, B, C = self._split_conv(conv_out)
             out, states = mamba2_scan_capture(
-                hs.reshape(n, s.num_heads, s.head_dim),
+                hs,
                 dt[start:end],
                 A,
                 B,
@@ -241,9 +314,8 @@ class Mamba2:
                 read_state(cache.ssm, req.read_slot),
                 req.capture_at,
             )
-            y[start:end] = out.reshape(n, s.inner)
+            y[start:end] = out.reshape(end - start, -1)
             write_states(cache.conv, cache.ssm, req, history, states)
-        return F.linear(self._gated_norm(y, z), self.out_proj, self.out_bias)
 
     def _gated_norm(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """Gate and RMSNorm within each of ``n_groups`` channel groups (see ``norm``)."""

@@ -132,4 +132,8 @@ def load_qwen3_5(config: dict[str, Any], ckpt: Checkpoint) -> CausalLM:
             inter = int(cfg_require(config, "intermediate_size"))
             mlp = GatedMLP.load(ckpt, f"{prefix}.mlp", dims.hidden, inter, act)
         blocks.append(PreNormLayer.load(norm, prefix, i, mixer, mlp))
+    ckpt.ignore(
+        "mtp.",
+        "the MTP head: loaded by `load_mtp` only for speculative decoding with spec_method 'mtp'",
+    )
     return causal_lm(config, ckpt, dims, blocks, norm("model.norm.weight"))

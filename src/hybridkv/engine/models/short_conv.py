@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from hybridkv.engine.context import ForwardBatch, LayerCache, StateCache
 from hybridkv.engine.loader import Checkpoint
 from hybridkv.engine.models.common import STATE, LayerDesc
+from hybridkv.engine.state_batched import causal_conv_grid, gather_state, state_parts, write_conv
 from hybridkv.engine.state_ops import causal_conv1d_history, read_state, request_slots
 from hybridkv.errors import EngineError
 
@@ -58,11 +59,28 @@ class ShortConv:
         )
 
     def __call__(self, x: torch.Tensor, batch: ForwardBatch, cache: LayerCache) -> torch.Tensor:
+        return self.forward(x, batch, cache, batched=True)
+
+    def forward(
+        self, x: torch.Tensor, batch: ForwardBatch, cache: LayerCache, *, batched: bool
+    ) -> torch.Tensor:
+        """``batched`` False runs the per-request reference loop (the oracle in tests)."""
         if not isinstance(cache, StateCache):
             raise EngineError(f"short conv layer got a {type(cache).__name__}, not StateCache")
         b, c, h = F.linear(x, self.in_proj, self.in_bias).chunk(3, dim=-1)
         bx = b * h
         y = torch.empty_like(bx)
+        if batched:
+            for part in state_parts(batch, cache.group):
+                conv_out, history = causal_conv_grid(
+                    part.layout.pad(bx),
+                    gather_state(cache.conv, part),
+                    self.conv_weight,
+                    self.conv_bias,
+                )
+                part.layout.unpad_into(y, conv_out)
+                write_conv(cache.conv, part, history)
+            return F.linear(c * y, self.out_proj, self.out_bias)
         rows = cache.conv.shape[-1]
         for req in request_slots(batch, cache):
             conv_out, history = causal_conv1d_history(

@@ -17,15 +17,23 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 
-def _latest_match(tokens: Sequence[int], n: int) -> int | None:
-    """Start index just after the latest earlier occurrence of the last ``n`` tokens."""
+def _latest_match(tokens: Sequence[int], n: int, want: int = 0) -> int | None:
+    """Start index just after the latest earlier occurrence of the last ``n`` tokens that
+    is followed by at least ``want`` tokens; failing that, the latest occurrence.
+
+    In a repeating context ``x y x y x y`` the latest occurrence of ``x y`` overlaps the
+    end and is followed by two tokens only; one period earlier gives two more."""
     if n <= 0 or len(tokens) <= n:
         return None
     tail = list(tokens[-n:])
+    latest = None
     for start in range(len(tokens) - n - 1, -1, -1):
         if list(tokens[start : start + n]) == tail:
-            return start + n
-    return None
+            if len(tokens) - (start + n) >= want:
+                return start + n
+            if latest is None:
+                latest = start + n
+    return latest
 
 
 @dataclass
@@ -62,7 +70,8 @@ class SuffixProposer:
     def propose(self, request_id: str, token_ids: Sequence[int], max_num_tokens: int) -> list[int]:
         best_len, best_follow = 0, None
         for n in range(self.min_match, min(self.max_match, len(token_ids) - 1) + 1):
-            follow = _latest_match(token_ids, n)
+            want = min(max_num_tokens, n - self.min_match + 1)
+            follow = _latest_match(token_ids, n, want)
             if follow is None:
                 break  # a longer suffix cannot match if this one does not
             best_len, best_follow = n, follow

@@ -1,0 +1,153 @@
+"""The gated delta rule batched across requests: a recurrence for short steps, a chunked
+form for prefill. `state_ops.gated_delta_rule_capture` is the per-request oracle.
+
+Per head, with ``S`` the ``[dk, dv]`` state and q, k l2-normalised (q also scaled)::
+
+    S_t = a_t S_{t-1} + k_t u_t^T,   u_t = beta_t (v_t - a_t S_{t-1}^T k_t),   o_t = S_t^T q_t
+
+with ``a_t = exp(g_t)``. Over a chunk of C tokens starting from ``S0``, let
+``G_t = g_1 + .. + g_t`` and ``D[t, i] = exp(G_t - G_i)`` (decay from i to t). Unrolling
+(Yang et al., "Gated Delta Networks", 2024, and "Parallelizing Linear Transformers with
+the Delta Rule over Sequence Length", 2024: the WY / UT form)::
+
+    (I + diag(beta) (D o K K^T)_strict) U = diag(beta) (V - diag(exp G) K S0)
+    O   = diag(exp G) Q S0 + (D o Q K^T)_incl U
+    S_m = exp(G_m) S0 + K[:m]^T (D[m, :m] o U[:m])          (state after m tokens)
+
+so a chunk is a few matmuls and one unit-lower-triangular solve, and the state after any
+token of the chunk (a write point) is one more product. Padding cells have
+``beta = g = 0`` and ``k = 0``: ``u = 0`` there and the state passes through unchanged.
+
+Shapes: ``q, k [R, L, H, dk]`` (l2-normalised already expanded to the value heads), ``v
+[R, L, H, dv]``, ``g, beta [R, L, H]``, ``state [R, H, dk, dv]``; captures are
+``(rows [P], ks [P])``; returns ``o [R, L, H, dv]`` and the captured states
+``[P, H, dk, dv]``. Everything in float32.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hybridkv.engine.state_ops import l2norm
+
+CHUNK_TOKENS = 64
+
+
+def prepare(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor
+) -> tuple[torch.Tensor, ...]:
+    """float32, l2-normalised q (scaled by ``dk ** -0.5``) and k, as the reference does."""
+    q = l2norm(q.float()) * q.shape[-1] ** -0.5
+    return q, l2norm(k.float()), v.float(), g.float(), beta.float()
+
+
+def delta_rule_recurrent(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    capture_at: list[int],
+    capture_index: torch.Tensor,
+    rows: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token by token over the grid (all rows at once). ``capture_at``: the distinct
+    ``k`` of the write points; point p takes the state after ``capture_at[capture_index
+    [p]]`` tokens of row ``rows[p]``. Inputs already `prepare`d."""
+    state = state.float()
+    kept: dict[int, torch.Tensor] = {0: state}
+    out = torch.empty_like(v)
+    num_rows, _, heads, dk = q.shape
+    dv = v.shape[-1]
+    for t in range(q.shape[1]):
+        state = state * g[:, t].exp()[..., None, None]
+        k_t = k[:, t, :, None, :]  # [R, H, 1, dk]
+        predicted = (k_t @ state)[:, :, 0]  # [R, H, dv]
+        delta = (v[:, t] - predicted) * beta[:, t, :, None]
+        state = torch.baddbmm(
+            state.view(-1, dk, dv), k_t.reshape(-1, dk, 1), delta.reshape(-1, 1, dv)
+        ).view(num_rows, heads, dk, dv)
+        out[:, t] = (q[:, t, :, None, :] @ state)[:, :, 0]
+        if t + 1 in capture_at:
+            kept[t + 1] = state
+    stacked = torch.stack([kept[c] for c in capture_at])  # [num_k, R, H, dk, dv]
+    return out, stacked[capture_index, rows]
+
+
+def delta_rule_chunked(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    rows: torch.Tensor,
+    ks: list[int],
+    chunk_tokens: int = CHUNK_TOKENS,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The chunked form (module docstring); point p is the state after ``ks[p]`` tokens
+    of row ``rows[p]``. Inputs already `prepare`d."""
+    _, length, heads, _ = q.shape
+    # [R, H, L, d] so that matmuls run per (row, head)
+    q, k, v = (x.transpose(1, 2) for x in (q, k, v))
+    g, beta = g.transpose(1, 2), beta.transpose(1, 2)
+    state = state.float()
+    out = torch.empty_like(v)
+    captured = state.new_empty(len(ks), heads, state.shape[-2], state.shape[-1])
+    ks_t = torch.tensor(ks, dtype=torch.long)
+    for p in (ks_t == 0).nonzero().flatten().tolist():
+        captured[p] = state[rows[p]]
+    for start in range(0, length, chunk_tokens):
+        end = min(start + chunk_tokens, length)
+        size = end - start
+        qc, kc, vc = q[:, :, start:end], k[:, :, start:end], v[:, :, start:end]
+        bc = beta[:, :, start:end]
+        cum = g[:, :, start:end].cumsum(-1)  # [R, H, C]
+        ones = torch.ones(size, size, dtype=torch.bool, device=q.device)
+        incl = torch.tril(ones)
+        gap = cum[..., :, None] - cum[..., None, :]
+        decay = gap.masked_fill(~incl, float("-inf")).exp()  # D, zero above the diagonal
+        strict = decay.masked_fill(incl & ~torch.tril(ones, -1), 0.0)
+        system = bc[..., None] * (strict * (kc @ kc.transpose(-1, -2)))
+        system = system + torch.eye(size, dtype=q.dtype, device=q.device)
+        rhs = bc[..., None] * (vc - cum.exp()[..., None] * (kc @ state))
+        # Flattened to [R * H, C, C]: the batched solve is several times faster in 3-d.
+        u = torch.linalg.solve_triangular(
+            system.reshape(-1, size, size),
+            rhs.reshape(-1, size, rhs.shape[-1]),
+            upper=False,
+            unitriangular=True,
+        ).view(rhs.shape)
+        out[:, :, start:end] = (
+            cum.exp()[..., None] * (qc @ state) + (decay * (qc @ kc.transpose(-1, -2))) @ u
+        )
+        in_chunk = ((ks_t > start) & (ks_t <= end)).nonzero().flatten()
+        if in_chunk.numel():
+            _capture(captured, in_chunk, rows, ks_t - start, state, cum, decay, kc, u)
+        last = size - 1
+        weights = decay[..., last, :, None] * u  # [R, H, C, dv]
+        state = cum[..., last].exp()[..., None, None] * state + kc.transpose(-1, -2) @ weights
+    return out.transpose(1, 2), captured
+
+
+def _capture(
+    captured: torch.Tensor,
+    points: torch.Tensor,
+    rows: torch.Tensor,
+    local_ks: torch.Tensor,
+    state: torch.Tensor,
+    cum: torch.Tensor,
+    decay: torch.Tensor,
+    kc: torch.Tensor,
+    u: torch.Tensor,
+) -> None:
+    """``S_m = exp(G_m) S0 + K[:m]^T (D[m, :m] o U[:m])`` for the points in this chunk."""
+    prow = rows[points.to(rows.device)]
+    m = local_ks[points].to(rows.device) - 1  # index of the point's last token in the chunk
+    row_decay = decay[prow, :, m]  # [P', H, C]: zero past token m, so U[m+1:] drops out
+    start_decay = cum[prow, :, m].exp()  # [P', H]
+    s = start_decay[..., None, None] * state[prow] + kc[prow].transpose(-1, -2) @ (
+        row_decay[..., None] * u[prow]
+    )
+    captured[points.to(captured.device)] = s

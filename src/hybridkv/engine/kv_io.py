@@ -1,0 +1,31 @@
+"""The two places K/V cross the page boundary: store new K/V, load K/V to attend.
+
+Every attention path (batched and reference) goes through these, so a change of what a
+page holds (a quantised KV dtype with its scales, say) is made here once. An index is a
+pair ``(block ids, offsets in block)`` of equal shape ``S``: pages are
+``[num_blocks, block_size, heads, dim]`` views that may be strided inside a pool (K and
+V of one page side by side), so they are indexed by block and offset, never flattened.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hybridkv.engine import kv_quant
+from hybridkv.engine.context import KVCache
+
+PageIndex = tuple[torch.Tensor, torch.Tensor]  # (block ids, offsets), both shape S
+
+
+def store_kv(cache: KVCache, index: PageIndex, key: torch.Tensor, value: torch.Tensor) -> None:
+    """Write ``key [*S, Hkv, D]`` and ``value [*S, Hkv, Dv]`` at ``index``."""
+    kv_quant.store(cache.key, index, key, cache.quant)
+    kv_quant.store(cache.value, index, value, cache.quant, value=True)
+
+
+def load_kv(cache: KVCache, index: PageIndex, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """K and V at ``index`` as ``[*S, Hkv, D]`` tensors of ``dtype`` (the compute dtype)."""
+    return (
+        kv_quant.load(cache.key, index, dtype, cache.quant),
+        kv_quant.load(cache.value, index, dtype, cache.quant, value=True),
+    )

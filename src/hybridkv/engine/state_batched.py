@@ -1,0 +1,150 @@
+"""Recurrent-state plumbing batched across requests: read slots, causal conv, write points.
+
+`state_ops` is the per-request reference (one request, one slot, a Python loop over
+tokens); this module does the same for a whole step in a few tensor ops, so a decode
+step of 32 requests costs about what one request costs. Per state group and step:
+
+    parts      requests split by new-token count (decode/verify rows vs prefill chunks,
+               `varlen.split_by_length`), each part a padded ``[R, L]`` grid
+    read       ``buffer[read_slots]`` for rows with an initial state, zeros otherwise
+               (never the slot's old contents: a recomputed request starts clean)
+    scan       the family's kernel over the grid (padding cells leave the state as is)
+    write      every write point ``(k, slot)`` of every row in one indexed store:
+               ``buffer[slots] = states_after[k, row]``
+
+Example, two rows, rows 0 decodes 1 token from slot 5 in place, row 1 verifies 1 + 2
+drafts from slot 3 with points (1, 3) (2, 8) (3, 9)::
+
+    point_rows  [0, 1, 1, 1]     point_k [1, 1, 2, 3]     point_slots [5, 3, 8, 9]
+
+All reads happen before any write of the step, so an in-place point is safe.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from hybridkv.engine.context import ForwardBatch
+from hybridkv.engine.varlen import Padded, split_by_length
+from hybridkv.errors import EngineError
+
+# Parts with at most this many new tokens per request run the token-by-token recurrence;
+# longer ones (prefill chunks) a chunked form where the family has one.
+SHORT_MAX_TOKENS = 8
+
+
+@dataclass(frozen=True)
+class StatePart:
+    """One padded part of a step for one state group: reads and write points."""
+
+    layout: Padded
+    read_slots: torch.Tensor  # [R], int64 (0 where the row has no initial state)
+    has_initial: torch.Tensor  # [R], bool
+    point_rows: torch.Tensor  # [P], row of the part
+    point_k: torch.Tensor  # [P], tokens of the row after which the state is stored
+    point_slots: torch.Tensor  # [P], slot written
+    point_k_host: tuple[int, ...]
+    point_rows_host: tuple[int, ...]
+    all_initial: bool  # every row reads a slot (decode): no zero rows to select
+
+
+def state_parts(batch: ForwardBatch, group: str) -> list[StatePart]:
+    """The step's parts for state ``group`` (built once per step, shared by its layers)."""
+    return batch.memoized(("state_parts", group), lambda: _build_parts(batch, group))
+
+
+def _build_parts(batch: ForwardBatch, group: str) -> list[StatePart]:
+    slots = batch.slots(group)
+    slot_ids = [int(x) for x in slots.slot_ids.tolist()]
+    has_initial = [bool(x) for x in slots.has_initial_state.tolist()]
+    lengths, computed = batch.host_lengths, batch.host_computed
+    device = batch.input_ids.device
+    parts = []
+    for reqs in split_by_length(lengths, SHORT_MAX_TOKENS):
+        rows: list[int] = []
+        ks: list[int] = []
+        targets: list[int] = []
+        for row, r in enumerate(reqs):
+            if has_initial[r] and computed[r] == 0:
+                raise EngineError(
+                    f"request {r} claims an initial state in group {group!r} but has 0 "
+                    "computed tokens"
+                )
+            for k, slot in slots.points(r, lengths[r]):
+                rows.append(row)
+                ks.append(int(k))
+                targets.append(int(slot))
+        layout = Padded.build(batch.host_starts, lengths, reqs, batch.num_tokens, device)
+
+        def dev(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.long).to(device)
+
+        parts.append(
+            StatePart(
+                layout=layout,
+                read_slots=dev([slot_ids[r] if has_initial[r] else 0 for r in reqs]),
+                has_initial=torch.tensor([has_initial[r] for r in reqs]).to(device),
+                point_rows=dev(rows),
+                point_k=dev(ks),
+                point_slots=dev(targets),
+                point_k_host=tuple(ks),
+                point_rows_host=tuple(rows),
+                all_initial=all(has_initial[r] for r in reqs),
+            )
+        )
+    return parts
+
+
+def gather_state(buffer: torch.Tensor, part: StatePart) -> torch.Tensor:
+    """``buffer[read_slot]`` per row, zeros for rows without an initial state (selected,
+    not multiplied: NaN in an unused slot cannot leak)."""
+    read = buffer[part.read_slots]
+    if part.all_initial:
+        return read
+    keep = part.has_initial.view(-1, *([1] * (read.dim() - 1)))
+    return torch.where(keep, read, torch.zeros((), dtype=read.dtype, device=read.device))
+
+
+def causal_conv_grid(
+    x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Depthwise causal conv of ``x [R, L, C]`` continuing from ``state [R, C, rows]``.
+
+    Returns the output ``[R, L, C]`` (before activation) and the history
+    ``[R, C, rows + L]`` (the state after ``k`` tokens of row r is
+    ``history[r, :, k : k + rows]``), as `state_ops.causal_conv1d_history` per request.
+    """
+    kernel = weight.shape[-1]
+    rows = state.shape[-1]
+    if rows < kernel - 1:
+        raise EngineError(f"conv state has {rows} columns but the kernel needs {kernel - 1}")
+    history = torch.cat([state.to(x.dtype), x.transpose(1, 2)], dim=-1)  # [R, C, rows + L]
+    windows = history[:, :, rows - (kernel - 1) :].unfold(-1, kernel, 1)  # [R, C, L, kernel]
+    out = (windows * weight.to(x.dtype)[None, :, None, :]).sum(-1)
+    if bias is not None:
+        out = out + bias.to(x.dtype)[None, :, None]
+    return out.transpose(1, 2), history
+
+
+def write_conv(buffer: torch.Tensor, part: StatePart, history: torch.Tensor) -> None:
+    """Store ``history[row, :, k : k + rows]`` at every write point of ``part``."""
+    rows = buffer.shape[-1]
+    cols = part.point_k[:, None] + torch.arange(rows, device=history.device)[None, :]
+    picked = history.transpose(1, 2)[part.point_rows[:, None], cols]  # [P, rows, C]
+    buffer[part.point_slots] = picked.transpose(1, 2).to(buffer.dtype)
+
+
+def write_ssm(buffer: torch.Tensor, part: StatePart, states: torch.Tensor) -> None:
+    """Store ``states [P, ...]`` (one per write point, in point order)."""
+    buffer[part.point_slots] = states.to(buffer.dtype)
+
+
+def capture_steps(part: StatePart) -> tuple[list[int], torch.Tensor]:
+    """Distinct ``k`` of the part's write points, and each point's index among them (for
+    recurrences that keep the states after those ``k`` only)."""
+    distinct = sorted(set(part.point_k_host))
+    where = {k: i for i, k in enumerate(distinct)}
+    index = torch.tensor([where[k] for k in part.point_k_host], dtype=torch.long)
+    return distinct, index.to(part.point_k.device)

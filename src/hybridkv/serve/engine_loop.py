@@ -1,0 +1,376 @@
+"""The continuous-batching loop: one background thread owns the `LLM`.
+
+torch modules and the `CacheManager` are not thread-safe, so exactly one thread touches
+the engine. The HTTP side (asyncio) talks to it through two queues per direction:
+
+    asyncio handlers                         engine thread (`EngineLoop._run`)
+    ----------------                         ---------------------------------
+    submit(handle)  --+                      idle: block on the inbox (no busy loop)
+    abort(handle)   --+--> inbox (thread- -> busy: drain the inbox, then LLM.step()
+    call(fn)        --+    safe queue)       after each step, per active request:
+                                               decode, cut at stop strings, then
+    handle.next_event() <-- asyncio.Queue <--  loop.call_soon_threadsafe(put, Output)
+                            per request
+
+Events of one request, in order: `Accepted` (or `Failed`: the engine refused it), then
+`Output` after every step that produced tokens, the last one with a ``finish_reason``
+("stop": EOS, a stop id or a stop string; "length": max_tokens). A request aborted by
+its client (disconnect) is cancelled in the engine at once, which frees its blocks.
+
+``call(fn)`` runs ``fn()`` on the engine thread between steps and returns a
+`concurrent.futures.Future`: metrics snapshots, invariant checks and tests read the
+engine that way, never from another thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import logging
+import queue
+import threading
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from hybridkv.engine.llm import LLM
+from hybridkv.engine.sampler import SamplingParams
+from hybridkv.errors import HybridKVError, InvariantError, RequestError
+from hybridkv.serve.metrics import Histogram, MetricsSnapshot
+from hybridkv.serve.prepare import Generation
+from hybridkv.serve.textstream import TextStream, text_decoder
+
+log = logging.getLogger("hybridkv.serve")
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Accepted:
+    request_id: str
+
+
+@dataclass(frozen=True)
+class Output:
+    """New text and token ids since the previous `Output`; counts are totals."""
+
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+
+
+@dataclass(frozen=True)
+class Failed:
+    error: RequestError
+
+
+Event = Accepted | Output | Failed
+
+
+class RequestHandle:
+    """The asyncio side of one request. Created on the event loop that reads it."""
+
+    def __init__(self, generation: Generation, loop: asyncio.AbstractEventLoop) -> None:
+        self.request_id = uuid.uuid4().hex
+        self.generation = generation
+        self._loop = loop
+        self._events: asyncio.Queue[Event] = asyncio.Queue()
+        self.finished = False  # the last event was read (asyncio side)
+
+    def push(self, event: Event) -> None:
+        """Hand ``event`` to the reader (any thread)."""
+        # A closed event loop (RuntimeError) means nobody is left to read it.
+        with contextlib.suppress(RuntimeError):
+            self._loop.call_soon_threadsafe(self._events.put_nowait, event)
+
+    async def next_event(self) -> Event:
+        event = await self._events.get()
+        if isinstance(event, Failed) or (
+            isinstance(event, Output) and event.finish_reason is not None
+        ):
+            self.finished = True
+        return event
+
+
+@dataclass
+class _Active:
+    handle: RequestHandle
+    request: Any  # what LLM.add_request returned
+    text: TextStream
+    arrival_s: float  # time.monotonic() at submission
+    num_sent_tokens: int = 0
+    admitted: bool = False  # its first step ran (prefix-cache query and hit counted)
+
+
+@dataclass(frozen=True)
+class _Submit:
+    handle: RequestHandle
+
+
+@dataclass(frozen=True)
+class _Abort:
+    request_id: str
+
+
+@dataclass(frozen=True)
+class _Call:
+    fn: Callable[[], Any]
+    future: concurrent.futures.Future[Any]
+
+
+@dataclass(frozen=True)
+class _Stop:
+    pass
+
+
+_Command = _Submit | _Abort | _Call | _Stop
+
+
+@dataclass
+class ServeCounters:
+    """Counters the HTTP layer adds to the engine's own (engine thread only)."""
+
+    num_prompt_tokens: int = 0
+    # Counted once per request at its first admission: the manager's own lookup counters
+    # also count the scheduler's ordering lookups and re-admissions after preemption.
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    finished: Counter[str] = field(default_factory=Counter)  # by finish reason / "abort"
+    time_to_first_token: Histogram = field(default_factory=Histogram)
+    e2e_request_latency: Histogram = field(default_factory=Histogram)
+
+
+class EngineLoop:
+    def __init__(self, llm: LLM, model_name: str, *, name: str = "hybridkv-engine") -> None:
+        self.llm = llm
+        self.model_name = model_name
+        self.counters = ServeCounters()
+        self._inbox: queue.SimpleQueue[_Command] = queue.SimpleQueue()
+        self._active: dict[str, _Active] = {}
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._decode = text_decoder(llm.tokenizer)
+
+    # ------------------------------------------------------------------ any thread
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def submit(self, handle: RequestHandle) -> None:
+        if not self.alive:
+            handle.push(Failed(RequestError("the engine loop is not running", status=503)))
+            return
+        self._inbox.put(_Submit(handle))
+
+    def abort(self, handle: RequestHandle) -> None:
+        """Cancel ``handle``'s request (a no-op once it finished)."""
+        self._inbox.put(_Abort(handle.request_id))
+
+    def call(self, fn: Callable[[], T]) -> concurrent.futures.Future[T]:
+        """Run ``fn()`` on the engine thread between steps (module doc)."""
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+        if not self.alive:
+            future.set_exception(RequestError("the engine loop is not running", status=503))
+            return future
+        self._inbox.put(_Call(fn, future))
+        return future
+
+    def shutdown(self, timeout_s: float = 30.0) -> None:
+        """Fail the requests in flight (503), stop the thread and wait for it."""
+        if self._thread.is_alive():
+            self._inbox.put(_Stop())
+            self._thread.join(timeout_s)
+
+    # ------------------------------------------------------------------ engine thread
+    def metrics(self) -> MetricsSnapshot:
+        """Counters and gauges now (engine thread: use ``call(loop.metrics)``)."""
+        stats = self.llm.stats()
+        cache = self.llm.manager.stats()
+        running, waiting = self.llm.num_requests()
+        return MetricsSnapshot(
+            model_name=self.model_name,
+            num_requests_running=running,
+            num_requests_waiting=waiting,
+            kv_cache_usage=cache.usage,
+            prefix_cache_queries=self.counters.prefix_cache_queries,
+            prefix_cache_hits=self.counters.prefix_cache_hits,
+            prompt_tokens=self.counters.num_prompt_tokens,
+            generation_tokens=stats.num_output_tokens,
+            spec_draft_tokens=stats.num_proposed_tokens,
+            spec_accepted_tokens=stats.num_accepted_tokens,
+            num_preemptions=stats.num_preemptions,
+            num_steps=stats.num_steps,
+            finished=dict(self.counters.finished),
+            time_to_first_token=self.counters.time_to_first_token.snapshot(),
+            e2e_request_latency=self.counters.e2e_request_latency.snapshot(),
+        )
+
+    def check_invariants(self) -> None:
+        """Every active request is unfinished in the engine and counted there once; the
+        cache manager's own invariants hold (engine thread: use ``call``)."""
+        running, waiting = self.llm.num_requests()
+        if running + waiting != len(self._active):
+            raise InvariantError(
+                f"engine loop tracks {len(self._active)} requests, the engine has "
+                f"{running} running + {waiting} waiting"
+            )
+        for rid, active in self._active.items():
+            active.text.check_invariants()
+            result = self.llm.result(active.request)
+            if result.finish_reason is not None or result.cancelled:
+                raise InvariantError(f"request {rid}: finished in the engine but still active")
+            if active.num_sent_tokens > len(result.token_ids):
+                raise InvariantError(
+                    f"request {rid}: sent {active.num_sent_tokens} tokens of "
+                    f"{len(result.token_ids)}"
+                )
+        self.counters.time_to_first_token.check_invariants()
+        self.counters.e2e_request_latency.check_invariants()
+        self.llm.manager.check_invariants()
+
+    def _run(self) -> None:
+        while True:
+            commands: list[_Command] = [] if self._active else [self._inbox.get()]
+            while True:
+                try:
+                    commands.append(self._inbox.get_nowait())
+                except queue.Empty:
+                    break
+            for i, command in enumerate(commands):
+                if isinstance(command, _Stop):
+                    self._stop(commands[i + 1 :])
+                    return
+                self._guarded(self._handle, command)
+            if self._active:
+                self._guarded(self._step)
+
+    def _guarded(self, fn: Callable[..., None], *args: Any) -> None:
+        """Run ``fn``; a bug of ours fails the requests in flight (500) instead of
+        killing the thread, which would leave every client waiting forever."""
+        try:
+            fn(*args)
+        except Exception as err:
+            log.exception("engine loop error; failing %d requests", len(self._active))
+            self._fail_all(f"internal error: {type(err).__name__}: {err}", 500)
+            if isinstance(args[0] if args else None, _Submit):
+                args[0].handle.push(
+                    Failed(RequestError(f"internal error: {err}", status=500, kind="server_error"))
+                )
+
+    def _handle(self, command: _Command) -> None:
+        if isinstance(command, _Submit):
+            self._submit(command.handle)
+        elif isinstance(command, _Abort):
+            active = self._active.pop(command.request_id, None)
+            if active is not None:
+                self.llm.cancel(active.request)
+                self.counters.finished["abort"] += 1
+        elif isinstance(command, _Call) and command.future.set_running_or_notify_cancel():
+            try:
+                command.future.set_result(command.fn())
+            except Exception as err:  # handed to the caller, who re-raises it
+                command.future.set_exception(err)
+
+    def _submit(self, handle: RequestHandle) -> None:
+        g = handle.generation
+        try:
+            params = SamplingParams(g.max_tokens, g.temperature, g.seed, g.ignore_eos)
+            request = self.llm.add_request(
+                list(g.prompt_token_ids), params, cache_salt=g.cache_salt
+            )
+        except HybridKVError as err:
+            handle.push(Failed(RequestError(str(err), code=type(err).__name__)))
+            return
+        refused = self.llm.result(request).finish_reason
+        if refused is not None:  # finished before it ran: the engine refused it
+            reason = getattr(request, "refusal", None) or f"finish reason {refused!r}"
+            handle.push(Failed(RequestError(f"the engine refused the request: {reason}")))
+            return
+        self._active[handle.request_id] = _Active(
+            handle, request, TextStream(self._decode, g.stop), time.monotonic()
+        )
+        self.counters.num_prompt_tokens += len(g.prompt_token_ids)
+        handle.push(Accepted(handle.request_id))
+
+    def _step(self) -> None:
+        try:
+            self.llm.step()
+        except Exception as err:
+            # The step's requests are in an unknown state: fail and cancel all of them,
+            # keep serving new ones. A typed error is the engine refusing what it was
+            # asked (e.g. a request that cannot fit the cache): 400; anything else is ours.
+            log.exception("engine step failed; failing %d requests", len(self._active))
+            typed = isinstance(err, HybridKVError)
+            self._fail_all(
+                f"the engine step failed: {type(err).__name__}: {err}",
+                400 if typed else 500,
+                "invalid_request_error" if typed else "server_error",
+            )
+            return
+        for rid in list(self._active):
+            self._publish(rid, self._active[rid])
+
+    def _publish(self, rid: str, active: _Active) -> None:
+        result = self.llm.result(active.request)
+        if not active.admitted and result.stats.num_steps > 0:
+            active.admitted = True
+            self.counters.prefix_cache_queries += result.stats.num_prompt_tokens
+            self.counters.prefix_cache_hits += result.stats.prefix_hit_tokens
+        ids = result.token_ids
+        reason = result.finish_reason
+        if len(ids) == active.num_sent_tokens and reason is None:
+            return
+        delta = active.text.update(ids, finished=reason is not None)
+        if delta.stopped and reason is None:
+            self.llm.cancel(active.request)  # a stop string: free its blocks now
+        if delta.stopped:
+            reason = "stop"
+        new_ids = tuple(ids[active.num_sent_tokens :])
+        now = time.monotonic()
+        if active.num_sent_tokens == 0 and new_ids:
+            self.counters.time_to_first_token.observe(now - active.arrival_s)
+        active.num_sent_tokens = len(ids)
+        if reason is not None:
+            del self._active[rid]
+            self.counters.finished[reason] += 1
+            self.counters.e2e_request_latency.observe(now - active.arrival_s)
+        active.handle.push(
+            Output(
+                delta.text,
+                new_ids,
+                reason,
+                len(active.handle.generation.prompt_token_ids),
+                len(ids),
+            )
+        )
+
+    def _fail_all(self, message: str, status: int, kind: str = "server_error") -> None:
+        for active in self._active.values():
+            try:
+                self.llm.cancel(active.request)
+            except Exception:
+                log.exception("cancelling request %s failed", active.handle.request_id)
+            active.handle.push(
+                Failed(RequestError(message, status=status, kind=kind, code="engine_error"))
+            )
+            self.counters.finished["abort"] += 1
+        self._active.clear()
+
+    def _stop(self, rest: list[_Command]) -> None:
+        self._fail_all("the server is shutting down", 503)
+        for command in rest:
+            if isinstance(command, _Submit):
+                command.handle.push(
+                    Failed(RequestError("the server is shutting down", status=503, code="shutdown"))
+                )
+            elif isinstance(command, _Call):
+                command.future.set_exception(
+                    RequestError("the server is shutting down", status=503)
+                )

@@ -1,0 +1,57 @@
+"""Persistent block tables: rows follow the manager's rows through appends, window
+releases, preemption restarts and finished requests, writing only what changed."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from hybridkv.engine.block_tables import NULL_BLOCK, PersistentBlockTable  # noqa: E402
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_rows_follow_random_updates(seed):
+    rng = random.Random(seed)
+    table = PersistentBlockTable(4, torch.device("cpu"), initial_rows=2, initial_columns=2)
+    truth: dict[str, list[int]] = {}
+    live: set[str] = set()
+    for step in range(200):
+        op = rng.random()
+        req = f"r{rng.randrange(8)}"
+        if op < 0.15 and req in live:  # finished: the manager forgets it
+            live.discard(req)
+            truth.pop(req, None)
+            if rng.random() < 0.5:
+                table.release(req)
+            continue
+        live.add(req)
+        row = truth.setdefault(req, [])
+        if op < 0.25:
+            row.clear()  # preempted: restarts with no blocks
+        elif op < 0.4 and row:
+            cut = rng.randrange(len(row))
+            row[:cut] = [NULL_BLOCK] * cut  # sliding window released its oldest blocks
+        else:
+            row.extend(rng.randrange(1, 100) for _ in range(rng.randrange(0, 3)))
+        writes, changed = table.num_writes, table.host.get(req, []) != row
+        index = table.apply(req, list(row), live.__contains__)
+        assert table.num_writes == writes + changed
+        got = table.table([index], [len(row)]).block_ids[0].tolist()
+        assert got[: len(row)] == row, f"step {step}"
+        table.check_invariants()
+
+
+def test_unchanged_row_writes_nothing_and_dead_rows_are_reused():
+    table = PersistentBlockTable(16, torch.device("cpu"), initial_rows=1, initial_columns=4)
+    assert table.apply("a", [3, 5], lambda r: True) == 0
+    writes = table.num_writes
+    table.apply("a", [3, 5], lambda r: True)
+    assert table.num_writes == writes
+    # "a" finished: its row is reclaimed (and cleared) for "b" instead of growing
+    assert table.apply("b", [7], lambda r: r == "b") == 0
+    assert table.ids.shape[0] == 1
+    assert table.ids[0].tolist() == [7, 0, 0, 0]
+    table.check_invariants()
