@@ -54,10 +54,11 @@ def demo_prompts(num_requests: int) -> list[str]:
 
 
 def resolve_model(name: str) -> Path:
-    """``demo`` / ``demo-main`` / ``demo-draft`` name the built-in models; else a path."""
-    return {"demo": DEMO_MAIN, "demo-main": DEMO_MAIN, "demo-draft": DEMO_DRAFT}.get(
-        name, Path(name)
-    )
+    """``demo`` / ``demo-main`` / ``demo-draft`` / ``demo-mtp`` (the MTP head) name the
+    built-in models; else a path."""
+    builtin = {"demo": DEMO_MAIN, "demo-main": DEMO_MAIN, "demo-draft": DEMO_DRAFT}
+    builtin["demo-mtp"] = DEMO_MTP
+    return builtin.get(name, Path(name))
 
 
 @dataclass(frozen=True)

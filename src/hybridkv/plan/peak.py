@@ -22,15 +22,23 @@ the periods), so its maximum lies in the piece's last ``P`` positions::
                   [last P]                    [last P]  <- only these are evaluated
 
 When ``P`` exceeds `MAX_SCAN`, each group's own peak is summed instead (an upper bound).
+
+Groups with equal `peak_key` (same spec, block size, spec states and state mode: a
+model's layers cut into equal groups) have equal counts at every ``c``, so each distinct
+key is evaluated once and weighted by its multiplicity; results are memoised by
+``(keys with multiplicities, T, n, L)`` because capacity asks the same question for
+every pool and length (pure function of its key, so the memo cannot go stale).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from math import lcm
 from typing import Protocol
 
 MAX_SCAN = 1 << 14  # positions evaluated per piece before falling back to an upper bound
+_MEMO_LIMIT = 1 << 16  # memo entries kept before the memo is dropped (bounds memory)
+_memo: dict[tuple[Hashable, ...], int] = {}
 
 
 class StepBlocks(Protocol):
@@ -48,6 +56,11 @@ class StepBlocks(Protocol):
         """An upper bound of `blocks_at` over every ``c <= num_tokens - n``."""
         ...
 
+    @property
+    def peak_key(self) -> Hashable:
+        """Equal keys mean equal `blocks_at` at every step."""
+        ...
+
 
 def peak_blocks(
     groups: Sequence[StepBlocks],
@@ -60,6 +73,27 @@ def peak_blocks(
     last = num_tokens - n
     if not groups or last < 0:
         return 0
+    reps: dict[Hashable, StepBlocks] = {}
+    counts: dict[Hashable, int] = {}
+    for g in groups:
+        key = g.peak_key
+        reps.setdefault(key, g)
+        counts[key] = counts.get(key, 0) + 1
+    memo_key = (tuple(sorted(counts.items(), key=repr)), num_tokens, n, lookahead)
+    found = _memo.get(memo_key)
+    if found is None:
+        units = [(reps[k], c) for k, c in counts.items()]
+        found = _scan(units, num_tokens, n, lookahead)
+        if len(_memo) >= _MEMO_LIMIT:
+            _memo.clear()
+        _memo[memo_key] = found
+    return found
+
+
+def _scan(units: list[tuple[StepBlocks, int]], num_tokens: int, n: int, lookahead: int) -> int:
+    """`peak_blocks` over distinct groups, each counted ``multiplicity`` times."""
+    last = num_tokens - n
+    groups = [g for g, _ in units]
     periods = [g.blocks_period() for g in groups]
     cuts = sorted({0} | {p[0] for p in periods if p is not None and 0 < p[0] <= last})
     best = 0
@@ -70,9 +104,9 @@ def peak_blocks(
             if p is not None and p[0] <= start:
                 period = lcm(period, p[1])
         if period > MAX_SCAN:
-            return sum(_own_peak(g, num_tokens, n, lookahead) for g in groups)
+            return sum(m * _own_peak(g, num_tokens, n, lookahead) for g, m in units)
         for c in range(max(start, end - period + 1), end + 1):
-            best = max(best, sum(g.blocks_at(c, n, lookahead) for g in groups))
+            best = max(best, sum(m * g.blocks_at(c, n, lookahead) for g, m in units))
     return best
 
 

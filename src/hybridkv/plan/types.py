@@ -143,6 +143,11 @@ class GroupPlan:
     def blocks_period(self) -> tuple[int, int] | None:
         return self.spec.blocks_period(self.block_size)
 
+    @property
+    def peak_key(self) -> tuple[Any, ...]:
+        """What `blocks_at` depends on: equal keys count equal blocks at every step."""
+        return (self.spec, self.block_size, self.num_spec_states, self.state_mode)
+
     def blocks_bound(self, num_tokens: int, num_new_tokens: int, num_lookahead: int) -> int:
         if self.is_state:  # the largest value: right after a checkpoint boundary
             return self.blocks_at(self.block_size, num_new_tokens, num_lookahead)

@@ -39,7 +39,12 @@ def serve_command(
         typer.Option("--draft", help="draft model folder (or demo-draft): speculative decoding"),
     ] = None,
     spec_method: Annotated[
-        str | None, typer.Option("--spec-method", help="draft (needs --draft), ngram or suffix")
+        str | None,
+        typer.Option(
+            "--spec-method",
+            help="draft (needs --draft), mtp (the checkpoint's head or --draft), eagle "
+            "(--draft head folder), ngram or suffix",
+        ),
     ] = None,
     num_spec: Annotated[
         int | None,
@@ -56,6 +61,14 @@ def serve_command(
     ] = None,
     memory: Annotated[str | None, typer.Option("--memory", help="cache budget, e.g. 64MiB")] = None,
     dtype: Annotated[str, typer.Option("--dtype")] = "float32",
+    kv_dtype: Annotated[
+        str,
+        typer.Option(
+            "--kv-dtype",
+            "--kv-cache-dtype",
+            help="KV page dtype: auto (= --dtype), fp8_e4m3, fp8_e5m2, bfloat16, ...",
+        ),
+    ] = "auto",
     device: Annotated[str, typer.Option("--device", help="cpu, cuda or cuda:N")] = "cpu",
     threads: Annotated[int | None, typer.Option("--threads", help=THREADS_HELP)] = None,
     served_model_name: Annotated[
@@ -96,6 +109,7 @@ def serve_command(
                 max_model_len=max_model_len,
                 max_num_seqs=max_num_seqs,
                 threads=threads,
+                kv_dtype=kv_dtype,
             )
             name = served_model_name or model
             spec = (
