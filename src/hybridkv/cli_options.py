@@ -130,7 +130,14 @@ PrefixCaching = Annotated[
         "--prefix-caching/--no-prefix-caching", "--enable-prefix-caching/--no-enable-prefix-caching"
     ),
 ]
-StateMode = Annotated[str | None, typer.Option("--state-mode", help="align | none")]
+StateMode = Annotated[
+    str | None,
+    typer.Option(
+        "--state-mode",
+        "--mamba-cache-mode",
+        help="state checkpoints for prefix hits: align | all | none (vLLM's name works too)",
+    ),
+]
 Layout = Annotated[str, typer.Option("--layout", help="auto | shared | split | vllm")]
 BlockSize = Annotated[int | None, typer.Option("--block-size")]
 MaxBlockSize = Annotated[

@@ -92,7 +92,7 @@ def test_no_read_slot_starts_from_zeros_not_old_contents(llm_case, name):
 
 def test_state_write_points_from_manager_slots():
     # c = 10, write after 20 tokens, drafts after 21 and 22, checkpoint at 16.
-    read, points = state_write_points(7, 8, 20, (3, 4), (16, 9), 10)
+    read, points = state_write_points(7, 8, 20, (3, 4), [(16, 9)], 10)
     assert read == 7
     assert points == [(10, 8), (11, 3), (12, 4), (6, 9)]
     assert state_write_points(None, 5, 4, (), None, 0) == (None, [(4, 5)])

@@ -4,6 +4,9 @@
    drafts reserved every step (every ``c`` from 0 to ``T - 1`` is visited) holds, at its
    worst step, exactly ``GroupPlan.blocks_needed(T, K)`` blocks in each group and
    exactly ``peak_blocks(pool groups, T, 1, K)`` in each pool.
+   Prefill chunks too: at every step of ``n`` tokens a state group holds exactly
+   ``blocks_at(c, n, K)`` (``all`` mode: one transient block per boundary inside the
+   chunk; ``align``: at most one).
 2. Capacity = admission: ``max_concurrency`` requests stepping together to the target
    length all fit at every step; one more does not (some step fails). Requests at
    different steps can peak at different times, so more of them may fit: the report is
@@ -48,7 +51,7 @@ def toy_groups(draw):
 @given(
     groups=toy_groups(),
     k=st.integers(0, 3),
-    mode=st.sampled_from(["align", "none"]),
+    mode=st.sampled_from(["align", "all", "none"]),
     num_tokens=st.integers(1, 60),
 )
 def test_decode_peak_equals_the_formula(groups, k, mode, num_tokens):
@@ -76,6 +79,34 @@ def test_decode_peak_equals_the_formula(groups, k, mode, num_tokens):
         assert peak_pool[pool.pool_id] == peak_blocks(members, num_tokens, 1, k)
 
 
+@settings(max_examples=60, deadline=None)
+@given(
+    interval=st.sampled_from([4, 8]),
+    k=st.integers(0, 3),
+    mode=st.sampled_from(["align", "all", "none"]),
+    chunks=st.lists(st.integers(1, 30), min_size=1, max_size=6),
+)
+def test_state_blocks_held_at_each_chunk_equal_the_formula(interval, k, mode, chunks):
+    """A prompt prefilled in chunks of any size with ``k`` drafts reserved every step:
+    each state group holds exactly ``blocks_at(c, n, k)`` blocks while the step is in
+    flight (every checkpoint of the chunk included)."""
+    groups = [ToyGroup("full", 4), ToyGroup("state", interval)]
+    p = toy_plan(groups, num_spec_tokens=k, state_mode=mode, num_blocks=400)
+    cm = CacheManager(p)
+    prompt = list(range(1, sum(chunks) + 1))
+    cm.add_request("r", prompt)
+    assert cm.lookup("r") == 0
+    c = 0
+    for i, n in enumerate(chunks):
+        assert cm.allocate("r", n, k) is not None
+        for g in p.groups:
+            if g.is_state:
+                assert _held(cm, "r", g.group_id) == g.blocks_at(c, n, k), (c, n)
+        cm.commit("r", 0, [] if i + 1 < len(chunks) else [7])
+        cm.check_invariants()
+        c += n
+
+
 ATTN = AttentionSpec(num_kv_heads=2, head_dim=64)
 SWA = SlidingWindowSpec(num_kv_heads=2, head_dim=64, sliding_window=40)
 GDN = GatedDeltaNetSpec(num_k_heads=2, num_v_heads=4, head_k_dim=32, head_v_dim=32, conv_kernel=4)
@@ -93,7 +124,7 @@ DRAFT = ModelSpec(
 @settings(max_examples=12, deadline=None)
 @given(
     layout=st.sampled_from(["shared", "split", "vllm"]),
-    mode=st.sampled_from(["align", "none"]),
+    mode=st.sampled_from(["align", "all", "none"]),
     k=st.integers(0, 3),
     target=st.integers(40, 200),
     draft=st.booleans(),

@@ -49,6 +49,8 @@ class CacheMachine(RuleBasedStateMachine):
     plan_kwargs: ClassVar[dict] = {}
     groups: ClassVar[list[ToyGroup]] = []
     eagle = False
+    eviction = "lru"
+    checkpoint_rules: tuple[str, ...] = ()
 
     requests = Bundle("requests")
 
@@ -56,7 +58,12 @@ class CacheMachine(RuleBasedStateMachine):
     def setup(self) -> None:
         self.plan = toy_plan(self.groups, **self.plan_kwargs)
         self.k = self.plan_kwargs.get("num_spec_tokens", 0)
-        self.cm = CacheManager(self.plan, eagle=self.eagle)
+        self.cm = CacheManager(
+            self.plan,
+            eagle=self.eagle,
+            eviction_policy=self.eviction,
+            checkpoint_rules=self.checkpoint_rules,
+        )
         self.rows: dict[tuple[str, int], list[int]] = {}  # tables kept from deltas only
         self.tokens: dict[str, list[int]] = {}
         self.salt: dict[str, str | None] = {}
@@ -298,9 +305,17 @@ class CacheMachine(RuleBasedStateMachine):
         return tables, free, self.cm.stats().num_evictions
 
 
-def _machine(name, groups, eagle=False, **plan_kwargs):
+def _machine(name, groups, eagle=False, eviction="lru", rules=(), **plan_kwargs):
     cls = type(
-        name, (CacheMachine,), {"groups": groups, "plan_kwargs": plan_kwargs, "eagle": eagle}
+        name,
+        (CacheMachine,),
+        {
+            "groups": groups,
+            "plan_kwargs": plan_kwargs,
+            "eagle": eagle,
+            "eviction": eviction,
+            "checkpoint_rules": rules,
+        },
     )
     cls.TestCase.settings = settings(
         max_examples=50,
@@ -355,6 +370,42 @@ MACHINES = [
         eagle=True,
         num_spec_tokens=3,
         num_blocks=40,
+    ),
+    # chain eviction (dead sliding blocks, probation MRU bursts, protected LRU) under a
+    # pool small enough that most allocations evict
+    _machine(
+        "ChainEvictionSlidingStateShared",
+        [F4, SW, S8],
+        eviction="chain",
+        num_spec_tokens=2,
+        num_blocks=26,
+    ),
+    _machine(
+        "ChainEvictionEagleSplit",
+        [F4, SW, ToyGroup("full", 4, model="draft")],
+        eagle=True,
+        eviction="chain",
+        num_spec_tokens=2,
+        layout="split",
+        num_blocks=14,
+    ),
+    # every boundary checkpointed, several checkpoints per step, plus junction ones
+    _machine(
+        "AllModeJunctionShared",
+        [F4, SW, S8],
+        state_mode="all",
+        rules=("junction",),
+        num_spec_tokens=2,
+        num_blocks=40,
+    ),
+    _machine(
+        "AlignJunctionChainSplit",
+        [F4, ToyGroup("state", 4)],
+        rules=("junction",),
+        eviction="chain",
+        num_spec_tokens=3,
+        layout="split",
+        num_blocks=16,
     ),
     _machine(
         "FullSlidingStateNoneShared",

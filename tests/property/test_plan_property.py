@@ -142,12 +142,18 @@ def test_planner_returns_valid_plan_or_plan_error(
     result.check_invariants()
     for alt in result.alternatives:
         alt.check_invariants()
-        # `auto` treats concurrency within TIE_TOLERANCE of the best as a tie (then
-        # prefers less padding, smaller blocks, fewer groups), never below vLLM's rule.
+        # never below vLLM's rule, never coarser prefix hits; otherwise `auto` treats
+        # concurrency within TIE_TOLERANCE of the best as a tie, and only finer prefix
+        # hits than vLLM's rule allows justify less, said aloud in the warnings
         best = alt.capacity.max_concurrency
-        assert result.capacity.max_concurrency >= best * (1 - TIE_TOLERANCE)
         if alt.layout == "vllm":
             assert result.capacity.max_concurrency >= best
+            if opts.prefix_caching:
+                assert result.hit_granularity_tokens <= alt.hit_granularity_tokens
+        elif result.capacity.max_concurrency < best * (1 - TIE_TOLERANCE):
+            assert opts.prefix_caching
+            assert alt.hit_granularity_tokens > result.hit_granularity_tokens
+            assert any("coarser hit granularity" in w for w in result.warnings)
     assert result.capacity.max_concurrency >= 1
     if opts.block_size is not None and result.layout in ("shared", "split"):
         main_attn = [g for g in result.groups if g.model == "main" and g.kind != "state"]

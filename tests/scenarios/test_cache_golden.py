@@ -70,20 +70,43 @@ def test_attention_hit_with_state_miss_is_clamped_never_an_empty_state():
     cm2.check_invariants()
 
 
-def test_sliding_window_hit_drops_one_block_for_eagle():
-    """EAGLE drops the last hit block; a sliding window then needs window + 1 blocks
-    cached, and blocks before the window are the null block."""
-    groups = [FULL4, ToyGroup("sliding", 4, 6)]
-    for eagle, hit, sliding_table in ((False, 16, [0, 0, 8, 9]), (True, 12, [0, 7, 8])):
-        cm = CacheManager(toy_plan(groups, num_blocks=64), eagle=eagle)
-        cm.add_request("a", list(range(1, 19)))  # 18 tokens, 4 full blocks
-        cm.lookup("a")
-        _prefill(cm, "a", 18)
-        cm.add_request("b", list(range(1, 19)))
-        assert cm.lookup("b") == hit
-        assert cm.allocate("b", 18 - hit) is not None
-        assert cm.block_table("b", 1)[: hit // 4] == sliding_table
-        cm.check_invariants()
+def test_eagle_head_group_is_keyed_one_token_ahead_and_drops_no_block():
+    """EAGLE / MTP cost no reuse: only a group holding head layers (model "draft") keys
+    its blocks by the chain hash plus the next token, so a repeat hits as far as without
+    speculation (16, not 12), and a prompt whose token after the hit differs misses
+    exactly that head block (12): head KV is never reused for another next token."""
+    groups = [FULL4, ToyGroup("sliding", 4, 6), ToyGroup("full", 4, model="draft")]
+    cm = CacheManager(toy_plan(groups, num_blocks=64), eagle=True)
+    cm.add_request("a", list(range(1, 19)))  # 18 tokens, 4 full blocks, 1 partial
+    cm.lookup("a")
+    assert cm.allocate("a", 18).new_block_ids() == {
+        0: [1, 2, 3, 4, 5],
+        1: [6, 7, 8, 9, 10],
+        2: [11, 12, 13, 14, 15],
+    }
+    cm.commit("a", 0, [99])
+    # every group cached blocks 0..3 (the head group under keys with tokens 5, 9, 13, 17)
+    assert [cm.block_info(0, b).block_hash is not None for b in (4, 9, 14)] == [True] * 3
+    assert cm.block_info(0, 14).block_hash != cm.block_info(0, 4).block_hash
+    cm.add_request("b", list(range(1, 19)))
+    assert cm.lookup("b") == 16
+    assert cm.allocate("b", 2).new_block_ids() == {0: [16], 1: [17], 2: [18]}
+    assert cm.block_tables("b") == {
+        0: [1, 2, 3, 4, 16],
+        1: [0, 0, 8, 9, 17],
+        2: [11, 12, 13, 14, 18],
+    }
+    cm.add_request("c", [*range(1, 17), 77, 78])  # token 16 differs from a's (17)
+    assert cm.lookup("c") == 12
+    cm.check_invariants()
+    # without speculation the head group does not exist and nothing is keyed ahead
+    plain = CacheManager(toy_plan(groups[:2], num_blocks=64))
+    for req in ("a", "c"):
+        plain.add_request(req, [*range(1, 17), 77, 78] if req == "c" else list(range(1, 19)))
+    plain.lookup("a")
+    _prefill(plain, "a", 18)
+    assert plain.lookup("c") == 16
+    plain.check_invariants()
 
 
 def test_blocks_with_unaccepted_drafts_are_never_cached():
@@ -161,3 +184,41 @@ def test_sliding_delta_nulls_positions_that_left_the_window():
     assert row == cm.block_table("a", 0) == [NULL_BLOCK, 2, 3]
     cm.commit("a", 0, [10])
     cm.check_invariants()
+
+
+def test_all_mode_checkpoints_every_boundary_of_a_chunk_align_only_the_last():
+    """`all`: one prefill chunk leaves a checkpoint at every boundary (8, 16, 24), so a
+    prompt that diverges after 18 tokens hits 16; `align` keeps only 24 and misses."""
+    for mode, positions, hit in (("all", [8, 16, 24], 16), ("align", [24], 0)):
+        cm = CacheManager(toy_plan([FULL4, STATE8], num_blocks=64, state_mode=mode))
+        cm.add_request("a", list(range(1, 27)))  # 26 tokens
+        cm.lookup("a")
+        assert cm.allocate("a", 26) is not None
+        slots = cm.state_slots("a", 1)
+        assert [pos for pos, _ in slots.checkpoints] == positions
+        assert slots.checkpoint == slots.checkpoints[-1]
+        cm.commit("a", 0, [99])
+        assert cm.stats().num_checkpoints_stored == len(positions)
+        cm.add_request("b", [*range(1, 19), 70, 71, 72])
+        assert cm.lookup("b") == hit
+        cm.check_invariants()
+
+
+def test_junction_rule_checkpoints_where_a_prompt_leaves_the_cached_prefix():
+    """junction: b matches a's cached attention blocks to 16 but no checkpoint <= 16
+    exists, so b's prefill checkpoints at 16 too; c, sharing b's first 18 tokens, then
+    hits 16. Without the rule c misses."""
+    for rules, hit in ((("junction",), 16), ((), 0)):
+        cm = CacheManager(toy_plan([FULL4, STATE8], num_blocks=64), checkpoint_rules=rules)
+        cm.add_request("a", list(range(1, 27)))
+        cm.lookup("a")
+        _prefill(cm, "a", 26)
+        cm.add_request("b", [*range(1, 19), 70, 71, 72, 73, 74, 75, 76, 77])  # 26 tokens
+        assert cm.lookup("b") == 0
+        assert cm.allocate("b", 26) is not None
+        expected = [16, 24] if rules else [24]
+        assert [pos for pos, _ in cm.state_slots("b", 1).checkpoints] == expected
+        cm.commit("b", 0, [99])
+        cm.add_request("c", [*range(1, 19), 50, 51])
+        assert cm.lookup("c") == hit
+        cm.check_invariants()

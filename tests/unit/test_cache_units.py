@@ -252,3 +252,96 @@ def test_tokens_per_group_leaves_room_for_the_other_groups():
         assert used <= pool.num_usable_blocks < more  # the largest length that fits
         whole_pool = pool.num_usable_blocks * growing[0].block_size
         assert cap.tokens_per_group[growing[0].group_id] * len(growing) <= whole_pool
+
+
+def test_chain_policy_order_dead_then_probation_tail_first_then_protected():
+    """chain: dead blocks first; never-hit blocks newest burst first but tail first
+    within the burst (a child is useless without its parent); hit blocks last, LRU."""
+    q = FreeQueue(20, [], policy="chain")
+    for b in (5, 4, 3):  # one request's chain 3 -> 4 -> 5, released tail first
+        q.push_cached(BlockId(b))
+    q.push_cached(BlockId(7), dead=True)
+    q.push_cached(BlockId(8), was_hit=True)
+    q.push_cached(BlockId(12), was_hit=True)
+    q.remove_cached(BlockId(12))  # a hit revives it: O(1) unlink, burst ends
+    for b in (11, 10):  # a newer chain 10 -> 11
+        q.push_cached(BlockId(b))
+    q.check_invariants()
+    assert [q.tier_of(b) for b in (7, 3, 8, 12)] == ["dead", "probation", "protected", None]
+    popped = [q.pop() for _ in range(len(q))]
+    assert popped == [(7, True), (11, True), (10, True), (5, True), (4, True), (3, True), (8, True)]
+    q.check_invariants()
+
+
+def test_chain_policy_evicts_stale_probation_before_newer_blocks():
+    """A never-hit block freed more than STALE_TURNOVERS pool sizes of releases ago goes
+    before newer ones: blocks nobody comes back for do not pile up."""
+    from hybridkv.cache.free_queue import STALE_TURNOVERS
+
+    q = FreeQueue(4, [], policy="chain")
+    q.push_cached(BlockId(1))
+    for _ in range(STALE_TURNOVERS * 4 - 1):
+        q.push_cached(BlockId(2))
+        q.remove_cached(BlockId(2))
+    q.push_cached(BlockId(3))
+    assert q.pop() == (3, True)  # block 1 is exactly at the limit: not stale yet
+    q.push_cached(BlockId(3))
+    assert q.pop() == (1, True)  # one more release: block 1 is stale
+    with pytest.raises(CacheError, match="unknown"):
+        FreeQueue(4, [], policy="arc")
+
+
+def test_unknown_eviction_policy_or_checkpoint_rule_is_a_cache_error():
+    plan_ = toy_plan([ToyGroup("full", 4), ToyGroup("state", 8)])
+    with pytest.raises(CacheError, match="eviction policy 'mru' is unknown"):
+        CacheManager(plan_, eviction_policy="mru")
+    with pytest.raises(CacheError, match=r"checkpoint rules \['turn-end'\] are unknown"):
+        CacheManager(plan_, checkpoint_rules=("junction", "turn-end"))
+    assert CacheManager(plan_).checkpoint_rules == ("junction",)  # the default
+
+
+@pytest.mark.parametrize("policy", ["chain", "lru"])
+def test_release_many_is_exactly_single_releases_under_each_policy(policy):
+    """`release_many` (a request's table at `free`) leaves the free queue exactly as the
+    same `release` calls one by one would: links, tiers, release times, bursts. Mixed
+    fresh / cached / hit / hot blocks, shared references and null entries."""
+    import random
+    from collections import Counter
+
+    rng = random.Random(7)
+    plan_ = PoolPlan(pool_id=0, page_bytes=1, num_pages=40, num_tensors=1, group_ids=(0,))
+    for _trial in range(30):
+        pools = [BlockPool(plan_, None, eviction_policy=policy) for _ in range(2)]
+        for _ in range(rng.randint(5, 30)):  # the same blocks taken on both sides
+            assert pools[0].take() == pools[1].take()
+        held = [b for b in range(1, 40) if pools[0].ref_counts[b]]
+        for j, b in enumerate(held):
+            if rng.random() < 0.6:
+                for pool in pools:
+                    pool.cache(BlockId(b), 0, bytes([j, 1]), 4)
+        # some cached blocks freed and hit again (was_hit), some shared (ref 2)
+        for b in held:
+            if b in pools[0].hashes and rng.random() < 0.3:
+                for pool in pools:
+                    pool.release(BlockId(b))
+                    pool.touch(BlockId(b))
+            if rng.random() < 0.2:
+                for pool in pools:
+                    pool.ref_counts[b] += 1
+        table = [0, *held]
+        rng.shuffle(table)
+        hot = rng.random() < 0.5
+        for pool in pools:
+            pool.releasing_hot = hot
+        pools[0].release_many(table)
+        for b in table:
+            if b:
+                pools[1].release(BlockId(b))
+        a, b_ = pools[0].free, pools[1].free
+        assert a.fresh_ids() == b_.fresh_ids()
+        for tier in range(3):
+            assert a.tier_ids(tier) == b_.tier_ids(tier)
+        assert list(a._freed_at) == list(b_._freed_at)
+        assert a._num_releases == b_._num_releases and a._anchors == b_._anchors
+        for pool in pools:
+            pool.check_invariants(Counter({x: pool.ref_counts[x] for x in range(1, 40)}))

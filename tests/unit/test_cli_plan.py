@@ -170,3 +170,17 @@ def test_plan_table_output_renders() -> None:
     result = runner.invoke(app, ACCEPTANCE)
     assert result.exit_code == 0
     assert "max concurrency" in result.output and "vllm" in result.output
+
+
+def test_state_mode_all_and_vllms_mamba_cache_mode_alias() -> None:
+    """--state-mode align|all|none is accepted, and so is vLLM's --mamba-cache-mode;
+    `all` needs prefix caching like `align`."""
+    ours = run_json(["plan", "qwen3.5-9b", "--state-mode", "all", "--memory", "40GiB"])
+    alias = run_json(["plan", "qwen3.5-9b", "--mamba-cache-mode", "all", "--memory", "40GiB"])
+    assert ours == alias
+    assert ours["hit_granularity_tokens"] > 0
+    result = runner.invoke(
+        app,
+        ["plan", "qwen3.5-9b", "--state-mode", "all", "--no-prefix-caching", "--json"],
+    )
+    assert result.exit_code == 2 and "state_mode='all'" in result.stdout

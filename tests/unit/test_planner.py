@@ -6,8 +6,9 @@ import pytest
 from tests.specs_fixtures import gemma_like, nemotron_like, qwen3_4b, qwen3_coder_next, qwen35_9b
 
 from hybridkv.errors import PlanError
+from hybridkv.models import load_model_spec
 from hybridkv.plan import PlanOptions, plan
-from hybridkv.spec import DType
+from hybridkv.spec import DType, ModelSpec, ShortConvSpec
 
 GiB = 1 << 30
 
@@ -211,3 +212,45 @@ def test_vllm_rule_merges_an_mtp_head_into_the_main_attention_type() -> None:
     assert len(merged) == 1 and len(merged[0].layers) == 9  # 8 attention + 1 MTP layer
     # K=2 adds 2 conv rows per GDN page: 2146304 + 2 * 8192 * 2 B -> 532 -> 544 tokens
     assert {g.block_size for g in p.groups if g.kind != "state"} == {544}
+
+
+@pytest.mark.parametrize("tp", [1, 2, 8])
+def test_auto_on_attention_free_model_is_never_below_vllm_nor_coarser(tp: int) -> None:
+    """Regression (property test): two short-conv layers + a one-layer draft, 1 MiB.
+    `shared` holds one request more than vLLM's rule but checkpoints every 256 tokens
+    instead of 16: auto keeps vLLM's granularity and says so with both numbers."""
+    conv = ShortConvSpec(hidden_size=1024, conv_l_cache=3, conv_dtype=DType.FLOAT16)
+    main = ModelSpec(name="m", model_type="r", layers=(conv, conv), max_position_embeddings=2048)
+    draft = ModelSpec(name="d", model_type="r", layers=(conv,), max_position_embeddings=2048)
+    p = plan(main, draft, PlanOptions(memory_bytes=1 << 20, tp=tp))
+    vllm = next(a for a in p.alternatives if a.layout == "vllm") if p.layout != "vllm" else p
+    assert p.capacity.max_concurrency >= vllm.capacity.max_concurrency
+    assert p.hit_granularity_tokens <= vllm.hit_granularity_tokens
+    richer = [a for a in p.alternatives if a.capacity.max_concurrency > p.capacity.max_concurrency]
+    for alt in richer:
+        assert alt.hit_granularity_tokens > p.hit_granularity_tokens
+        note = next(w for w in p.warnings if "coarser hit granularity" in w)
+        assert str(alt.capacity.max_concurrency) in note and str(alt.hit_granularity_tokens) in note
+
+
+def test_auto_hit_granularity_never_coarser_than_vllm_under_mtp() -> None:
+    """qwen3.5-35b-a3b, MTP K=3, fp8 KV: auto once took 4288-token hits where vLLM's
+    rule gives 2144."""
+    main = load_model_spec("qwen3.5-35b-a3b")
+    p = plan(
+        main,
+        main.draft_head(method="mtp"),
+        spec_method="mtp",
+        num_spec_tokens=3,
+        kv_dtype=DType.FP8_E4M3,
+    )
+    vllm = plan(
+        main,
+        main.draft_head(method="mtp"),
+        spec_method="mtp",
+        num_spec_tokens=3,
+        kv_dtype=DType.FP8_E4M3,
+        layout="vllm",
+    )
+    assert p.hit_granularity_tokens <= vllm.hit_granularity_tokens == 2144
+    assert p.capacity.max_concurrency >= vllm.capacity.max_concurrency

@@ -70,3 +70,33 @@ def test_no_drafts_means_no_spec_and_bad_kind_is_rejected() -> None:
         workload_options("poetry")
     with pytest.raises(ValueError, match="low <= high"):
         generate_workload("chat", workload_options("chat", output_len=(5, 2)))
+
+
+def test_roundrobin_serves_every_session_in_turn_and_grows_each_session() -> None:
+    opts = workload_options("roundrobin", num_sessions=3, max_turns=2, num_requests=6, **SMALL)
+    requests = generate_workload("roundrobin", opts)
+    assert [r.id for r in requests] == ["rr0-t0", "rr1-t0", "rr2-t0", "rr0-t1", "rr1-t1", "rr2-t1"]
+    assert [r.arrival_s for r in requests] == sorted(r.arrival_s for r in requests)
+    for first, second in zip(requests[:3], requests[3:], strict=True):
+        seen = list(first.prompt) + list(first.output)
+        assert list(second.prompt[: len(seen)]) == seen and len(second.prompt) > len(seen)
+
+
+def test_reuse_bound_counts_the_longest_earlier_prefix_token_exact() -> None:
+    from hybridkv.sim.reuse import reuse_bound_rate, reuse_bound_tokens
+    from hybridkv.sim.trace import TraceRequest
+
+    def req(i: str, t: float, prompt: list[int], output: list[int], salt=None) -> TraceRequest:
+        return TraceRequest(
+            id=i, arrival_s=t, prompt=tuple(prompt), output=tuple(output), cache_salt=salt
+        )
+
+    trace = [
+        req("b", 1.0, [1, 2, 3, 4, 5, 6, 7, 8, 9, 10], [0]),  # a's prompt + output + more
+        req("a", 0.0, [1, 2, 3, 4, 5, 6], [7, 8]),
+        req("c", 2.0, [1, 2, 3], [4]),  # capped at len - 1
+        req("d", 3.0, [1, 2, 3, 4, 5, 6], [0], salt="other"),  # another tenant: nothing
+        req("e", 4.0, [9, 9], [9]),
+    ]
+    assert reuse_bound_tokens(trace) == [8, 0, 2, 0, 0]
+    assert reuse_bound_rate(trace) == 10 / 27

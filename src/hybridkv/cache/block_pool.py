@@ -12,7 +12,10 @@ Life of a block::
         +---release(last)----+                  hit (touch): back to referenced <-+   |
         +------------------- take when no fresh block is left: evicted (hash dropped) +
 
-Eviction is lazy: a cached free block keeps its hash until it is taken for reuse.
+Eviction is lazy: a cached free block keeps its hash until it is taken for reuse. Which
+cached free block goes first is the free queue's eviction policy (`free_queue`): the pool
+tells it whether a released block was hit since it was stored and whether its manager
+released it as dead (out of every window that could still use it).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from collections.abc import Iterable
 
 from hybridkv.cache.block import NULL_BLOCK, BlockInfo
 from hybridkv.cache.events import BLOCK_REMOVED, BLOCK_STORED, CacheEvent
-from hybridkv.cache.free_queue import FreeQueue
+from hybridkv.cache.free_queue import PROBATION, PROTECTED, FreeQueue
 from hybridkv.errors import InvariantError
 from hybridkv.ids import BlockId
 from hybridkv.plan.types import PoolPlan
@@ -32,7 +35,9 @@ from hybridkv.plan.types import PoolPlan
 class BlockPool:
     """Reference counts, free queue and per-group hash indexes of one pool."""
 
-    def __init__(self, plan: PoolPlan, events: list[CacheEvent] | None) -> None:
+    def __init__(
+        self, plan: PoolPlan, events: list[CacheEvent] | None, *, eviction_policy: str = "lru"
+    ) -> None:
         if plan.num_pages < 1:
             raise InvariantError(f"pool {plan.pool_id} has {plan.num_pages} pages; needs >= 1")
         self.pool_id = plan.pool_id
@@ -44,7 +49,17 @@ class BlockPool:
         self.hash_group = array("q", [-1]) * plan.num_pages
         self.hash_end = array("q", bytes(8 * plan.num_pages))  # tokens covered by the hash
         self.index: dict[int, dict[bytes, BlockId]] = {g: {} for g in plan.group_ids}
-        self.free = FreeQueue(plan.num_pages, list(range(1, plan.num_pages)))
+        self.free = FreeQueue(plan.num_pages, list(range(1, plan.num_pages)), eviction_policy)
+        self.was_hit = array("b", bytes(plan.num_pages))  # hit since stored (cached only)
+        # Set by the manager while it releases a request that started from a prefix hit:
+        # a chain that came back once is likely to come back again, and so is its
+        # extension (the blocks that request added), so they are released as if hit.
+        self.releasing_hot = False
+        # chain policy: (group, hash) of recently evicted blocks -> evicted from the
+        # newest end; a lookup that misses one tells the policy it chose badly
+        self.ghosts: dict[tuple[int, bytes], bool] | None = (
+            {} if eviction_policy == "chain" else None
+        )
         self.events = events
         self.num_evictions = 0
         self.num_stored = 0
@@ -62,8 +77,14 @@ class BlockPool:
         return 1.0 - self.num_free / self.num_usable if self.num_usable else 0.0
 
     def lookup(self, group_id: int, block_hash: bytes) -> BlockId | None:
-        """The cached block of ``group_id`` under ``block_hash``, if any."""
-        return self.index[group_id].get(block_hash)
+        """The cached block of ``group_id`` under ``block_hash``, if any. A miss on a
+        recently evicted block (a ghost) tells the chain policy it chose badly."""
+        block = self.index[group_id].get(block_hash)
+        if block is None and self.ghosts:
+            newest = self.ghosts.pop((group_id, block_hash), None)
+            if newest is not None:
+                self.free.regret(newest)
+        return block
 
     def is_cached(self, block_id: BlockId) -> bool:
         return block_id in self.hashes
@@ -92,10 +113,14 @@ class BlockPool:
         """Add a reference to a cached block (a prefix hit); revives it if free."""
         assert block_id != NULL_BLOCK
         if self.ref_counts[block_id] == 0:
+            self.free.note_hit(block_id)
             self.free.remove_cached(block_id)
         self.ref_counts[block_id] += 1
+        self.was_hit[block_id] = 1
 
-    def release(self, block_id: BlockId) -> None:
+    def release(self, block_id: BlockId, *, dead: bool = False) -> None:
+        """Drop one reference; ``dead``: the releasing request can no longer read it from
+        any position it will compute (the eviction policy may evict it first)."""
         assert block_id != NULL_BLOCK and self.ref_counts[block_id] > 0, block_id
         count = self.ref_counts[block_id] - 1
         self.ref_counts[block_id] = count
@@ -103,12 +128,35 @@ class BlockPool:
             if block_id not in self.hashes:
                 self.free.push_fresh(block_id)
             else:
-                self.free.push_cached(block_id)
+                hot = self.releasing_hot or bool(self.was_hit[block_id])
+                self.free.push_cached(block_id, dead=dead, was_hit=hot)
 
     def release_many(self, block_ids: Iterable[int]) -> None:
         """`release` for each block in order (null blocks skipped): a request's whole
-        table at `free`, in one loop over local names."""
+        table at `free`, in one loop over local names. The chain policy sees exactly the
+        pushes single releases make (one burst of cached blocks until a fresh one ends
+        it; hit and hot blocks protected); lru links the cached ones in one pass."""
         refs, hashes = self.ref_counts, self.hashes
+        if self.free.chain:
+            was_hit, hot = self.was_hit, self.releasing_hot
+            freed: list[int] = []
+            tiers: list[int] = []  # -1: fresh; else the cached tier single releases pick
+            for block in block_ids:
+                if block == NULL_BLOCK:
+                    continue
+                count = refs[block] - 1
+                if count < 0:
+                    raise InvariantError(f"pool {self.pool_id}: block {block} released while free")
+                refs[block] = count
+                if count == 0:
+                    freed.append(block)
+                    if block not in hashes:
+                        tiers.append(-1)
+                    else:
+                        tiers.append(PROTECTED if hot or was_hit[block] else PROBATION)
+            if freed:
+                self.free.push_chain_many(freed, tiers)
+            return
         fresh: list[int] = []
         cached: list[int] = []
         for block in block_ids:
@@ -155,6 +203,12 @@ class BlockPool:
         group = self.hash_group[block_id]
         del self.index[group][block_hash]
         self.hash_group[block_id] = -1
+        self.was_hit[block_id] = 0
+        self.free.forget(block_id)
+        if self.ghosts is not None:
+            self.ghosts[(group, block_hash)] = self.free.last_victim_newest
+            if len(self.ghosts) > self.num_blocks:
+                del self.ghosts[next(iter(self.ghosts))]
         self.num_evictions += 1
         if self.events is not None:
             self.events.append(
@@ -168,6 +222,7 @@ class BlockPool:
         def fail(msg: str) -> None:
             raise InvariantError(f"pool {self.pool_id}: {msg}")
 
+        self.free.check_invariants()
         fresh = self.free.fresh_ids()
         cached = self.free.cached_ids()
         free = fresh + cached
@@ -190,6 +245,8 @@ class BlockPool:
         for block in fresh:
             if block in self.hashes:
                 fail(f"fresh free block {block} carries a hash")
+            if self.was_hit[block]:
+                fail(f"fresh free block {block} is marked as hit since stored")
         for block in cached:
             if block not in self.hashes:
                 fail(f"cached free block {block} carries no hash")

@@ -59,13 +59,16 @@ class Coordinator:
         hash_algo: str,
         events: list[CacheEvent] | None,
         counters: Counters,
+        eviction_policy: str = "lru",
     ) -> None:
         if not plan.groups:
             raise CacheError("the plan has 0 groups; nothing to manage")
         self.hasher = BlockHasher(hash_algo, hash_unit_tokens(plan))
         self.caching = caching
         self.eagle = eagle
-        self.pools = [BlockPool(pool, events) for pool in plan.pools]
+        self.pools = [
+            BlockPool(pool, events, eviction_policy=eviction_policy) for pool in plan.pools
+        ]
         self.managers: list[GroupManager] = []
         for group in plan.groups:
             manager_cls = MANAGER_TABLE.get(group.kind)
@@ -81,6 +84,7 @@ class Coordinator:
                     unit_tokens=self.hasher.unit_tokens,
                     caching=caching,
                     counters=counters,
+                    key_ahead=eagle and any(ref.model == "draft" for ref in group.layers),
                 )
             )
 
@@ -100,11 +104,11 @@ class Coordinator:
         collects the cached blocks group ``g`` saw."""
         if not self.caching or limit <= 0:
             return 0
-        managers, eagle = self.managers, self.eagle
+        managers = self.managers
         num = len(managers)
         agreed = g = 0
         while agreed < num:
-            new_limit = managers[g].max_hit(hashes, tokens, limit, eagle, found[g])
+            new_limit = managers[g].max_hit(hashes, tokens, limit, found[g])
             if new_limit == 0:
                 return 0
             if new_limit < limit:

@@ -1,42 +1,105 @@
-"""Free blocks of one pool, in reuse order, with O(1) removal.
+"""Free blocks of one pool, in reuse order, with O(1) removal, under an eviction policy.
 
-Two tiers:
-
-* *fresh* blocks hold no cached data (never cached, or their data was never worth
-  caching); they are reused first, last freed first (a stack);
-* *cached* blocks still carry a hash and can be hit again; they are evicted least
-  recently freed first, and a hit removes one from the middle in O(1).
-
-The cached tier is a doubly linked list kept in two int arrays indexed by block id, with
-a sentinel at index ``num_blocks``::
+*Fresh* blocks hold no cached data; they are always reused first, last freed first (a
+stack). *Cached* free blocks still carry a hash and can be hit again; they sit in
+*tiers*, each a doubly linked list kept in two int arrays indexed by block id, with one
+sentinel per tier at index ``num_blocks + tier``::
 
     sentinel <-> b7 <-> b3 <-> b9 <-> sentinel
-                 ^ evicted next      ^ freed last
+                 ^ oldest            ^ freed last
 
-Example: free cached 7, 3, 9 (in that order); a hit on 3 unlinks it (prev[3] = 7 and
-next[3] = 9 are joined), so eviction order becomes 7, 9.
+A hit removes a block from the middle of its tier in O(1) (``prev``/``next`` joined).
+
+Policies (``EVICTION_POLICIES``):
+
+* ``lru``: one tier, least recently freed first. A cyclic scan larger than the cache
+  (sessions served round robin) evicts every block just before it is needed.
+* ``chain`` (scan resistant, reuse-distance aware, leaf first), tiers evicted in order:
+
+  1. ``dead``: blocks that can no longer serve a hit of the request that computed them
+     (sliding-window blocks that left its window); least recently freed first.
+  2. ``probation``: cached blocks never hit since they were stored.
+  3. ``protected``: blocks hit since stored, and every block of a request that started
+     from a prefix hit (a chain that came back once tends to come back again).
+
+  Time is the count of cached releases. A hit measures the block's reuse distance (the
+  releases since it was freed); blocks never hit assume the pool's typical one (a
+  moving average), or ``STALE_TURNOVERS`` pool sizes before the first hit is seen.
+  Within tiers 2 and 3 the victim is one of two candidates, an approximation of
+  Belady's rule (evict the block needed furthest in the future): the oldest block
+  when it is *overdue* (not back within ``OVERDUE_FACTOR`` times its reuse distance:
+  a finished conversation), otherwise the one whose predicted next use (freed at +
+  reuse distance) is later. Under a loop larger than the cache (sessions served round
+  robin) every block has the same distance, so the newest goes first and a stable
+  subset of sessions stays cached instead of LRU's evicting each one just before its
+  turn; under chat, finished conversations are overdue and go first, LRU-like.
+  Lookups that miss a recently evicted block (a bounded ghost index of hashes, kept by
+  the pool) move a bias toward the other end, as ARC adapts between recency and
+  frequency: chat traffic that comes back for the newest blocks turns the rule into
+  LRU, loops that come back for the oldest keep it on the newest.
+  Releases of one burst (a request's blocks, tail first) are inserted in reverse so
+  that the newest end of a tier holds the chain's tail: a child block is useless
+  without its parent, so leaves go first.
+
+Example (``chain``): request A stores blocks 3, 4, 5 (a chain, 5 its tail) and
+finishes: release pushes 5, 4, 3 into probation as one burst, kept in the order
+``5 4 3`` from the newest end, so eviction from that end takes 5, then 4, then 3. A
+later hit on 3 and 4 records their reuse distance and moves them to protected when
+released again.
 """
 
 from __future__ import annotations
 
 from array import array
 
+from hybridkv.errors import CacheError, InvariantError
 from hybridkv.ids import BlockId
 
 _NONE = -1
+EVICTION_POLICIES = ("lru", "chain")
+DEFAULT_EVICTION_POLICY = "chain"  # wins bench/prefix_policies.py (no cliff under loops)
+STALE_TURNOVERS = 8  # reuse distance assumed (in pool sizes) before any hit was seen
+OVERDUE_FACTOR = 1  # a block not back within its reuse distance is overdue
+TYPICAL_WEIGHT = 0.05  # weight of a new hit in the moving average of reuse distances
+REGRET_STEP = 0.05  # bias step per lookup that misses a block the policy evicted
+
+# Tier indexes (``lru`` uses only PROBATION).
+DEAD, PROBATION, PROTECTED = 0, 1, 2
+TIER_NAMES = ("dead", "probation", "protected")
+_NUM_TIERS = 3
 
 
 class FreeQueue:
     """Free block ids of one pool; see the module docstring for the order."""
 
-    def __init__(self, num_blocks: int, fresh_ids: list[int]) -> None:
-        self._sentinel = num_blocks
+    def __init__(self, num_blocks: int, fresh_ids: list[int], policy: str = "lru") -> None:
+        if policy not in EVICTION_POLICIES:
+            raise CacheError(
+                f"eviction policy {policy!r} is unknown; use one of {', '.join(EVICTION_POLICIES)}"
+            )
+        self.policy = policy
+        self._chain = self.chain = policy == "chain"
+        self._num_blocks = num_blocks
+        size = num_blocks + _NUM_TIERS
         # Arrays, not lists: cheap to traverse for the garbage collector at any size.
-        self._prev = array("q", [_NONE]) * (num_blocks + 1)
-        self._next = array("q", [_NONE]) * (num_blocks + 1)
-        self._prev[num_blocks] = num_blocks
-        self._next[num_blocks] = num_blocks
+        self._prev = array("q", [_NONE]) * size
+        self._next = array("q", [_NONE]) * size
+        self._tier = array("b", [-1]) * num_blocks
+        self._freed_at = array("q", bytes(8 * num_blocks))  # release counter at push
+        self._distance = array("q", bytes(8 * num_blocks))  # last reuse distance, 0: none
+        self._typical = 0.0  # moving average of reuse distances seen by hits
+        # > 0: evicting the oldest was regretted more recently (loops: prefer the newest);
+        # < 0: evicting the newest was (recency wins: prefer the oldest). See `regret`.
+        self._bias = 0.0
+        self.last_victim_newest = False
+        for tier in range(_NUM_TIERS):
+            s = num_blocks + tier
+            self._prev[s] = self._next[s] = s
+        self._tier_len = [0] * _NUM_TIERS
         self._num_cached = 0
+        self._num_releases = 0
+        self._anchors = [_NONE] * _NUM_TIERS  # insert after this node within a burst
+        self._burst_freed_at = [0] * _NUM_TIERS
         # Stack: the last element is reused first, so push in reverse to hand out
         # the lowest ids first (readable golden scenarios).
         self._fresh = array("q", reversed(fresh_ids))
@@ -49,63 +112,231 @@ class FreeQueue:
         return self._num_cached
 
     def in_cached_tier(self, block_id: int) -> bool:
-        return self._prev[block_id] != _NONE
+        return self._tier[block_id] >= 0
 
-    def push_fresh(self, block_id: BlockId) -> None:
+    def tier_of(self, block_id: int) -> str | None:
+        tier = self._tier[block_id]
+        return None if tier < 0 else TIER_NAMES[tier]
+
+    def push_fresh(self, block_id: int) -> None:
         self._fresh.append(block_id)
+        self._end_burst()
 
-    def push_cached(self, block_id: BlockId) -> None:
-        """Append at the most-recently-freed end."""
-        assert self._prev[block_id] == _NONE, f"block {block_id} is already in the queue"
-        last = self._prev[self._sentinel]
-        self._next[last] = block_id
-        self._prev[block_id] = last
-        self._next[block_id] = self._sentinel
-        self._prev[self._sentinel] = block_id
+    def push_cached(self, block_id: int, *, dead: bool = False, was_hit: bool = False) -> None:
+        """A cached block was freed: ``dead`` when it can no longer serve a hit of the
+        request that freed it, ``was_hit`` when a prefix hit used it since stored."""
+        assert self._tier[block_id] < 0, f"block {block_id} is already in the queue"
+        if not self._chain:  # lru keeps no release times
+            self._link_before(block_id, self._num_blocks + PROBATION, PROBATION)
+            return
+        self._num_releases += 1
+        self._freed_at[block_id] = self._num_releases
+        if dead:
+            self._link_before(block_id, self._num_blocks + DEAD, DEAD)
+            return
+        tier = PROTECTED if was_hit else PROBATION
+        anchor = self._anchors[tier]
+        if anchor == _NONE:
+            anchor = self._prev[self._num_blocks + tier]  # the newest end before the burst
+            self._anchors[tier] = anchor
+            self._burst_freed_at[tier] = self._num_releases
+        # one release time per burst, so that the order inside it stays tail first
+        self._freed_at[block_id] = self._burst_freed_at[tier]
+        # insert right after the anchor: earlier pushes of this burst stay closer to the
+        # newest end, so they (the chain's tail) are evicted first from that end
+        self._link_before(block_id, self._next[anchor], tier)
+
+    def _end_burst(self) -> None:
+        self._anchors[DEAD] = self._anchors[PROBATION] = self._anchors[PROTECTED] = _NONE
+
+    def note_hit(self, block_id: BlockId) -> None:
+        """A prefix hit takes this cached free block: record its reuse distance."""
+        if not self._chain:
+            return
+        distance = max(1, self._num_releases - self._freed_at[block_id])
+        self._distance[block_id] = distance
+        if self._typical == 0.0:
+            self._typical = float(distance)
+        else:
+            self._typical += TYPICAL_WEIGHT * (distance - self._typical)
+
+    def forget(self, block_id: BlockId) -> None:
+        """The block was evicted: its reuse history no longer applies."""
+        self._distance[block_id] = 0
+
+    def _link_before(self, block_id: int, node: int, tier: int) -> None:
+        prev = self._prev[node]
+        self._next[prev] = block_id
+        self._prev[block_id] = prev
+        self._next[block_id] = node
+        self._prev[node] = block_id
+        self._tier[block_id] = tier
+        self._tier_len[tier] += 1
         self._num_cached += 1
 
     def push_fresh_many(self, block_ids: list[int]) -> None:
+        """`push_fresh` for each block in order."""
         self._fresh.extend(block_ids)
+        self._end_burst()
 
     def push_cached_many(self, block_ids: list[int]) -> None:
-        """`push_cached` for each block in order (the last one is freed last), linked
-        in one pass: a request's table at `free`."""
-        prev, nxt, sentinel = self._prev, self._next, self._sentinel
+        """`push_cached` for each block in order (the last one is freed last), none dead
+        or hit: a request's table at `free`. lru links them in one pass; chain pushes
+        each one as `push_cached` does (one burst)."""
+        if self._chain:
+            for block in block_ids:
+                self.push_cached(block)
+            return
+        prev, nxt, tier_of = self._prev, self._next, self._tier
+        sentinel = self._num_blocks + PROBATION
         last = prev[sentinel]
         for block in block_ids:
+            tier_of[block] = PROBATION
             nxt[last] = block
             prev[block] = last
             last = block
         nxt[last] = sentinel
         prev[sentinel] = last
+        self._tier_len[PROBATION] += len(block_ids)
         self._num_cached += len(block_ids)
 
+    def push_chain_many(self, block_ids: list[int], tiers: list[int]) -> None:
+        """chain: for each block in order, `push_fresh` (tier < 0) or `push_cached` into
+        ``tiers[i]`` (`PROBATION` or `PROTECTED`, never dead): the same links, release
+        times and bursts as those calls, in one loop over local names."""
+        prev, nxt, tier_of, freed_at = self._prev, self._next, self._tier, self._freed_at
+        anchors, burst_at, tier_len = self._anchors, self._burst_freed_at, self._tier_len
+        fresh, base = self._fresh, self._num_blocks
+        now = self._num_releases
+        num_cached = 0
+        for block, tier in zip(block_ids, tiers, strict=True):
+            if tier < 0:
+                fresh.append(block)
+                anchors[DEAD] = anchors[PROBATION] = anchors[PROTECTED] = _NONE
+                continue
+            now += 1
+            anchor = anchors[tier]
+            if anchor == _NONE:
+                anchor = anchors[tier] = prev[base + tier]  # the newest end before the burst
+                burst_at[tier] = now
+            freed_at[block] = burst_at[tier]
+            node = nxt[anchor]  # insert right after the anchor (see `push_cached`)
+            nxt[anchor] = block
+            prev[block] = anchor
+            nxt[block] = node
+            prev[node] = block
+            tier_of[block] = tier
+            tier_len[tier] += 1
+            num_cached += 1
+        self._num_releases = now
+        self._num_cached += num_cached
+
     def remove_cached(self, block_id: BlockId) -> None:
-        """Unlink a cached free block (it was hit), O(1)."""
+        """Unlink a cached free block (it was hit, or is being evicted), O(1)."""
+        tier = self._tier[block_id]
+        assert tier >= 0, f"block {block_id} is not a cached free block"
         prev, nxt = self._prev[block_id], self._next[block_id]
-        assert prev != _NONE, f"block {block_id} is not a cached free block"
         self._next[prev] = nxt
         self._prev[nxt] = prev
         self._prev[block_id] = self._next[block_id] = _NONE
+        self._tier[block_id] = -1
+        self._tier_len[tier] -= 1
         self._num_cached -= 1
+        self._end_burst()
 
     def pop(self) -> tuple[BlockId, bool]:
-        """The next block to reuse and whether it comes from the cached tier (eviction)."""
+        """The next block to reuse and whether it comes from a cached tier (eviction)."""
         if self._fresh:
+            self._end_burst()
             return BlockId(self._fresh.pop()), False
-        first = self._next[self._sentinel]
-        assert first != self._sentinel, "pop from an empty free queue"
-        self.remove_cached(BlockId(first))
-        return BlockId(first), True
+        victim = self._victim()
+        self.remove_cached(BlockId(victim))
+        return BlockId(victim), True
+
+    def _victim(self) -> int:
+        base = self._num_blocks
+        if self._tier_len[DEAD]:
+            return self._next[base + DEAD]
+        for tier in (PROBATION, PROTECTED):
+            if self._tier_len[tier]:
+                sentinel = base + tier
+                oldest = self._next[sentinel]
+                if not self._chain:
+                    return oldest
+                return self._choose(oldest, self._prev[sentinel])
+        raise CacheError("pop from an empty free queue")
+
+    def _expected_distance(self, block: int) -> float:
+        known = self._distance[block]
+        if known:
+            return float(known)
+        return self._typical or float(STALE_TURNOVERS * self._num_blocks)
+
+    def _choose(self, oldest: int, newest: int) -> int:
+        """Oldest if overdue or if recency has been winning, else the candidate whose
+        predicted next use is later."""
+        now = self._num_releases
+        old_distance = self._expected_distance(oldest)
+        newest_goes = False
+        if now - self._freed_at[oldest] <= OVERDUE_FACTOR * old_distance and self._bias >= 0:
+            old_next = self._freed_at[oldest] + old_distance
+            new_next = self._freed_at[newest] + self._expected_distance(newest)
+            newest_goes = new_next >= old_next
+        self.last_victim_newest = newest_goes
+        return newest if newest_goes else oldest
+
+    def regret(self, evicted_newest: bool) -> None:
+        """A lookup missed a block evicted from the ``evicted_newest`` end: move the bias
+        away from that end (as ARC moves its target between recency and frequency)."""
+        step = -REGRET_STEP if evicted_newest else REGRET_STEP
+        self._bias = max(-1.0, min(1.0, self._bias + step))
 
     def fresh_ids(self) -> list[int]:
         return list(self._fresh)
 
-    def cached_ids(self) -> list[int]:
-        """Cached free blocks, next to be evicted first."""
+    def tier_ids(self, tier: int) -> list[int]:
+        """Cached free blocks of one tier, oldest (LRU end) first."""
         out = []
-        node = self._next[self._sentinel]
-        while node != self._sentinel:
+        sentinel = self._num_blocks + tier
+        node = self._next[sentinel]
+        while node != sentinel:
             out.append(node)
             node = self._next[node]
         return out
+
+    def cached_ids(self) -> list[int]:
+        """Every cached free block, tier by tier in eviction order of the tiers."""
+        return [b for tier in range(_NUM_TIERS) for b in self.tier_ids(tier)]
+
+    def check_invariants(self) -> None:
+        """Links are symmetric, tier marks and counts agree, no block twice."""
+        seen: set[int] = set()
+        for tier in range(_NUM_TIERS):
+            ids = self.tier_ids(tier)
+            if len(ids) != self._tier_len[tier]:
+                raise InvariantError(
+                    f"free queue tier {TIER_NAMES[tier]}: {len(ids)} linked blocks, "
+                    f"count says {self._tier_len[tier]}"
+                )
+            for block in ids:
+                if self._tier[block] != tier or block in seen:
+                    raise InvariantError(
+                        f"free queue: block {block} linked in tier {TIER_NAMES[tier]} but "
+                        f"marked {self._tier[block]} (or linked twice)"
+                    )
+                if self._prev[self._next[block]] != block:
+                    raise InvariantError(f"free queue: broken links around block {block}")
+                seen.add(block)
+            if not self._chain and tier != PROBATION and ids:
+                raise InvariantError(f"lru free queue uses tier {TIER_NAMES[tier]}")
+        if len(seen) != self._num_cached:
+            raise InvariantError(
+                f"free queue: {len(seen)} cached blocks linked, count says {self._num_cached}"
+            )
+        marked = sum(1 for t in self._tier if t >= 0)
+        if marked != self._num_cached:
+            raise InvariantError(
+                f"free queue: {marked} blocks marked cached-free, count says {self._num_cached}"
+            )
+        if seen & set(self._fresh):
+            raise InvariantError("free queue: a block is both fresh and cached")

@@ -32,6 +32,7 @@ from hybridkv.cache.block import BlockInfo
 from hybridkv.cache.coordinator import Coordinator
 from hybridkv.cache.delta import NO_CHANGE, StepDelta
 from hybridkv.cache.events import CacheEvent, CacheStats
+from hybridkv.cache.free_queue import DEFAULT_EVICTION_POLICY
 from hybridkv.cache.hashing import MAX_TOKEN_ID
 from hybridkv.cache.managers import Counters, StepSlots
 from hybridkv.cache.request import RequestRecord
@@ -39,9 +40,21 @@ from hybridkv.errors import CacheError, InvariantError
 from hybridkv.ids import BlockId
 from hybridkv.plan.types import CachePlan
 
+CHECKPOINT_RULES = ("junction",)  # extra state checkpoint rules (see managers/state.py)
+# junction on by default: never below align without it, up to 1.6x hits under pressure
+# (bench/prefix_policies.py)
+DEFAULT_CHECKPOINT_RULES = ("junction",)
+
 
 class CacheManager:
-    """Blocks, prefix cache and speculative reservations for every group of a plan."""
+    """Blocks, prefix cache and speculative reservations for every group of a plan.
+
+    ``eagle``: the plan's draft layers are an EAGLE / MTP head (their KV at a position
+    depends on the next token; groups holding them key blocks one token ahead).
+    ``eviction_policy``: ``lru`` or ``chain`` (see `hybridkv.cache.free_queue`).
+    ``checkpoint_rules``: extra state checkpoints on top of the plan's state mode;
+    ``junction`` (see `hybridkv.cache.managers.state`); None: `DEFAULT_CHECKPOINT_RULES`.
+    """
 
     def __init__(
         self,
@@ -51,6 +64,8 @@ class CacheManager:
         eagle: bool = False,
         hash_algo: str = "sha256",
         record_events: bool = True,
+        eviction_policy: str = DEFAULT_EVICTION_POLICY,
+        checkpoint_rules: Sequence[str] | None = None,
     ) -> None:
         self.plan = plan
         self.caching = (
@@ -66,6 +81,7 @@ class CacheManager:
             hash_algo=hash_algo,
             events=self._events if record_events else None,
             counters=self._counters,
+            eviction_policy=eviction_policy,
         )
         self._managers = self.coordinator.managers
         self._is_state_group = [m.is_state for m in self._managers]
@@ -78,6 +94,20 @@ class CacheManager:
         )
         self._all_groups = range(len(self._managers))
         self._requests: dict[str, RequestRecord] = {}
+        self._hit_requests: set[str] = set()  # running requests that started from a hit
+        if checkpoint_rules is None:
+            checkpoint_rules = DEFAULT_CHECKPOINT_RULES
+        unknown = sorted(set(checkpoint_rules) - set(CHECKPOINT_RULES))
+        if unknown:
+            raise CacheError(
+                f"checkpoint rules {unknown} are unknown; use any of {list(CHECKPOINT_RULES)}"
+            )
+        self.checkpoint_rules = tuple(checkpoint_rules)
+        self._junction = "junction" in self.checkpoint_rules and bool(self._state_group_ids)
+        for manager in self._managers:
+            if manager.is_state:
+                manager.junction_rule = self._junction
+        self._junctions: dict[str, int] = {}  # junction rule: attention match at lookup
         self._num_lookups = self._num_lookup_tokens = self._num_hit_tokens = 0
         self._num_preemptions = self._num_alloc_failures = 0
 
@@ -124,6 +154,8 @@ class CacheManager:
                 states = coordinator.hit_states(r.hashes, r.tokens, hit, found)
                 if states is not None:
                     r.pending_states = (coordinator.num_evictions(), states)
+            if self._junction:
+                self._junctions[req_id] = self._attention_match(r, len(r.tokens) - 1, found)
         r.pending_hit = hit
         self._num_lookups += 1
         self._num_lookup_tokens += len(r.tokens)
@@ -358,6 +390,12 @@ class CacheManager:
                 r.pending_states = None
                 self._num_alloc_failures += 1
                 return None
+            if self._junction:
+                match = self._junctions.get(req_id, 0)
+                for g in self._state_group_ids:
+                    interval = self._managers[g].block_size
+                    junction = match // interval * interval
+                    states[g].junction = junction if junction > c else 0
         else:
             states = r.states
             groups = r.groups_to_allocate(n, lookahead)
@@ -372,6 +410,8 @@ class CacheManager:
             r.pending_states = None
             if c:
                 self._counters.checkpoints_used += len(self._state_group_ids)
+                self._hit_requests.add(req_id)
+            self._junctions.pop(req_id, None)
         r.nulled = None
         r.pending = True
         r.pend_n = n
@@ -410,16 +450,32 @@ class CacheManager:
         if self.caching:
             self._ensure_hashes(r, c2)
         groups = r.groups_to_commit(c2, self._is_state_group)
-        r.nulled = self.coordinator.commit(
-            r.states, c, n, lookahead, a, r.hashes, r.tokens, groups, r.nulled
-        )
+        hot = req_id in self._hit_requests
+        if hot:
+            self._set_hot(True)
+        try:
+            r.nulled = self.coordinator.commit(
+                r.states, c, n, lookahead, a, r.hashes, r.tokens, groups, r.nulled
+            )
+        finally:
+            if hot:
+                self._set_hot(False)
         r.num_computed = c2
         r.pending = False
         r.refresh_limits(self._managers, groups)
 
     def _release(self, r: RequestRecord) -> None:
+        self._junctions.pop(r.req_id, None)
         if r.started:
-            self.coordinator.release_all(r.states)
+            hot = r.req_id in self._hit_requests
+            if hot:
+                self._hit_requests.discard(r.req_id)
+                self._set_hot(True)
+            try:
+                self.coordinator.release_all(r.states)
+            finally:
+                if hot:
+                    self._set_hot(False)
         r.states = []
         r.settlers = []
         r.started = False
@@ -429,6 +485,24 @@ class CacheManager:
         r.nulled = None
         r.num_computed = 0
         r.clear_limits()
+
+    def _attention_match(
+        self, r: RequestRecord, limit: int, found: list[dict[int, BlockId]]
+    ) -> int:
+        """Longest prefix every non-state group holds (one pass, no state clamp): where
+        the prompt leaves the cached chains, the junction rule's checkpoint. ``found``:
+        the lookup's blocks per group (reused, extended)."""
+        match = limit
+        for g, manager in enumerate(self._managers):
+            if not manager.is_state:
+                match = manager.max_hit(r.hashes, r.tokens, match, found[g])
+        return match
+
+    def _set_hot(self, hot: bool) -> None:
+        """Blocks released while ``hot`` belong to a request that started from a prefix
+        hit; the eviction policy treats them as hit (see `BlockPool.releasing_hot`)."""
+        for pool in self.coordinator.pools:
+            pool.releasing_hot = hot
 
 
 def _count(req_id: str, name: str, value: object) -> int:

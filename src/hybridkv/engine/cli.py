@@ -41,6 +41,8 @@ def load_llm(
     threads: int | None = None,
     kv_dtype: str | None = None,
     chunk_size: int | None = None,
+    state_mode: str | None = None,
+    eviction_policy: str | None = None,
 ) -> Any:
     """The `LLM` of `generate` / `serve` flags: MODEL and ``--draft`` may name the demo
     models, ``--draft`` or ``--spec-method`` without ``--num-spec`` drafts 4 per step,
@@ -57,6 +59,10 @@ def load_llm(
     extra: dict[str, Any] = {} if max_num_seqs is None else {"max_num_seqs": max_num_seqs}
     if chunk_size is not None:
         extra["chunk_size"] = chunk_size
+    if state_mode is not None:
+        extra["state_mode"] = state_mode
+    if eviction_policy is not None:
+        extra["eviction_policy"] = eviction_policy
     return LLM(
         resolve_model(model),
         dtype=dtype,
@@ -131,6 +137,15 @@ def generate_command(
         str | None,
         typer.Option("--stop-token-ids", help="comma-separated ids that also stop a request"),
     ] = None,
+    state_mode: Annotated[
+        str | None,
+        typer.Option(
+            "--state-mode", "--mamba-cache-mode", help="state checkpoints: align | all | none"
+        ),
+    ] = None,
+    eviction: Annotated[
+        str, typer.Option("--eviction", help="eviction policy of the prefix cache: lru | chain")
+    ] = "lru",
     as_json: Annotated[bool, typer.Option("--json", help="machine-readable output")] = False,
 ) -> None:
     """Generate tokens with the reference engine (planned cache, real cache manager)."""
@@ -146,6 +161,8 @@ def generate_command(
             memory=memory,
             dtype=dtype,
             device=device,
+            state_mode=state_mode,
+            eviction_policy=eviction,
             threads=threads,
             max_num_seqs=max_num_seqs,
             chunk_size=chunk_size,

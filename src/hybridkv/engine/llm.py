@@ -41,6 +41,7 @@ from typing import Any
 import torch
 
 from hybridkv.cache import CacheManager
+from hybridkv.cache.free_queue import DEFAULT_EVICTION_POLICY
 from hybridkv.engine.loader import eos_token_ids
 from hybridkv.engine.models import LayerDesc, load_model, load_mtp
 from hybridkv.engine.proposers import Proposer
@@ -93,6 +94,8 @@ class LLM:
         proposer: Proposer | None = None,
         spec_topk: int = 1,
         cache_aware: bool = True,
+        eviction_policy: str = DEFAULT_EVICTION_POLICY,
+        checkpoint_rules: Sequence[str] | None = None,
         **plan_options: Any,
     ) -> None:
         self.model_path = Path(model_path)
@@ -137,9 +140,14 @@ class LLM:
             **plan_options,
         )
         self.plan: CachePlan = make_plan(spec, draft_spec, options)
-        # A head's KV at the last hit position needs the token after it: EAGLE-mode hits.
+        # A head's KV at a position needs the token after it: groups holding head layers
+        # key their blocks one token ahead (`GroupManager.key`).
         self.manager = CacheManager(
-            self.plan, enable_prefix_caching=prefix_caching, eagle=self.head is not None
+            self.plan,
+            enable_prefix_caching=prefix_caching,
+            eagle=self.head is not None,
+            eviction_policy=eviction_policy,
+            checkpoint_rules=checkpoint_rules,
         )
         self.tensors = build_cache_tensors(
             self.plan,

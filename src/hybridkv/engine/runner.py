@@ -10,7 +10,8 @@ counted in new tokens ``k`` of this step (``c`` = computed tokens before the ste
 
     read          read_block (None: zeros)
     (W - c, w)    write_block gets the state after write_num_tokens = W tokens
-    (P - c, b)    checkpoint (P, b): the state after exactly P tokens (align mode)
+    (P - c, b)    each checkpoint (P, b): the state after exactly P tokens (align: at
+                  most one per step; all / junction: one per boundary inside the chunk)
     (W - c + i + 1, spec_blocks[i])   the state after draft i + 1 (drafts follow the
                   n verified tokens in the step)
 
@@ -54,7 +55,7 @@ def state_write_points(
     write_block: int,
     write_num_tokens: int,
     spec_blocks: Sequence[int],
-    checkpoint: tuple[int, int] | None,
+    checkpoints: Sequence[tuple[int, int]] | None,
     num_computed: int,
     num_draft_tokens: int | None = None,
 ) -> tuple[int | None, list[WritePoint]]:
@@ -65,8 +66,8 @@ def state_write_points(
     points: list[WritePoint] = [(base, int(write_block))]
     used = spec_blocks if num_draft_tokens is None else spec_blocks[:num_draft_tokens]
     points += [(base + i + 1, int(block)) for i, block in enumerate(used)]
-    if checkpoint is not None:
-        points.append((checkpoint[0] - num_computed, int(checkpoint[1])))
+    # align: at most one; all / junction: one per boundary inside the chunk
+    points += [(pos - num_computed, int(block)) for pos, block in checkpoints or ()]
     return (None if read_block is None else int(read_block)), points
 
 
@@ -170,7 +171,7 @@ class ModelRunner:
             st.write_block,
             st.write_num_tokens,
             st.spec_blocks,
-            st.checkpoint,
+            st.checkpoints,
             s.num_computed,
             s.num_draft_tokens,
         )

@@ -268,7 +268,7 @@ def build_plan(
         for pid in range(len(draft.pool_page_bytes))
     )
     capacity = _capacity(groups, pools, options, max_model_len, target, typical)
-    hit_groups = [g for g in groups if g.kind != STATE or g.state_mode == "align"]
+    hit_groups = [g for g in groups if g.kind != STATE or g.state_mode in ("align", "all")]
     granularity = lcm(*(g.block_size for g in hit_groups)) if hit_groups else 0
     return CachePlan(
         layout=draft.name,

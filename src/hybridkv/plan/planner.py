@@ -51,8 +51,8 @@ def _validate(options: PlanOptions, draft: ModelSpec | None) -> None:
         raise bad("num_spec_tokens", 0, f"spec method {options.spec_method!r} needs K >= 1")
     if options.spec_method == "draft" and draft is None:
         raise PlanError("spec_method='draft' needs a draft model (--draft MODEL)")
-    if options.state_mode == "align" and not options.prefix_caching:
-        raise bad("state_mode", "align", "only makes sense with prefix caching on")
+    if options.state_mode in ("align", "all") and not options.prefix_caching:
+        raise bad("state_mode", options.state_mode, "only makes sense with prefix caching on")
     for field in ("tp", "max_num_seqs", "max_num_batched_tokens", "memory_bytes"):
         value = getattr(options, field)
         if not isinstance(value, int) or value < 1:
@@ -198,29 +198,26 @@ def plan(
         if name != best.layout and any(p.layout == name for p in plans)
     )
     reason = _reason(best, others, errors)
-    return dataclasses.replace(best, alternatives=others, reason=reason)
+    note = _granularity_note(best, plans) if opts.layout == "auto" else None
+    warnings = best.warnings + ((note,) if note else ())
+    return dataclasses.replace(best, alternatives=others, reason=reason, warnings=warnings)
 
 
 def _pick(plans: list[CachePlan]) -> CachePlan:
     """The best plan, by stages; each stage keeps the plans within its tolerance:
 
-    1. concurrency at the target length within `TIE_TOLERANCE` of the best, and never
-       below vLLM's rule (so a one-request win at the target cannot cost 3x at 8K),
-       and a prefix-hit granularity no coarser than vLLM's rule;
+    1. never below vLLM's rule in concurrency at the target length, nor coarser in
+       prefix-hit granularity with prefix caching on (a plan that would hold more
+       requests with coarser hits is passed over, and the warnings say so with the
+       numbers); then within `TIE_TOLERANCE` of the best concurrency left;
     2. concurrency at the typical length within `TYPICAL_TOLERANCE` of the best;
     3. padding within `WASTE_TOLERANCE` of the budget of the least;
     then the smallest largest attention block (prefix-hit granularity), the fewest
     groups (block tables per request), and shared > split > vllm.
     """
-    top = max(p.capacity.max_concurrency for p in plans)
-    floor = max(
-        [top * (1 - TIE_TOLERANCE)]
-        + [p.capacity.max_concurrency for p in plans if p.layout == "vllm"]
-    )
-    kept = [p for p in plans if p.capacity.max_concurrency >= floor]
-    vllm_granularity = [p.hit_granularity_tokens for p in kept if p.layout == "vllm"]
-    if vllm_granularity:  # never coarser prefix hits than vLLM's rule
-        kept = [p for p in kept if p.hit_granularity_tokens <= vllm_granularity[0]]
+    kept = _never_worse_than_vllm(plans)
+    top = max(p.capacity.max_concurrency for p in kept)
+    kept = [p for p in kept if p.capacity.max_concurrency >= top * (1 - TIE_TOLERANCE)]
     best_typical = max(p.capacity.concurrency_at_typical for p in kept)
     kept = [
         p
@@ -240,6 +237,48 @@ def _pick(plans: list[CachePlan]) -> CachePlan:
     )
 
 
+def _never_worse_than_vllm(plans: list[CachePlan]) -> list[CachePlan]:
+    """The plans that hold at least as many requests as vLLM's rule and, with prefix
+    caching on, take prefix hits no coarser than it (all plans when vLLM's rule is not
+    among them). vLLM's own plan always passes, so the result is never empty."""
+    vllm = [p for p in plans if p.layout == "vllm"]
+    if not vllm:
+        return plans
+    floor = max(p.capacity.max_concurrency for p in vllm)
+    granularity = min(p.hit_granularity_tokens for p in vllm)
+    caching = vllm[0].options.prefix_caching
+    return [
+        p
+        for p in plans
+        if p.capacity.max_concurrency >= floor
+        and (not caching or p.hit_granularity_tokens <= granularity)
+    ]
+
+
+def _granularity_note(best: CachePlan, plans: list[CachePlan]) -> str | None:
+    """Why ``best`` holds fewer requests than a plan it passed over, when it does: the
+    other plan's coarser prefix hits (numbers on both sides)."""
+    if not best.options.prefix_caching:
+        return None
+    richer = [
+        p
+        for p in plans
+        if p.capacity.max_concurrency > best.capacity.max_concurrency
+        and p.hit_granularity_tokens > best.hit_granularity_tokens
+    ]
+    if not richer:
+        return None
+    other = max(richer, key=lambda p: p.capacity.max_concurrency)
+    return (
+        f"layout {best.layout} holds {best.capacity.max_concurrency} requests at "
+        f"{best.capacity.target_len} tokens, {other.layout} would hold "
+        f"{other.capacity.max_concurrency}, but its prefix hits come in steps of "
+        f"{other.hit_granularity_tokens} tokens instead of {best.hit_granularity_tokens} "
+        "(auto never takes a coarser hit granularity than vLLM's rule); pass "
+        f"--layout {other.layout} to prefer concurrency"
+    )
+
+
 def _reason(best: CachePlan, others: tuple[CachePlan, ...], errors: list[str]) -> str:
     if not others and not errors:
         return f"layout {best.layout} requested"
@@ -253,8 +292,9 @@ def _reason(best: CachePlan, others: tuple[CachePlan, ...], errors: list[str]) -
     ]
     parts += [f"not possible: {e}" for e in errors]
     rule = (
-        "highest concurrency at the target length (within 5%), then at the typical "
-        "length (within 2%), then least padding, smallest blocks, fewest groups; "
+        "highest concurrency at the target length (within 5%, never below vLLM's rule "
+        "nor with coarser prefix hits), then at the typical length (within 2%), then "
+        "least padding, smallest blocks, fewest groups; "
     )
     return rule + "; ".join(parts)
 

@@ -43,7 +43,7 @@ from hybridkv.spec.layers import (
 
 LAYOUTS = ("auto", "shared", "split", "vllm")
 SPEC_METHODS = ("draft", "eagle", "mtp", "ngram", "suffix")
-STATE_MODES = ("align", "none")
+STATE_MODES = ("align", "all", "none")  # see `hybridkv.cache.managers.state`
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -60,7 +60,7 @@ class PlanOptions:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     prefix_caching: bool = True
-    state_mode: str | None = None  # None: "align" with prefix caching, else "none"
+    state_mode: str | None = None  # align | all | none; None: "align" with caching, else none
     memory_bytes: int = 64 << 30
     block_size: int | None = None  # user-chosen attention block size (tokens)
     layout: str = "auto"

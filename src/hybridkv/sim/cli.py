@@ -155,7 +155,18 @@ def check_simulated_pages(cache_plan: CachePlan) -> None:
         )
 
 
-_SIM_KEYS = frozenset({"trace", "check_every", "batched", "max_steps", "plot", "as_json"})
+_SIM_KEYS = frozenset(
+    {
+        "trace",
+        "check_every",
+        "batched",
+        "max_steps",
+        "plot",
+        "as_json",
+        "eviction",
+        "checkpoint_rule",
+    }
+)
 
 
 @app.command("simulate")
@@ -190,6 +201,16 @@ def simulate_command(
     ] = True,
     max_steps: Annotated[int | None, typer.Option("--max-steps")] = None,
     plot: Annotated[str | None, typer.Option("--plot", help="usage plot PNG")] = None,
+    eviction: Annotated[
+        str | None, typer.Option("--eviction", help="eviction policy: lru | chain")
+    ] = None,
+    checkpoint_rule: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--checkpoint-rule",
+            help="extra state checkpoints: junction (repeatable; default: junction; 'none': off)",
+        ),
+    ] = None,
     as_json: o.Json = False,
 ) -> None:
     """Replay TRACE through a scheduler model and the real CacheManager under MODEL's plan."""
@@ -209,7 +230,15 @@ def simulate_command(
         check_lengths(requests, cache_plan.capacity.max_model_len)
         check_simulated_pages(cache_plan)
         result = simulate(
-            requests, cache_plan, check_every=check_every, batched=batched, max_steps=max_steps
+            requests,
+            cache_plan,
+            check_every=check_every,
+            batched=batched,
+            max_steps=max_steps,
+            eviction_policy=eviction,
+            checkpoint_rules=None
+            if checkpoint_rule is None
+            else tuple(r for r in checkpoint_rule if r != "none"),
         )
         if plot:
             _plot(result, plot)

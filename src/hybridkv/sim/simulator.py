@@ -24,13 +24,26 @@ from hybridkv.sim.trace import TraceRequest, read_trace
 EAGLE_METHODS = ("eagle", "mtp")  # drafters that read their own KV at the hit position
 
 
-def build_manager(plan: CachePlan, *, enable_prefix_caching: bool | None = None) -> Any:
-    """The plan's `CacheManager` as the simulator uses it (no event log: runs are long)."""
+def build_manager(
+    plan: CachePlan,
+    *,
+    enable_prefix_caching: bool | None = None,
+    eviction_policy: str | None = None,
+    checkpoint_rules: Sequence[str] | None = None,
+) -> Any:
+    """The plan's `CacheManager` as the simulator uses it (no event log: runs are long).
+    ``eviction_policy`` and ``checkpoint_rules`` None: the manager's defaults."""
     from hybridkv.cache import CacheManager
 
     eagle = plan.options.spec_method in EAGLE_METHODS
+    extra: dict[str, Any] = {} if eviction_policy is None else {"eviction_policy": eviction_policy}
     return CacheManager(
-        plan, enable_prefix_caching=enable_prefix_caching, eagle=eagle, record_events=False
+        plan,
+        enable_prefix_caching=enable_prefix_caching,
+        eagle=eagle,
+        record_events=False,
+        checkpoint_rules=checkpoint_rules,
+        **extra,
     )
 
 
@@ -68,6 +81,8 @@ def simulate(
     config: SchedulerConfig | None = None,
     manager: Any = None,
     on_step: Callable[[SchedulerOutput, StepReport], None] | None = None,
+    eviction_policy: str | None = None,
+    checkpoint_rules: Sequence[str] | None = None,
 ) -> SimResult:
     """Replay ``trace`` (requests or a JSONL path) under ``plan``; returns the metrics.
 
@@ -75,7 +90,8 @@ def simulate(
     once at the end). ``batched`` drives the running requests through
     `allocate_batch` / `commit_batch`. ``config`` overrides the scheduler limits that
     otherwise come from ``plan.options``; ``manager`` lets a caller pass its own;
-    ``on_step(output, report)`` sees every step's decisions (to compare with an engine).
+    ``on_step(output, report)`` sees every step's decisions (to compare with an engine);
+    ``eviction_policy`` and ``checkpoint_rules`` configure the manager built otherwise.
     Raises `TraceError` for a bad trace file and `SimulationError` when a request
     cannot fit alone.
     """
@@ -85,7 +101,12 @@ def simulate(
             plan, check_every=check_every, batched=batched, max_steps=max_steps
         )
     if manager is None:
-        manager = build_manager(plan, enable_prefix_caching=enable_prefix_caching)
+        manager = build_manager(
+            plan,
+            enable_prefix_caching=enable_prefix_caching,
+            eviction_policy=eviction_policy,
+            checkpoint_rules=checkpoint_rules,
+        )
     recorder = MetricsRecorder()
     scheduler = TraceReplay(manager, requests, config, cost or StepCost(), recorder, on_step)
     start = perf_counter()

@@ -12,6 +12,12 @@ Kinds (``WORKLOADS``):
   them, alternating with "novel" steps proposing 0..2, so the draft count jumps between
   0 and K from one step to the next.
 * ``documents``: many users asking short questions about a few long shared documents.
+* ``fewshot``: many short questions behind a few shared few-shot prompts (1-3K tokens).
+* ``roundrobin``: ``num_sessions`` long sessions (a private context each) served in
+  turns, round robin: turn t of every session, then turn t + 1 of every session. Each
+  turn's prompt is the session so far plus a new message, like ``chat``. When the cache
+  cannot hold every session, LRU evicts each session just before its next turn (the
+  cyclic-scan failure); the study uses it to measure eviction under pressure.
 
 With ``max_drafts > 0`` every request gets a ``spec`` list (one ``[proposed, accepted]``
 per decode step; see `hybridkv.sim.trace`). ``chat``, ``agentic`` and ``documents`` use
@@ -56,7 +62,8 @@ class WorkloadOptions:
     prefix_len: tuple[int, int] = (1024, 4096)  # system prompt / repository / document
     suffix_len: tuple[int, int] = (32, 512)  # user message / task / question / tool output
     num_prefixes: int = 4  # distinct shared prefixes
-    max_turns: int = 6  # chat and agentic: turns per conversation
+    max_turns: int = 6  # chat and agentic: turns per conversation (roundrobin: every one)
+    num_sessions: int = 24  # roundrobin: sessions served in turn
 
 
 class _Gen:
@@ -187,11 +194,40 @@ def documents_workload(opts: WorkloadOptions) -> list[TraceRequest]:
     return _shared_prefix_requests(opts, "doc", ngram_spec)
 
 
+def fewshot_workload(opts: WorkloadOptions) -> list[TraceRequest]:
+    return _shared_prefix_requests(opts, "shot", ngram_spec)
+
+
+def roundrobin_workload(opts: WorkloadOptions) -> list[TraceRequest]:
+    """Sessions served in turns, one request at a time (``rate_per_s`` spaces them).
+
+    Arrival order for 3 sessions, 2 turns: s0-t0 s1-t0 s2-t0 s0-t1 s1-t1 s2-t1; stops
+    after ``num_requests`` requests.
+    """
+    gen = _Gen(opts.seed)
+    contexts = [gen.tokens(gen.length(opts.prefix_len)) for _ in range(opts.num_sessions)]
+    requests: list[TraceRequest] = []
+    arrival_s = 0.0
+    gap_s = 1.0 / opts.rate_per_s if opts.rate_per_s > 0 else 0.0
+    for turn in range(opts.max_turns):
+        for session, context in enumerate(contexts):
+            if len(requests) >= opts.num_requests:
+                return requests
+            context += gen.tokens(gen.length(opts.suffix_len))
+            req = _request(gen, opts, f"rr{session}-t{turn}", arrival_s, context, ngram_spec)
+            requests.append(req)
+            context += list(req.output)
+            arrival_s += gap_s
+    return requests
+
+
 WORKLOADS: dict[str, Callable[[WorkloadOptions], list[TraceRequest]]] = {
     "chat": chat_workload,
     "agentic": agentic_workload,
     "suffix": suffix_workload,
     "documents": documents_workload,
+    "fewshot": fewshot_workload,
+    "roundrobin": roundrobin_workload,
 }
 
 
@@ -202,6 +238,15 @@ KIND_DEFAULTS: dict[str, dict[str, Any]] = {
     "agentic": {"suffix_len": (512, 4096), "max_turns": 10, "prefix_len": (2048, 4096)},
     "suffix": {"prefix_len": (2048, 8192), "output_len": (64, 512)},
     "documents": {"prefix_len": (8192, 16384), "num_prefixes": 3, "suffix_len": (16, 128)},
+    "fewshot": {"prefix_len": (1024, 3072), "num_prefixes": 8, "suffix_len": (16, 256)},
+    "roundrobin": {
+        "prefix_len": (4096, 8192),
+        "suffix_len": (128, 512),
+        "output_len": (64, 256),
+        "max_turns": 6,
+        "num_requests": 144,
+        "rate_per_s": 0.2,
+    },
 }
 
 
@@ -230,11 +275,12 @@ def worst_case_tokens(kind: str, opts: WorkloadOptions) -> int:
     """An upper bound on the tokens ``kind`` generates under ``opts`` (prompt + output
     of every request plus the shared prefixes), from the high ends of the ranges."""
     prefix, suffix, output = opts.prefix_len[1], opts.suffix_len[1], opts.output_len[1]
-    if kind in ("chat", "agentic"):  # a turn's prompt is the whole conversation so far
+    if kind in ("chat", "agentic", "roundrobin"):  # a turn's prompt: the session so far
         per_request = prefix + opts.max_turns * (suffix + output)
     else:
         per_request = prefix + suffix + output
-    return opts.num_prefixes * prefix + opts.num_requests * per_request
+    num_contexts = opts.num_sessions if kind == "roundrobin" else opts.num_prefixes
+    return num_contexts * prefix + opts.num_requests * per_request
 
 
 def check_workload_options(kind: str, opts: WorkloadOptions) -> None:
@@ -248,6 +294,7 @@ def check_workload_options(kind: str, opts: WorkloadOptions) -> None:
     whole("num_requests", opts.num_requests, 0)
     whole("num_prefixes", opts.num_prefixes, 1)
     whole("max_turns", opts.max_turns, 1)
+    whole("num_sessions", opts.num_sessions, 1)
     if whole("max_drafts", opts.max_drafts, 0) > MAX_DRAFTS:
         raise WorkloadError(f"max_drafts={opts.max_drafts} must be at most {MAX_DRAFTS}")
     if isinstance(opts.seed, bool) or not isinstance(opts.seed, int) or opts.seed < 0:

@@ -72,22 +72,29 @@ class StateSpec(LayerSpec):
         state_mode: str = "none",
     ) -> int:
         """State blocks one request may hold during a step (``block_size`` = checkpoint
-        interval B in ``align`` mode): the running state, one slot per kept draft
-        (S, kept once taken: a later step with fewer drafts keeps them), and in align
-        mode one more while the running state is a cached checkpoint (``c`` on a
-        boundary: the step must write elsewhere) or while a boundary strictly inside
-        ``(c, c + n)`` receives a checkpoint -- never more than ``2 + S``::
+        interval B in ``align`` and ``all`` modes): the running state, one slot per kept
+        draft (S, kept once taken: a later step with fewer drafts keeps them), one more
+        while the running state is a cached checkpoint (``c`` on a boundary: the step
+        must write elsewhere), and the checkpoints of boundaries strictly inside
+        ``(c, c + n)``: align takes the last one only when that stays within ``2 + S``,
+        all takes every one (transient: cached or freed when the step commits)::
 
             align, B 8, S 3: c 15 -> 4 (running + 3 drafts); c 16 -> 5 (the state
             after 16 tokens is cached, read only: the step writes a new block)
+            all, B 8, S 0: c 16, n 20 -> 4 (cached running, write, checkpoints 24, 32)
+
+        Not counted: the ``junction`` checkpoint rule's one extra transient block in the
+        single step where a request that started from a hit crosses its junction.
         """
         base = 1 + num_spec_states
-        if state_mode != "align":
+        if state_mode not in ("align", "all"):
             return base
         c, n = num_computed_tokens, num_new_tokens
-        boundary_read = c > 0 and c % block_size == 0
-        boundary_inside = (c + n - 1) // block_size * block_size > c
-        return base + (1 if boundary_read or boundary_inside else 0)
+        boundary_read = 1 if c > 0 and c % block_size == 0 else 0
+        inside = max(0, (c + n - 1) // block_size - c // block_size)  # boundaries in (c, c+n)
+        if state_mode == "all":
+            return base + boundary_read + inside
+        return base + (1 if boundary_read or inside else 0)
 
     def blocks_period(self, block_size: int) -> tuple[int, int] | None:
         return (0, block_size)

@@ -28,8 +28,9 @@ class StepSlots:
     Read the initial state from ``read_block`` (None: start from zeros -- never from a
     block's old contents), write the state after ``write_num_tokens`` tokens into
     ``write_block`` (may equal ``read_block``: in place), the state after draft ``i + 1``
-    into ``spec_blocks[i]``, and, when ``checkpoint`` is ``(num_tokens, block)``, the
-    state after exactly ``num_tokens`` tokens into that block.
+    into ``spec_blocks[i]``, and for each ``(num_tokens, block)`` of ``checkpoints`` the
+    state after exactly ``num_tokens`` tokens into that block (ascending positions).
+    ``checkpoint`` is the last of them (or None), for callers that take one.
     """
 
     num_computed_tokens: int
@@ -37,7 +38,11 @@ class StepSlots:
     write_block: BlockId
     write_num_tokens: int
     spec_blocks: tuple[BlockId, ...]
-    checkpoint: tuple[int, BlockId] | None
+    checkpoints: tuple[tuple[int, BlockId], ...] = ()
+
+    @property
+    def checkpoint(self) -> tuple[int, BlockId] | None:
+        return self.checkpoints[-1] if self.checkpoints else None
 
 
 class FastLimits(NamedTuple):
@@ -90,6 +95,7 @@ class GroupManager:
         unit_tokens: int,
         caching: bool,
         counters: Counters,
+        key_ahead: bool = False,
     ) -> None:
         self.group = group
         self.group_id = group.group_id
@@ -99,12 +105,29 @@ class GroupManager:
         self.caching = caching
         self.counters = counters
         self.index = pool.index[group.group_id]  # hash -> cached block of this group
+        self.ghosts = pool.ghosts  # chain policy: recently evicted keys (else None)
+        # EAGLE / MTP head layers: the head's KV at position p is computed from token
+        # p + 1, so a block of a group holding head layers is keyed by its chain hash
+        # *and* the token after it ("hash one token ahead"): a hit never reuses head KV
+        # computed for another next token, and no block has to be dropped.
+        self.key_ahead = key_ahead
+        self.junction_rule = False  # state groups: set by `CacheManager` checkpoint_rules
         assert group.block_size % unit_tokens == 0
 
     # -- hashing helpers -----------------------------------------------------------
-    def key(self, hashes: Sequence[bytes], end_tokens: int) -> bytes:
-        """Hash of the prefix that ends at ``end_tokens`` (a multiple of the unit)."""
-        return hashes[end_tokens // self.unit_tokens - 1]
+    def key(self, hashes: Sequence[bytes], tokens: Sequence[int], end_tokens: int) -> bytes:
+        """Index key of the block ending at ``end_tokens`` (a multiple of the unit): the
+        chain hash, plus token ``end_tokens`` when keyed ahead (the caller checks that
+        this token is verified)."""
+        chain = hashes[end_tokens // self.unit_tokens - 1]
+        if self.key_ahead:
+            return chain + int(tokens[end_tokens]).to_bytes(8, "little", signed=True)
+        return chain
+
+    def cacheable_end(self, num_computed: int, num_verified: int) -> int:
+        """Tokens whose blocks may be cached: computed ones, and for a group keyed ahead
+        only those followed by a verified token."""
+        return min(num_computed, num_verified - 1) if self.key_ahead else num_computed
 
     def cached_block(
         self, hashes: Sequence[bytes], tokens: Sequence[int], end_tokens: int
@@ -114,12 +137,22 @@ class GroupManager:
         keys mean equal prefixes (`hashing`); no token comparison is needed."""
         if end_tokens <= 0 or end_tokens // self.unit_tokens > len(hashes):
             return None
-        return self.index.get(hashes[end_tokens // self.unit_tokens - 1])
+        if self.key_ahead and end_tokens >= len(tokens):
+            return None  # the token after the block is not known yet
+        key = hashes[end_tokens // self.unit_tokens - 1]
+        if self.key_ahead:
+            key += int(tokens[end_tokens]).to_bytes(8, "little", signed=True)
+        block = self.index.get(key)
+        if block is None and self.ghosts:
+            self.pool.lookup(self.group_id, key)  # tells the eviction policy of the miss
+        return block
 
     def try_cache(
         self, block: BlockId, hashes: Sequence[bytes], tokens: Sequence[int], end_tokens: int
     ) -> bool:
-        key = hashes[end_tokens // self.unit_tokens - 1]  # == self.key(hashes, end_tokens)
+        if self.key_ahead and end_tokens >= len(tokens):
+            return False  # the token after the block is not verified yet
+        key = self.key(hashes, tokens, end_tokens)
         return self.pool.cache(block, self.group_id, key, end_tokens)
 
     # -- interface -----------------------------------------------------------------
@@ -131,7 +164,6 @@ class GroupManager:
         hashes: Sequence[bytes],
         tokens: Sequence[int],
         limit: int,
-        eagle: bool,
         found: dict[int, BlockId],
     ) -> int:
         """Longest hit <= ``limit`` tokens this group can serve (0 always works); every

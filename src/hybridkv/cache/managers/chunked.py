@@ -34,7 +34,6 @@ class ChunkedLocalManager(FullAttentionManager):
         hashes: Sequence[bytes],
         tokens: Sequence[int],
         limit: int,
-        eagle: bool,
         found: dict[int, BlockId],
     ) -> int:
-        return self.window_hit(hashes, tokens, limit, eagle, found)
+        return self.window_hit(hashes, tokens, limit, found)

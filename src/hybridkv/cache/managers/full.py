@@ -52,13 +52,12 @@ class FullAttentionManager(GroupManager):
         hashes: Sequence[bytes],
         tokens: Sequence[int],
         limit: int,
-        eagle: bool,
         found: dict[int, BlockId],
     ) -> int:
-        # Hit k blocks needs blocks [0, k) cached; EAGLE needs block k too (dropped).
+        # Hit k blocks needs blocks [0, k) cached (EAGLE / MTP head groups key their
+        # blocks one token ahead, so no block is dropped: see `GroupManager.key`).
         B = self.block_size
-        extra = 1 if eagle else 0
-        max_blocks = min(limit // B + extra, len(hashes) * self.unit_tokens // B)
+        max_blocks = min(limit // B, len(hashes) * self.unit_tokens // B)
         num = 0
         while num < max_blocks:
             end = (num + 1) * B
@@ -69,31 +68,29 @@ class FullAttentionManager(GroupManager):
                     break
                 found[end] = block
             num += 1
-        return max(0, num - extra) * B
+        return num * B
 
     def window_hit(
         self,
         hashes: Sequence[bytes],
         tokens: Sequence[int],
         limit: int,
-        eagle: bool,
         found: dict[int, BlockId],
     ) -> int:
-        """Largest ``k * B <= limit`` with blocks [first_live_block(kB), k + eagle) cached.
+        """Largest ``k * B <= limit`` with blocks [first_live_block(kB), k) cached.
 
-        Scans down from the limit; after a miss at block j, only ``k <= j - eagle`` can
-        work, so every block is looked up at most once::
+        Scans down from the limit; after a miss at block j, only ``k <= j`` can work, so
+        every block is looked up at most once::
 
             window 2 blocks, blocks cached: 0 1 . 3 4 5     (. = miss)
             k=6: needs 4,5 -> hit 6 blocks; k=3 would need 1,2 -> 2 missing
         """
         B = self.block_size
-        extra = 1 if eagle else 0
         num_hashed_blocks = len(hashes) * self.unit_tokens // B
-        k = min(limit // B, num_hashed_blocks - extra)
+        k = min(limit // B, num_hashed_blocks)
         missing: set[int] = set()
         while k > 0:
-            lo, hi = self.first_live_block(k * B), k + extra
+            lo, hi = self.first_live_block(k * B), k
             miss = None
             for j in range(hi - 1, lo - 1, -1):
                 end = (j + 1) * B
@@ -108,7 +105,7 @@ class FullAttentionManager(GroupManager):
                     break
             if miss is None:
                 return k * B
-            k = min(k - 1, miss - extra)
+            k = min(k - 1, miss)
         return 0
 
     def hit_state(
@@ -161,7 +158,7 @@ class FullAttentionManager(GroupManager):
     ) -> tuple[int, int] | None:
         c2 = c + n + accepted
         B = self.block_size
-        num_full = c2 // B
+        num_full = self.cacheable_end(c2, len(tokens)) // B
         if num_full > state.num_cached:
             if self.caching:
                 blocks, block_hashes = state.blocks, self.pool.hashes
@@ -177,9 +174,11 @@ class FullAttentionManager(GroupManager):
             return None
         blocks = state.blocks
         lo, hi = state.first_live, min(first, len(blocks))
+        release = self.pool.release
         for j in range(lo, hi):
             if blocks[j] != NULL_BLOCK:
-                self.pool.release(blocks[j])
+                # dead: out of this request's window for good (evicted first by chain)
+                release(blocks[j], dead=True)
                 blocks[j] = NULL_BLOCK
         state.first_live = first
         return (lo, hi) if hi > lo else None

@@ -7,8 +7,9 @@ Window W = 6, block size 4, 13 tokens computed (the next token, 13, reads 8..12)
 
     first_live_block(c) = max(0, c - (W - 1)) // B      (SlidingWindowSpec.first_live_block)
 
-A hit of ``k`` blocks needs the ``cdiv(W - 1, B)`` blocks before it cached (one more
-for EAGLE, which recomputes the last); earlier table entries are the null block.
+A hit of ``k`` blocks needs the ``cdiv(W - 1, B)`` blocks before it cached (EAGLE drops
+none: head groups key blocks one token ahead, see `GroupManager.key`); earlier table
+entries are the null block.
 Blocks that fall out of the window are released at ``commit`` only, when the step that
 could read them has finished and its drafts are settled.
 """
@@ -36,7 +37,6 @@ class SlidingWindowManager(FullAttentionManager):
         hashes: Sequence[bytes],
         tokens: Sequence[int],
         limit: int,
-        eagle: bool,
         found: dict[int, BlockId],
     ) -> int:
-        return self.window_hit(hashes, tokens, limit, eagle, found)
+        return self.window_hit(hashes, tokens, limit, found)

@@ -1,5 +1,22 @@
 """State layers (Mamba, Gated DeltaNet, short conv, ...): one state per request, no
-per-token pages. ``block_size`` is the checkpoint interval ``B`` in ``align`` mode.
+per-token pages. ``block_size`` is the checkpoint interval ``B`` (modes ``align`` and
+``all``).
+
+Checkpoint modes (the group's ``state_mode``):
+
+* ``none``: no checkpoints; a state group never serves a hit.
+* ``align``: the state after the last boundary strictly inside a step (when the budget
+  of 2 + S blocks leaves room), the state at the end of a step that ends on a boundary,
+  and boundaries reached while decoding. A prefill chunk that spans several boundaries
+  keeps only its last one, so hits land where chunks ended.
+* ``all``: a checkpoint at every boundary inside every step: the engine writes the
+  state at each boundary of a chunk (``StateSlots.checkpoints``). The extra blocks are
+  transient: each is cached (or, as a duplicate, freed) when the step commits.
+
+Extra rule ``junction`` (any caching mode): when a request's prompt matches the cache
+further than its state hit (attention blocks cached to J, state only to a checkpoint
+before J), the step that crosses the boundary at or below J also checkpoints there,
+so the next request sharing that prefix finds a state where the shared prefix ends.
 
 Blocks a request holds in a state group (S = ``num_spec_states``)::
 
@@ -8,8 +25,9 @@ Blocks a request holds in a state group (S = ``num_spec_states``)::
               (updated in place) unless that block is a cached checkpoint, which is never
               written -> then a private block
     spec[i]   state after draft i + 1, i.e. after c + n + i + 1 tokens (i < min(L, S))
-    ckpt      align only: the state after the last boundary strictly inside (c, c + n),
-              when the budget of 2 + S blocks leaves room for it
+    ckpts     (position, block) pairs: the state after boundaries strictly inside
+              (c, c + n): align keeps the last one when the budget of 2 + S blocks
+              leaves room, all keeps every one, junction adds its boundary
 
 One decode step, B = 8, c = 14, n = 1, L = 3 (drafts at 15, 16, 17)::
 
@@ -49,8 +67,8 @@ class StateBlocks:
     running: BlockId | None = None
     write: BlockId | None = None
     spares: list[BlockId] = field(default_factory=list)  # spec slots are spares[:min(L, S)]
-    ckpt_pos: int = 0
-    ckpt_block: BlockId | None = None
+    ckpts: list[tuple[int, BlockId]] = field(default_factory=list)  # this step's checkpoints
+    junction: int = 0  # junction rule: a boundary to checkpoint when a step crosses it
 
 
 # Older name of `StepSlots`, kept for callers outside the package.
@@ -64,10 +82,11 @@ class StateManager(GroupManager):
     def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
         super().__init__(*args, **kwargs)
         self.num_spec_states = self.group.num_spec_states
-        self.align = self.group.state_mode == "align"
-        self.checkpoints = self.align and self.caching
-        # The spec's formula at its largest (a step reading a cached checkpoint):
-        # 2 + S in align mode, 1 + S in none mode.
+        self.every_boundary = self.group.state_mode == "all"
+        self.checkpoints = self.group.state_mode in ("align", "all") and self.caching
+        # The spec's formula at its largest between steps (a step reading a cached
+        # checkpoint): 2 + S in align and all modes, 1 + S in none mode. Checkpoints of
+        # the step in flight come on top (all mode, junction rule; see `blocks_needed`).
         self.budget_blocks = self.group.blocks_at(self.block_size, 1, self.num_spec_states)
 
     def new_state(self) -> StateBlocks:
@@ -78,12 +97,8 @@ class StateManager(GroupManager):
         hashes: Sequence[bytes],
         tokens: Sequence[int],
         limit: int,
-        eagle: bool,
         found: dict[int, BlockId],
     ) -> int:
-        # The state after L tokens does not depend on later tokens, so EAGLE needs no
-        # extra block here: the attention groups' dropped block already moves the hit
-        # strictly before the end of the cached chain.
         if not self.checkpoints:
             return 0
         B = self.block_size
@@ -115,32 +130,43 @@ class StateManager(GroupManager):
     def _running_private(self, state: StateBlocks) -> bool:
         return state.running is not None and not self.pool.is_cached(state.running)
 
-    def _layout(self, state: StateBlocks, c: int, n: int, lookahead: int) -> tuple[int, int, int]:
-        """(needs a write block, spec slots, checkpoint position or 0)."""
+    def _layout(
+        self, state: StateBlocks, c: int, n: int, lookahead: int
+    ) -> tuple[int, int, list[int]]:
+        """(needs a write block, spec slots, checkpoint positions, ascending)."""
         need_write = 0 if self._running_private(state) else 1
         num_spec = min(lookahead, self.num_spec_states)
-        ckpt_pos = 0
+        positions: list[int] = []
         if self.checkpoints and n > 0:
-            boundary = (c + n - 1) // self.block_size * self.block_size
-            held = (state.running is not None) + max(len(state.spares), need_write + num_spec + 1)
-            if boundary > c and held <= self.budget_blocks:
-                ckpt_pos = boundary
-        return need_write, num_spec, ckpt_pos
+            B = self.block_size
+            last = (c + n - 1) // B * B  # the last boundary strictly inside (c, c + n)
+            if last > c:
+                if self.every_boundary:
+                    positions = list(range((c // B + 1) * B, last + 1, B))
+                else:
+                    held = (state.running is not None) + max(
+                        len(state.spares), need_write + num_spec + 1
+                    )
+                    if held <= self.budget_blocks:
+                        positions = [last]
+                j = state.junction
+                if self.junction_rule and c < j < c + n and j not in positions:
+                    positions = sorted([*positions, j])
+        return need_write, num_spec, positions
 
     def num_new_blocks(self, state: StateBlocks, c: int, n: int, lookahead: int) -> int:
-        need_write, num_spec, ckpt_pos = self._layout(state, c, n, lookahead)
-        return max(0, need_write + num_spec + (ckpt_pos > 0) - len(state.spares))
+        need_write, num_spec, positions = self._layout(state, c, n, lookahead)
+        return max(0, need_write + num_spec + len(positions) - len(state.spares))
 
     def allocate(
         self, state: StateBlocks, c: int, n: int, lookahead: int, num_new: int
     ) -> list[BlockId]:
-        need_write, _, ckpt_pos = self._layout(state, c, n, lookahead)
+        need_write, _, positions = self._layout(state, c, n, lookahead)
         take = self.pool.take
         new = [take() for _ in range(num_new)]
         state.spares.extend(new)
         state.write = state.spares.pop(0) if need_write else state.running
-        if ckpt_pos:
-            state.ckpt_pos, state.ckpt_block = ckpt_pos, state.spares.pop()
+        state.ckpts = [(pos, state.spares.pop()) for pos in positions]
         return new
 
     def commit(
@@ -164,8 +190,7 @@ class StateManager(GroupManager):
             return None
         produced: list[tuple[int, BlockId]] = [(c + n, state.write)]
         produced += [(c + n + 1 + i, state.spares[i]) for i in range(num_spec)]
-        if state.ckpt_block is not None:
-            produced.append((state.ckpt_pos, state.ckpt_block))
+        produced += state.ckpts
         new_running = produced[accepted][1]
         spares: list[BlockId] = []
         for pos, block in produced:
@@ -182,7 +207,12 @@ class StateManager(GroupManager):
         state.running = new_running
         state.write = new_running if not self.pool.is_cached(new_running) else None
         state.spares = spares + state.spares[num_spec:]
-        state.ckpt_pos, state.ckpt_block = 0, None
+        state.ckpts = []
+        if state.junction and c2 >= state.junction:
+            state.junction = 0
+        # duplicates of cached checkpoints come back as spares: keep only the budget
+        while state.spares and len(self.held(state)) > self.budget_blocks:
+            self.pool.release(state.spares.pop())
         return None
 
     def settle_fast(self, state: StateBlocks, accepted: int) -> None:
@@ -208,7 +238,7 @@ class StateManager(GroupManager):
         """True when the step wrote in place and no state it produced at or before ``c2``
         (positions c + n .. c2) sits on a checkpoint boundary: nothing is cached or
         released, and the general path below reduces to moving one spec slot."""
-        if state.write != state.running or state.ckpt_block is not None:
+        if state.write != state.running or state.ckpts:
             return False
         if not self.checkpoints:
             return True
@@ -224,7 +254,7 @@ class StateManager(GroupManager):
             write_block=state.write,
             write_num_tokens=c + n,
             spec_blocks=tuple(state.spares[:num_spec]),
-            checkpoint=None if state.ckpt_block is None else (state.ckpt_pos, state.ckpt_block),
+            checkpoints=tuple(state.ckpts),
         )
 
     def _store_checkpoint(
@@ -239,17 +269,17 @@ class StateManager(GroupManager):
 
     def release_all(self, state: StateBlocks) -> None:
         self.pool.release_many(self.held(state)[::-1])
-        state.running = state.write = state.ckpt_block = None
+        state.running = state.write = None
         state.spares = []
-        state.ckpt_pos = 0
+        state.ckpts = []
+        state.junction = 0
 
     def held(self, state: StateBlocks) -> list[BlockId]:
         out = [] if state.running is None else [state.running]
         if state.write is not None and state.write != state.running:
             out.append(state.write)
         out += state.spares
-        if state.ckpt_block is not None:
-            out.append(state.ckpt_block)
+        out += [block for _, block in state.ckpts]
         return out
 
     def fast_limits(self, state: StateBlocks, c: int) -> FastLimits:
@@ -260,7 +290,7 @@ class StateManager(GroupManager):
         # have written in place, and stop before the boundary (which gets cached).
         boundary = (c // self.block_size + 1) * self.block_size if self.checkpoints else None
         spares = len(state.spares)
-        in_place = state.write == state.running and state.ckpt_block is None
+        in_place = state.write == state.running and not state.ckpts
         return FastLimits(  # positional (cheaper): end, verified, lookahead, commit_below
             None if self._running_private(state) else c,
             boundary,
@@ -272,9 +302,19 @@ class StateManager(GroupManager):
         held = self.held(state)
         if len(held) != len(set(held)):
             raise InvariantError(f"group {self.group_id}: a state block is held twice {held}")
-        if len(held) > self.budget_blocks:
+        # checkpoints of the step in flight are transient: cached or freed at commit
+        if len(held) - len(state.ckpts) > self.budget_blocks:
             raise InvariantError(
-                f"group {self.group_id}: {len(held)} state blocks held, budget {self.budget_blocks}"
+                f"group {self.group_id}: {len(held)} state blocks held ({len(state.ckpts)} "
+                f"checkpoints in flight), budget {self.budget_blocks}"
+            )
+        positions = [pos for pos, _ in state.ckpts]
+        if positions != sorted(set(positions)) or any(
+            pos <= c or pos % self.block_size for pos in positions
+        ):
+            raise InvariantError(
+                f"group {self.group_id}: checkpoint positions {positions} are not ascending "
+                f"boundaries (interval {self.block_size}) after {c} computed tokens"
             )
         if (state.running is None) != (c == 0):
             raise InvariantError(

@@ -1,0 +1,320 @@
+"""Prefix-reuse policies: hit rate against the token-exact reuse bound and vLLM's rule.
+
+Question: which state checkpoint policy (``--state-mode align|all`` + the ``junction``
+rule) and which eviction policy (``lru`` | ``chain``) reuse the most prefix, with and
+without speculative decoding, as memory shrinks? Every row replays one seeded workload
+through the real `CacheManager` (simulator, no model compute) and reports:
+
+* ``hit``: prefix hit rate (hit prompt tokens / prompt tokens, first admissions);
+* ``bound``: the token-exact reuse bound of the trace (`hybridkv.sim.reuse`), and
+  ``of bound`` = hit / bound; ``of block bound``: hit / the same bound with each
+  request's reusable tokens rounded down to the plan's hit granularity (what any
+  block-granular cache could reach with infinite memory);
+* ``vs vllm``: hit / the hit of vLLM's rule (our ``vllm`` layout, ``align``, ``lru``)
+  on the same trace and memory, in the same run;
+* work counters: checkpoints stored, evictions, preemptions, simulator wall seconds.
+
+Families: ``chat`` (multi-turn sessions over shared system prompts), ``agentic`` (tool
+loops with growing context), ``fewshot`` (shared few-shot prompts), ``roundrobin`` (24
+long sessions served in turns under memory pressure, on a 60-layer model with 50
+sliding-window layers + 10 full ones, fp8, block 16, and on the same model all full).
+
+    python bench/prefix_policies.py              # short grid (about a minute on 2 cores)
+    python bench/prefix_policies.py --full       # every family x policy x spec x memory
+    python bench/prefix_policies.py --plots docs/prefix_policies   # PNGs (matplotlib)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from hybridkv.errors import PlanError
+from hybridkv.models import load_model_spec
+from hybridkv.plan import PlanOptions, plan
+from hybridkv.sim import generate_workload, simulate, workload_options
+from hybridkv.sim.reuse import reuse_bound_tokens
+from hybridkv.spec import AttentionSpec, DType, ModelSpec, SlidingWindowSpec
+
+GiB = 1 << 30
+
+
+@dataclass(frozen=True)
+class Policy:
+    """One way to run the cache: layout, state checkpoints, extra rules, eviction."""
+
+    name: str
+    layout: str = "auto"
+    state_mode: str | None = None  # None: the planner's default
+    rules: tuple[str, ...] | None = None  # None: the manager's default (junction)
+    eviction: str | None = None  # None: the manager's default (chain)
+
+
+VLLM = Policy("vllm rule", layout="vllm", state_mode="align", rules=(), eviction="lru")
+DEFAULT = Policy("default")
+POLICIES = [
+    VLLM,
+    DEFAULT,
+    Policy("align+lru", state_mode="align", rules=(), eviction="lru"),
+    Policy("all+lru", state_mode="all", rules=(), eviction="lru"),
+    Policy("all+chain", state_mode="all", rules=(), eviction="chain"),
+    Policy("align+junction+lru", state_mode="align", rules=("junction",), eviction="lru"),
+    Policy("align+junction+chain", state_mode="align", rules=("junction",), eviction="chain"),
+]
+
+
+def pressure_models() -> dict[str, ModelSpec]:
+    """The round-robin models: 60 layers, 8 KV heads x 128, fp8 at plan time."""
+    local = SlidingWindowSpec(num_kv_heads=8, head_dim=128, sliding_window=1024)
+    full = AttentionSpec(num_kv_heads=8, head_dim=128)
+    swa = tuple(full if (i + 1) % 6 == 0 else local for i in range(60))
+    return {
+        "swa60 (50 SWA + 10 full)": ModelSpec(
+            name="swa60", model_type="bench", layers=swa, max_position_embeddings=131072
+        ),
+        "dense60": ModelSpec(
+            name="dense60",
+            model_type="bench",
+            layers=(full,) * 60,
+            max_position_embeddings=131072,
+        ),
+    }
+
+
+def _draft(main: ModelSpec, method: str | None) -> ModelSpec | None:
+    if method in ("mtp", "eagle"):
+        return main.draft_head(method=method)
+    if method == "draft":
+        return load_model_spec("qwen3-0.6b")
+    return None
+
+
+def run_one(
+    family: str,
+    model_name: str,
+    main: ModelSpec,
+    trace: list,
+    bound_tokens: list[int],
+    method: str | None,
+    memory_gib: float,
+    policy: Policy,
+    *,
+    kv_dtype: DType | None = None,
+    block_size: int | None = None,
+) -> dict[str, Any]:
+    k = 3 if method else 0
+    options = PlanOptions(
+        spec_method=method,
+        num_spec_tokens=k,
+        kv_dtype=kv_dtype,
+        memory_bytes=int(memory_gib * GiB),
+        max_model_len=32768,
+        layout=policy.layout,
+        state_mode=policy.state_mode,
+        block_size=block_size,
+    )
+    the_plan = plan(main, _draft(main, method), options)
+    start = time.perf_counter()
+    result = simulate(
+        trace, the_plan, eviction_policy=policy.eviction, checkpoint_rules=policy.rules
+    )
+    wall_s = time.perf_counter() - start
+    total = sum(len(r.prompt) for r in trace)
+    bound = sum(bound_tokens) / total
+    step = max(the_plan.hit_granularity_tokens, 1)
+    block_bound = sum(b // step * step for b in bound_tokens) / total
+    return {
+        "family": family,
+        "model": model_name,
+        "spec": method or "none",
+        "memory_gib": memory_gib,
+        "policy": policy.name,
+        "layout": the_plan.layout,
+        "granularity": the_plan.hit_granularity_tokens,
+        "hit": result.prefix_hit_rate,
+        "bound": bound,
+        "of_bound": result.prefix_hit_rate / bound if bound else 0.0,
+        "block_bound": block_bound,
+        "of_block_bound": result.prefix_hit_rate / block_bound if block_bound else 0.0,
+        "checkpoints": result.state_checkpoints_stored,
+        "evictions": result.cache_stats["num_evictions"],
+        "preemptions": result.preemptions,
+        "finished": result.num_finished,
+        "requests": result.num_requests,
+        "wall_s": wall_s,
+    }
+
+
+def grid(full: bool) -> list[tuple[Any, ...]]:
+    """(family, model name, memory GiB list, spec methods, policies, plan extras)."""
+    qwen = "qwen3.5-9b"
+    specs_all = [None, "mtp", "eagle", "ngram", "suffix", "draft"]
+    if full:
+        return [
+            ("chat", qwen, [2, 3, 4, 8, 24], [None], POLICIES, {}),
+            ("chat", qwen, [6, 8, 24], specs_all[1:], POLICIES, {}),
+            ("agentic", qwen, [4, 8, 16, 24], [None, "mtp", "ngram"], POLICIES, {}),
+            ("fewshot", qwen, [1, 2, 4, 24], [None, "mtp"], POLICIES, {}),
+            ("roundrobin", "swa60 (50 SWA + 10 full)", [4, 6, 8, 10, 12, 16], [None], POLICIES, {}),
+            ("roundrobin", "dense60", [4, 8, 12, 16, 20, 24], [None], POLICIES, {}),
+        ]
+    short_policies = [VLLM, DEFAULT, POLICIES[4], POLICIES[6]]
+    return [
+        ("chat", qwen, [24], specs_all, short_policies, {}),
+        ("chat", qwen, [2, 4], [None], short_policies, {}),
+        ("agentic", qwen, [8], [None], short_policies, {}),
+        ("fewshot", qwen, [2], [None], short_policies, {}),
+        ("roundrobin", "swa60 (50 SWA + 10 full)", [8, 10, 12], [None], [DEFAULT, POLICIES[4]], {}),
+        ("roundrobin", "dense60", [8, 12, 16], [None], [DEFAULT, POLICIES[4]], {}),
+    ]
+
+
+def run(full: bool, seed: int) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    pressure = pressure_models()
+    num = {"chat": 200 if full else 120, "agentic": 60 if full else 40, "fewshot": 200}
+    for family, model_name, memories, methods, policies, _ in grid(full):
+        main = pressure[model_name] if model_name in pressure else load_model_spec(model_name)
+        extra: dict[str, Any] = {}
+        if family == "roundrobin":
+            extra = {"kv_dtype": DType.FP8_E4M3, "block_size": 16}
+        for method in methods:
+            opts = workload_options(
+                family,
+                num_requests=num.get(family),
+                seed=seed,
+                max_drafts=3 if method else 0,
+            )
+            trace = generate_workload(family, opts)
+            bound = reuse_bound_tokens(trace)
+            for memory in memories:
+                for policy in policies:
+                    try:
+                        row = run_one(
+                            family, model_name, main, trace, bound, method, memory, policy, **extra
+                        )
+                    except PlanError as err:  # e.g. a draft model that leaves no room
+                        print(f"skipped {family} {method} {memory} GiB {policy.name}: {err}")
+                        continue
+                    rows.append(row)
+    for row in rows:
+        base = next(
+            (
+                r
+                for r in rows
+                if r["policy"] == VLLM.name
+                and all(r[k] == row[k] for k in ("family", "model", "spec", "memory_gib"))
+            ),
+            None,
+        )
+        row["vs_vllm"] = row["hit"] / base["hit"] if base and base["hit"] else None
+    return rows
+
+
+def render(rows: list[dict[str, Any]], title: str) -> None:
+    table = Table(title=title)
+    cols = (
+        "family",
+        "model",
+        "spec",
+        "GiB",
+        "policy",
+        "layout",
+        "gran",
+        "hit",
+        "bound",
+        "of bound",
+        "of block bound",
+        "vs vllm",
+        "ckpts",
+        "evictions",
+        "preempt",
+        "wall s",
+    )
+    for col in cols:
+        table.add_column(col)
+    for r in rows:
+        table.add_row(
+            r["family"],
+            r["model"],
+            r["spec"],
+            f"{r['memory_gib']:g}",
+            r["policy"],
+            r["layout"],
+            str(r["granularity"]),
+            f"{r['hit']:.3f}",
+            f"{r['bound']:.3f}",
+            f"{r['of_bound']:.1%}",
+            f"{r['of_block_bound']:.1%}",
+            "-" if r["vs_vllm"] is None else f"{r['vs_vllm']:.2f}x",
+            str(r["checkpoints"]),
+            str(r["evictions"]),
+            str(r["preemptions"]),
+            f"{r['wall_s']:.1f}",
+        )
+    Console(width=220).print(table)
+
+
+def plot(rows: list[dict[str, Any]], folder: Path) -> list[Path]:
+    """One PNG per (family, model, spec) with more than one memory size: hit rate vs
+    memory, a line per policy, the reuse bound dashed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    folder.mkdir(parents=True, exist_ok=True)
+    written = []
+    keys = sorted({(r["family"], r["model"], r["spec"]) for r in rows})
+    for family, model, spec in keys:
+        sub = [r for r in rows if (r["family"], r["model"], r["spec"]) == (family, model, spec)]
+        memories = sorted({r["memory_gib"] for r in sub})
+        if len(memories) < 2:
+            continue
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for policy in dict.fromkeys(r["policy"] for r in sub):
+            points = sorted((r["memory_gib"], r["hit"]) for r in sub if r["policy"] == policy)
+            ax.plot([m for m, _ in points], [h for _, h in points], marker="o", label=policy)
+        ax.axhline(sub[0]["bound"], linestyle="--", color="gray", label="reuse bound")
+        ax.set_xlabel("cache memory (GiB)")
+        ax.set_ylabel("prefix hit rate")
+        ax.set_ylim(0, 1)
+        ax.set_title(f"{family}: {model}, spec {spec}")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        slug = f"{family}_{model.split()[0]}_{spec}".replace(".", "")
+        path = folder / f"{slug}.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--full", action="store_true", help="the whole grid (minutes)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--plots", type=Path, default=None, help="folder for PNG plots")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    start = time.perf_counter()
+    rows = run(args.full, args.seed)
+    if args.json:
+        print(json.dumps(rows, indent=2))
+    else:
+        render(rows, f"prefix policies ({'full' if args.full else 'short'} grid, seed {args.seed})")
+    if args.plots is not None:
+        for path in plot(rows, args.plots):
+            print(f"wrote {path}")
+    print(f"total {time.perf_counter() - start:.1f} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,80 @@
+"""Every state checkpoint policy restores states that give transformers' tokens exactly.
+
+Multi-turn sessions on tiny hybrid checkpoints (Gated DeltaNet, Mamba2): turn t + 1's
+prompt is turn t's prompt, its output and a new message. Under ``state_mode="all"`` a
+checkpoint exists at every block boundary, so each turn resumes from the previous
+turn's whole context to within one hit-granularity step; ``align`` + ``junction``
+checkpoints where a prompt leaves a cached prefix. Tokens must equal transformers'
+greedy tokens for the same prompts, with and without n-gram speculation."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from exactness_harness import hf_greedy  # noqa: E402
+from llm_support import BUILDERS, VOCAB  # noqa: E402
+
+from hybridkv.engine import LLM  # noqa: E402
+
+NUM_NEW = 12
+NUM_TURNS = 3
+
+
+def _sessions(seed: int = 11) -> list[list[list[int]]]:
+    """Two sessions of user messages (a shared 30-token system prompt opens both)."""
+    rng = random.Random(seed)
+
+    def draw(n: int) -> list[int]:
+        return [rng.randrange(VOCAB) for _ in range(n)]
+
+    system = draw(30)
+    return [[system + draw(9), draw(7), draw(11)], [system + draw(4), draw(13), draw(5)]]
+
+
+def _hf(name: str, folder):
+    model_cls, _ = BUILDERS[name]()
+    return model_cls.from_pretrained(folder, torch_dtype=torch.float32).eval()
+
+
+@pytest.mark.parametrize("spec", [None, "ngram"])
+@pytest.mark.parametrize(
+    ("state_mode", "rules"), [("all", ()), ("align", ("junction",)), ("none", ())]
+)
+@pytest.mark.parametrize("name", ["qwen3_5", "nemotron_h"])
+def test_multi_turn_sessions_are_token_exact_under_every_policy(
+    llm_case, name, state_mode, rules, spec
+):
+    case = llm_case(name)
+    hf = _hf(name, case.folder)
+    llm = LLM(
+        case.folder,
+        chunk_size=16,
+        state_mode=state_mode,
+        checkpoint_rules=rules,
+        spec_method=spec,
+        num_spec_tokens=3 if spec else 0,
+    )
+    granularity = llm.plan.hit_granularity_tokens
+    contexts = [list(messages[0]) for messages in _sessions()]
+    previous = [0, 0]
+    for turn in range(NUM_TURNS):
+        if turn:
+            for s, messages in enumerate(_sessions()):
+                contexts[s] += messages[turn]
+        results = llm.generate([list(c) for c in contexts], NUM_NEW)
+        assert [r.token_ids for r in results] == hf_greedy(hf, contexts, NUM_NEW)
+        for s, r in enumerate(results):
+            hit = r.stats.prefix_hit_tokens
+            if state_mode == "all" and turn:
+                # the previous turn's context (its last sampled token never computed)
+                assert hit > previous[s] - 1 - granularity, (turn, s, hit, previous[s])
+            if state_mode == "none":
+                assert hit == 0
+            contexts[s] += r.token_ids
+            previous[s] = len(contexts[s])
+    llm.manager.check_invariants()

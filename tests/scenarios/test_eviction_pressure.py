@@ -1,0 +1,50 @@
+"""Eviction under a cyclic load: sessions served round robin on a sliding-window model.
+
+Property: with the `chain` policy the prefix hit rate degrades smoothly as memory
+shrinks (never rises when memory shrinks) and is never below LRU's, which evicts each
+session just before its next turn once the sessions no longer all fit."""
+
+from __future__ import annotations
+
+from hybridkv.plan import plan
+from hybridkv.sim import generate_workload, simulate, workload_options
+from hybridkv.spec import AttentionSpec, DType, ModelSpec, SlidingWindowSpec
+
+MiB = 1 << 20
+
+
+def _model() -> ModelSpec:
+    local = SlidingWindowSpec(num_kv_heads=1, head_dim=64, sliding_window=256, dtype=DType.FP8_E4M3)
+    full = AttentionSpec(num_kv_heads=1, head_dim=64, dtype=DType.FP8_E4M3)
+    layers = tuple(full if (i + 1) % 6 == 0 else local for i in range(60))
+    return ModelSpec(name="swa60-tiny", model_type="t", layers=layers, max_position_embeddings=8192)
+
+
+def test_chain_eviction_degrades_smoothly_where_lru_falls_off_a_cliff() -> None:
+    trace = generate_workload(
+        "roundrobin",
+        workload_options(
+            "roundrobin",
+            num_sessions=8,
+            max_turns=4,
+            num_requests=32,
+            prefix_len=(1024, 2048),
+            suffix_len=(64, 128),
+            output_len=(16, 64),
+        ),
+    )
+    hits: dict[str, list[float]] = {"lru": [], "chain": []}
+    memories = [16, 24, 32, 48, 96]  # MiB; 96 holds every session
+    for memory in memories:
+        the_plan = plan(
+            _model(), None, memory_bytes=memory * MiB, max_model_len=4096, layout="shared"
+        )
+        for policy, rates in hits.items():
+            result = simulate(trace, the_plan, eviction_policy=policy, check_every=50)
+            assert result.leaked_blocks == 0
+            rates.append(result.prefix_hit_rate)
+    lru, chain = hits["lru"], hits["chain"]
+    assert chain == sorted(chain), chain  # never rises when memory shrinks
+    assert all(c >= r for c, r in zip(chain, lru, strict=True)), (chain, lru)
+    assert lru[2] == lru[3] == 0.0 < chain[2] < chain[3]  # LRU's cliff, chain's slope
+    assert chain[-1] == lru[-1] > 0.6  # with room for everything, the policies agree
