@@ -136,7 +136,8 @@ class CacheManager:
         self._requests[req_id] = RequestRecord(req_id, tokens, root, self._max_accept)
 
     def lookup(self, req_id: str) -> int:
-        """Prefix hit in tokens; remembers it for the next `allocate`. No other effect."""
+        """Prefix hit in tokens; remembers it for the next `allocate`. No other effect
+        (the hit statistics count admissions: the allocate that starts the request)."""
         r = self._get(req_id)
         if r.started:
             raise CacheError(
@@ -157,9 +158,6 @@ class CacheManager:
             if self._junction:
                 self._junctions[req_id] = self._attention_match(r, len(r.tokens) - 1, found)
         r.pending_hit = hit
-        self._num_lookups += 1
-        self._num_lookup_tokens += len(r.tokens)
-        self._num_hit_tokens += hit
         return hit
 
     def allocate(
@@ -404,6 +402,11 @@ class CacheManager:
             self._num_alloc_failures += 1
             return None
         if touch:
+            # Hit statistics count admissions, not lookups: a scheduler may look a
+            # waiting request up many times (ordering, deferral) before admitting it.
+            self._num_lookups += 1
+            self._num_lookup_tokens += len(r.tokens)
+            self._num_hit_tokens += c
             r.start(self._managers, states)
             r.num_computed = c
             r.pending_hit = None

@@ -145,7 +145,7 @@ def generate_command(
     ] = None,
     eviction: Annotated[
         str, typer.Option("--eviction", help="eviction policy of the prefix cache: lru | chain")
-    ] = "lru",
+    ] = "chain",
     as_json: Annotated[bool, typer.Option("--json", help="machine-readable output")] = False,
 ) -> None:
     """Generate tokens with the reference engine (planned cache, real cache manager)."""
