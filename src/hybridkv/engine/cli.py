@@ -12,8 +12,18 @@ import typer
 
 from hybridkv.cli import app, emit_json, run_guarded
 from hybridkv.cli_options import parse_bytes
-
-THREADS_HELP = "torch CPU threads (default: 1 for models under 256 MiB, else torch's)"
+from hybridkv.engine.cli_options import (
+    DeviceOpt,
+    DraftOpt,
+    DtypeOpt,
+    EvictionOpt,
+    KvDtypeOpt,
+    MemoryOpt,
+    NumSpecOpt,
+    SpecMethodOpt,
+    StateModeOpt,
+    ThreadsOpt,
+)
 
 
 def parse_prompt_ids(text: str, option: str = "--prompt-ids") -> list[int]:
@@ -93,43 +103,20 @@ def generate_command(
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens")] = 16,
     temperature: Annotated[float, typer.Option("--temperature")] = 0.0,
     seed: Annotated[int, typer.Option("--seed")] = 0,
-    memory: Annotated[str | None, typer.Option("--memory", help="cache budget, e.g. 64MiB")] = None,
-    dtype: Annotated[str, typer.Option("--dtype")] = "float32",
-    kv_dtype: Annotated[
-        str,
-        typer.Option(
-            "--kv-dtype",
-            "--kv-cache-dtype",
-            help="KV page dtype: auto (= --dtype), fp8_e4m3, fp8_e5m2, bfloat16, ...",
-        ),
-    ] = "auto",
-    draft: Annotated[
-        str | None,
-        typer.Option(
-            "--draft",
-            help="draft model folder (or demo-draft), or an EAGLE head with --spec-method eagle",
-        ),
-    ] = None,
-    spec_method: Annotated[
-        str | None,
-        typer.Option(
-            "--spec-method",
-            help="draft (--draft MODEL), mtp (the checkpoint's MTP head), eagle (--draft "
-            "EAGLE_FOLDER), ngram or suffix",
-        ),
-    ] = None,
-    num_spec: Annotated[
-        int | None,
-        typer.Option("--num-spec", "--num-speculative-tokens", help="K: drafts per step at most"),
-    ] = None,
-    device: Annotated[str, typer.Option("--device", help="cpu, cuda or cuda:N")] = "cpu",
+    memory: MemoryOpt = None,
+    dtype: DtypeOpt = "float32",
+    kv_dtype: KvDtypeOpt = "auto",
+    draft: DraftOpt = None,
+    spec_method: SpecMethodOpt = None,
+    num_spec: NumSpecOpt = None,
+    device: DeviceOpt = "cpu",
     max_num_seqs: Annotated[
         int, typer.Option("--max-num-seqs", help="requests running at once (1: one by one)")
     ] = 16,
     chunk_size: Annotated[
         int | None, typer.Option("--chunk-size", help="prefill chunk (tokens); none: whole")
     ] = None,
-    threads: Annotated[int | None, typer.Option("--threads", help=THREADS_HELP)] = None,
+    threads: ThreadsOpt = None,
     ignore_eos: Annotated[
         bool, typer.Option("--ignore-eos", help="do not stop at the checkpoint's EOS id")
     ] = False,
@@ -137,15 +124,8 @@ def generate_command(
         str | None,
         typer.Option("--stop-token-ids", help="comma-separated ids that also stop a request"),
     ] = None,
-    state_mode: Annotated[
-        str | None,
-        typer.Option(
-            "--state-mode", "--mamba-cache-mode", help="state checkpoints: align | all | none"
-        ),
-    ] = None,
-    eviction: Annotated[
-        str, typer.Option("--eviction", help="eviction policy of the prefix cache: lru | chain")
-    ] = "chain",
+    state_mode: StateModeOpt = None,
+    eviction: EvictionOpt = "chain",
     as_json: Annotated[bool, typer.Option("--json", help="machine-readable output")] = False,
 ) -> None:
     """Generate tokens with the reference engine (planned cache, real cache manager)."""
@@ -237,8 +217,8 @@ def demo_command(
     num_requests: Annotated[int, typer.Option("--num-requests")] = 8,
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens")] = 64,
     num_spec: Annotated[int, typer.Option("--num-spec", help="K: drafts per step")] = 4,
-    threads: Annotated[int | None, typer.Option("--threads", help=THREADS_HELP)] = None,
-    device: Annotated[str, typer.Option("--device", help="cpu, cuda or cuda:N")] = "cpu",
+    threads: ThreadsOpt = None,
+    device: DeviceOpt = "cpu",
     spec_method: Annotated[
         str,
         typer.Option("--spec-method", help="draft (the demo draft model) or mtp (its MTP head)"),

@@ -12,7 +12,18 @@ from typing import Annotated
 import typer
 
 from hybridkv.cli import app, run_guarded
-from hybridkv.engine.cli import THREADS_HELP
+from hybridkv.engine.cli_options import (
+    DeviceOpt,
+    DraftOpt,
+    DtypeOpt,
+    EvictionOpt,
+    KvDtypeOpt,
+    MemoryOpt,
+    NumSpecOpt,
+    SpecMethodOpt,
+    StateModeOpt,
+    ThreadsOpt,
+)
 from hybridkv.errors import ServeError
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
@@ -34,22 +45,9 @@ def serve_command(
         str,
         typer.Argument(help="checkpoint folder (config.json + safetensors), or demo"),
     ],
-    draft: Annotated[
-        str | None,
-        typer.Option("--draft", help="draft model folder (or demo-draft): speculative decoding"),
-    ] = None,
-    spec_method: Annotated[
-        str | None,
-        typer.Option(
-            "--spec-method",
-            help="draft (needs --draft), mtp (the checkpoint's head or --draft), eagle "
-            "(--draft head folder), ngram or suffix",
-        ),
-    ] = None,
-    num_spec: Annotated[
-        int | None,
-        typer.Option("--num-spec", "--num-speculative-tokens", help="K: drafts per step at most"),
-    ] = None,
+    draft: DraftOpt = None,
+    spec_method: SpecMethodOpt = None,
+    num_spec: NumSpecOpt = None,
     host: Annotated[str, typer.Option("--host", help="address to listen on")] = "127.0.0.1",
     port: Annotated[int, typer.Option("--port", help="TCP port (0: any free port)")] = 8000,
     max_model_len: Annotated[
@@ -59,18 +57,13 @@ def serve_command(
     max_num_seqs: Annotated[
         int | None, typer.Option("--max-num-seqs", help="requests running at once at most")
     ] = None,
-    memory: Annotated[str | None, typer.Option("--memory", help="cache budget, e.g. 64MiB")] = None,
-    dtype: Annotated[str, typer.Option("--dtype")] = "float32",
-    kv_dtype: Annotated[
-        str,
-        typer.Option(
-            "--kv-dtype",
-            "--kv-cache-dtype",
-            help="KV page dtype: auto (= --dtype), fp8_e4m3, fp8_e5m2, bfloat16, ...",
-        ),
-    ] = "auto",
-    device: Annotated[str, typer.Option("--device", help="cpu, cuda or cuda:N")] = "cpu",
-    threads: Annotated[int | None, typer.Option("--threads", help=THREADS_HELP)] = None,
+    memory: MemoryOpt = None,
+    dtype: DtypeOpt = "float32",
+    kv_dtype: KvDtypeOpt = "auto",
+    state_mode: StateModeOpt = None,
+    eviction: EvictionOpt = "chain",
+    device: DeviceOpt = "cpu",
+    threads: ThreadsOpt = None,
     served_model_name: Annotated[
         str | None,
         typer.Option("--served-model-name", help="the model's name in the API (default: MODEL)"),
@@ -110,6 +103,8 @@ def serve_command(
                 max_num_seqs=max_num_seqs,
                 threads=threads,
                 kv_dtype=kv_dtype,
+                state_mode=state_mode,
+                eviction_policy=eviction,
             )
             name = served_model_name or model
             spec = (

@@ -1,0 +1,52 @@
+"""Typer options that `hybridkv generate` and `hybridkv serve` share (one definition of
+each flag, its vLLM alias and its help text)."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+THREADS_HELP = "torch CPU threads (default: 1 for models under 256 MiB, else torch's)"
+
+MemoryOpt = Annotated[str | None, typer.Option("--memory", help="cache budget, e.g. 64MiB")]
+DtypeOpt = Annotated[str, typer.Option("--dtype")]
+KvDtypeOpt = Annotated[
+    str,
+    typer.Option(
+        "--kv-dtype",
+        "--kv-cache-dtype",
+        help="KV page dtype: auto (= --dtype), fp8_e4m3, fp8_e5m2, bfloat16, ...",
+    ),
+]
+DraftOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--draft",
+        help="draft model folder (or demo-draft), an MTP head folder (or demo-mtp) with "
+        "--spec-method mtp, or an EAGLE head with --spec-method eagle",
+    ),
+]
+SpecMethodOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--spec-method",
+        help="draft (--draft MODEL), mtp (the checkpoint's MTP head, or --draft), eagle "
+        "(--draft EAGLE_FOLDER), ngram or suffix",
+    ),
+]
+NumSpecOpt = Annotated[
+    int | None,
+    typer.Option("--num-spec", "--num-speculative-tokens", help="K: drafts per step at most"),
+]
+DeviceOpt = Annotated[str, typer.Option("--device", help="cpu, cuda or cuda:N")]
+ThreadsOpt = Annotated[int | None, typer.Option("--threads", help=THREADS_HELP)]
+StateModeOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--state-mode", "--mamba-cache-mode", help="state checkpoints: align | all | none"
+    ),
+]
+EvictionOpt = Annotated[
+    str, typer.Option("--eviction", help="eviction policy of the prefix cache: lru | chain")
+]
