@@ -147,7 +147,11 @@ class OursAdapter:
     """`_trace_loop.Adapter` over `CacheManager` (batched calls for running requests)."""
 
     def __init__(self, cache_plan: CachePlan, track_peak: bool = False) -> None:
-        self.cm = CacheManager(cache_plan, record_events=False)
+        # vLLM's policies (LRU eviction, no extra checkpoint rule), so that a tight pool
+        # evicts the same blocks on both sides and the work stays equal.
+        self.cm = CacheManager(
+            cache_plan, record_events=False, eviction_policy="lru", checkpoint_rules=()
+        )
         self.ids: dict[int, str] = {}
         self.num_allocations = 0
         self.blocks_taken = 0
