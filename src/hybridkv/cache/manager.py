@@ -23,8 +23,6 @@ persistent tables. Misuse raises `CacheError` before anything changes.
 
 from __future__ import annotations
 
-import operator
-from array import array
 from collections import Counter
 from collections.abc import Sequence
 
@@ -36,6 +34,7 @@ from hybridkv.cache.free_queue import DEFAULT_EVICTION_POLICY
 from hybridkv.cache.hashing import MAX_TOKEN_ID
 from hybridkv.cache.managers import Counters, StepSlots
 from hybridkv.cache.request import RequestRecord
+from hybridkv.cache.validate import check_count, check_same_lengths, token_array
 from hybridkv.errors import CacheError, InvariantError
 from hybridkv.ids import BlockId
 from hybridkv.plan.types import CachePlan
@@ -122,7 +121,7 @@ class CacheManager:
     ) -> None:
         if req_id in self._requests:
             raise CacheError(f"request {req_id!r} was already added")
-        tokens = _token_array(req_id, "prompt_token_ids", prompt_token_ids)
+        tokens = token_array(req_id, "prompt_token_ids", prompt_token_ids)
         if not tokens:
             raise CacheError(f"request {req_id!r} has 0 prompt tokens; needs >= 1")
         if cache_salt is not None and not isinstance(cache_salt, str):
@@ -131,7 +130,7 @@ class CacheManager:
                 f"{type(cache_salt).__name__}"
             )
         if lora_id is not None:
-            lora_id = _count(req_id, "lora_id", lora_id)
+            lora_id = check_count(req_id, "lora_id", lora_id)
         root = self.coordinator.hasher.root(cache_salt, lora_id)
         self._requests[req_id] = RequestRecord(req_id, tokens, root, self._max_accept)
 
@@ -187,7 +186,7 @@ class CacheManager:
     ) -> list[StepDelta | None]:
         """`allocate` for each request in order (each independently all-or-nothing;
         mismatched lengths raise before any request is touched)."""
-        _same_lengths(
+        check_same_lengths(
             "allocate_batch",
             req_ids,
             num_new_tokens=num_new_tokens,
@@ -208,7 +207,7 @@ class CacheManager:
         new_token_ids: Sequence[Sequence[int]],
     ) -> None:
         """`commit` for each request in order (mismatched lengths raise first)."""
-        _same_lengths(
+        check_same_lengths(
             "commit_batch",
             req_ids,
             num_accepted_tokens=num_accepted_tokens,
@@ -358,8 +357,8 @@ class CacheManager:
         if r is None:
             r = self._get(req_id)
         if not (type(n) is int is type(lookahead) and n >= 0 and 0 <= lookahead <= MAX_TOKEN_ID):
-            n = _count(req_id, "num_new_tokens", n)
-            lookahead = _count(req_id, "num_lookahead_tokens", lookahead)
+            n = check_count(req_id, "num_new_tokens", n)
+            lookahead = check_count(req_id, "num_lookahead_tokens", lookahead)
         if r.pending:
             raise CacheError(
                 f"allocate of request {req_id!r}: the step allocated before ({r.pend_n} new, "
@@ -430,8 +429,8 @@ class CacheManager:
         if not r.pending:
             raise CacheError(f"commit of request {req_id!r} without an allocated step")
         if type(a) is not int or a < 0:
-            a = _count(req_id, "num_accepted_tokens", a)
-        new_tokens = _token_array(req_id, "new_token_ids", new_token_ids)
+            a = check_count(req_id, "num_accepted_tokens", a)
+        new_tokens = token_array(req_id, "new_token_ids", new_token_ids)
         if a > r.pend_lookahead:
             raise CacheError(
                 f"commit of request {req_id!r}: {a} accepted tokens but {r.pend_lookahead} "
@@ -506,57 +505,3 @@ class CacheManager:
         hit; the eviction policy treats them as hit (see `BlockPool.releasing_hot`)."""
         for pool in self.coordinator.pools:
             pool.releasing_hot = hot
-
-
-def _count(req_id: str, name: str, value: object) -> int:
-    """``value`` as an int in [0, 2^63) (numpy integers welcome), or a CacheError."""
-    if isinstance(value, bool) or not hasattr(value, "__index__"):
-        raise CacheError(
-            f"request {req_id!r}: {name} must be a non-negative int, got "
-            f"{type(value).__name__} {value!r}"
-        )
-    number = operator.index(value)  # type: ignore[call-overload]
-    if not 0 <= number <= MAX_TOKEN_ID:
-        raise CacheError(f"request {req_id!r}: {name}={number} must be in [0, 2^63)")
-    return number
-
-
-def _token_array(req_id: str, name: str, tokens: object) -> array[int]:
-    """``tokens`` packed as signed 64-bit ints (the request's own storage; hashing reads
-    its bytes directly), or a CacheError naming the first bad one. Any integer type
-    converts (numpy integers, and bools as 0 / 1); floats, negative ids and ids >= 2^63
-    are refused."""
-    if isinstance(tokens, str | bytes) or not hasattr(tokens, "__iter__"):
-        raise CacheError(
-            f"request {req_id!r}: {name} must be a sequence of token ids, got "
-            f"{type(tokens).__name__}"
-        )
-    if not isinstance(tokens, list | tuple | array):
-        tokens = list(tokens)  # type: ignore[call-overload]  # iterate once
-    try:
-        packed = array("q", tokens)  # type: ignore[arg-type]  # C speed, checks types and range
-    except (TypeError, OverflowError):
-        packed = None
-    if packed is not None and (not packed or min(packed) >= 0):
-        return packed
-    for i, t in enumerate(tokens):  # type: ignore[arg-type]  # name the culprit
-        if not hasattr(t, "__index__"):
-            raise CacheError(
-                f"request {req_id!r}: {name}[{i}] is {type(t).__name__} {t!r}; token ids are ints"
-            )
-        value = operator.index(t)
-        if not 0 <= value <= MAX_TOKEN_ID:
-            raise CacheError(
-                f"request {req_id!r}: {name}[{i}] = {value} is outside [0, 2^63); token ids "
-                "are non-negative 64-bit ints"
-            )
-    raise AssertionError("unreachable: array() refused a valid token list")
-
-
-def _same_lengths(call: str, req_ids: Sequence[str], **others: Sequence[object]) -> None:
-    for name, values in others.items():
-        if len(values) != len(req_ids):
-            raise CacheError(
-                f"{call}: {len(req_ids)} req_ids but {len(values)} {name}; pass one per "
-                "request (nothing was allocated or committed)"
-            )

@@ -1,0 +1,66 @@
+"""Validation of what callers hand the `CacheManager`: counts, token ids and batch
+lengths, each refused with a `CacheError` naming the request and the bad value before
+anything changes (check, then commit)."""
+
+from __future__ import annotations
+
+import operator
+from array import array
+from collections.abc import Sequence
+
+from hybridkv.cache.hashing import MAX_TOKEN_ID
+from hybridkv.errors import CacheError
+
+
+def check_count(req_id: str, name: str, value: object) -> int:
+    """``value`` as an int in [0, 2^63) (numpy integers welcome), or a CacheError."""
+    if isinstance(value, bool) or not hasattr(value, "__index__"):
+        raise CacheError(
+            f"request {req_id!r}: {name} must be a non-negative int, got "
+            f"{type(value).__name__} {value!r}"
+        )
+    number = operator.index(value)  # type: ignore[call-overload]
+    if not 0 <= number <= MAX_TOKEN_ID:
+        raise CacheError(f"request {req_id!r}: {name}={number} must be in [0, 2^63)")
+    return number
+
+
+def token_array(req_id: str, name: str, tokens: object) -> array[int]:
+    """``tokens`` packed as signed 64-bit ints (the request's own storage; hashing reads
+    its bytes directly), or a CacheError naming the first bad one. Any integer type
+    converts (numpy integers, and bools as 0 / 1); floats, negative ids and ids >= 2^63
+    are refused."""
+    if isinstance(tokens, str | bytes) or not hasattr(tokens, "__iter__"):
+        raise CacheError(
+            f"request {req_id!r}: {name} must be a sequence of token ids, got "
+            f"{type(tokens).__name__}"
+        )
+    if not isinstance(tokens, list | tuple | array):
+        tokens = list(tokens)  # type: ignore[call-overload]  # iterate once
+    try:
+        packed = array("q", tokens)  # type: ignore[arg-type]  # C speed, checks types and range
+    except (TypeError, OverflowError):
+        packed = None
+    if packed is not None and (not packed or min(packed) >= 0):
+        return packed
+    for i, t in enumerate(tokens):  # type: ignore[arg-type]  # name the culprit
+        if not hasattr(t, "__index__"):
+            raise CacheError(
+                f"request {req_id!r}: {name}[{i}] is {type(t).__name__} {t!r}; token ids are ints"
+            )
+        value = operator.index(t)
+        if not 0 <= value <= MAX_TOKEN_ID:
+            raise CacheError(
+                f"request {req_id!r}: {name}[{i}] = {value} is outside [0, 2^63); token ids "
+                "are non-negative 64-bit ints"
+            )
+    raise AssertionError("unreachable: array() refused a valid token list")
+
+
+def check_same_lengths(call: str, req_ids: Sequence[str], **others: Sequence[object]) -> None:
+    for name, values in others.items():
+        if len(values) != len(req_ids):
+            raise CacheError(
+                f"{call}: {len(req_ids)} req_ids but {len(values)} {name}; pass one per "
+                "request (nothing was allocated or committed)"
+            )
