@@ -42,11 +42,21 @@ import torch
 
 from hybridkv.cache import CacheManager
 from hybridkv.cache.free_queue import DEFAULT_EVICTION_POLICY
+from hybridkv.engine.llm_options import (
+    DEFAULT_MAX_MODEL_LEN,
+    DEFAULT_MEMORY_BYTES,
+    parse_kv_dtype,
+    per_prompt_salts,
+    resolve_device,
+    resolve_max_model_len,
+    resolve_spec,
+    resolve_ssm_dtype,
+)
 from hybridkv.engine.loader import eos_token_ids
 from hybridkv.engine.models import LayerDesc, load_model, load_mtp
 from hybridkv.engine.proposers import Proposer
 from hybridkv.engine.proposers.head import DraftHead, HeadDrafter
-from hybridkv.engine.results import EngineStats, GenerationResult, RequestStats
+from hybridkv.engine.results import EngineStats, GenerationResult, RequestStats, build_result
 from hybridkv.engine.runner import ModelRunner
 from hybridkv.engine.sampler import SamplingParams
 from hybridkv.engine.speculative import (
@@ -58,7 +68,7 @@ from hybridkv.engine.speculative import (
 )
 from hybridkv.engine.stepper import Stepper
 from hybridkv.engine.tensors import build_cache_tensors, torch_dtype
-from hybridkv.errors import EngineError, SpecError
+from hybridkv.errors import EngineError
 from hybridkv.models.registry import load_model_spec
 from hybridkv.plan.planner import HEAD_METHODS
 from hybridkv.plan.planner import plan as make_plan
@@ -67,9 +77,6 @@ from hybridkv.plan.types import CachePlan, PlanOptions
 from hybridkv.sched import Request, Scheduler, Status, config_from_plan
 from hybridkv.spec.dtypes import DType, parse_dtype
 from hybridkv.spec.model import ModelSpec
-
-DEFAULT_MEMORY_BYTES = 64 << 20  # tiny CPU models: plenty, and allocated eagerly
-DEFAULT_MAX_MODEL_LEN = 4096
 
 
 class LLM:
@@ -106,9 +113,7 @@ class LLM:
         self.eos_token_ids = eos_token_ids(self.model_path)
         spec = load_model_spec(self.model_path)
         check_chain_drafts(spec_topk, main=spec)  # trees: refused, naming what is missing
-        spec_method, num_spec_tokens = self._spec_setup(
-            draft, spec_method, num_spec_tokens, proposer
-        )
+        spec_method, num_spec_tokens = resolve_spec(draft, spec_method, num_spec_tokens, proposer)
         self.draft_model = None
         self.head: DraftHead | None = None
         draft_spec = None
@@ -122,7 +127,7 @@ class LLM:
                     f"draft vocabulary {self.draft_model.vocab_size} != main vocabulary "
                     f"{self.model.vocab_size}; a draft model must share the tokenizer"
                 )
-        max_model_len = self._max_model_len(max_model_len, spec.max_position_embeddings)
+        max_model_len = resolve_max_model_len(max_model_len, spec.max_position_embeddings)
         self.max_model_len = max_model_len
         options = PlanOptions(
             kv_dtype=cache_dtype if kv_dtype is None else parse_kv_dtype(kv_dtype),
@@ -195,54 +200,6 @@ class LLM:
     def scheduler(self) -> Scheduler:
         return self.stepper.scheduler
 
-    @staticmethod
-    def _max_model_len(requested: int | None, max_positions: int | None) -> int:
-        """The checkpoint's positions when it states them, at most 4096 by default (the
-        plan must hold one request of max_model_len tokens in ``memory_bytes``; pass more
-        explicitly); a value past the checkpoint's positions is refused."""
-        if requested is None:
-            return min(max_positions or DEFAULT_MAX_MODEL_LEN, DEFAULT_MAX_MODEL_LEN)
-        if requested < 2:
-            raise EngineError(f"max_model_len={requested}: needs >= 2 (a prompt and a token)")
-        if max_positions is not None and requested > max_positions:
-            raise EngineError(
-                f"max_model_len={requested} exceeds the checkpoint's max_position_embeddings "
-                f"{max_positions}; use at most {max_positions}"
-            )
-        return requested
-
-    @staticmethod
-    def _spec_setup(
-        draft: str | Path | None,
-        spec_method: str | None,
-        num_spec_tokens: int,
-        proposer: Proposer | None,
-    ) -> tuple[str | None, int]:
-        """(spec method, K) for planning; a custom proposer plans like n-gram."""
-        if draft is not None and spec_method not in (None, "draft", "eagle", "mtp"):
-            raise EngineError(
-                f"a draft folder goes with spec_method 'draft' (a model), 'eagle' (an EAGLE "
-                f"head) or 'mtp' (an MTP head kept apart from the main checkpoint), not "
-                f"{spec_method!r}"
-            )
-        if draft is None and spec_method in ("draft", "eagle"):
-            what = "a draft model" if spec_method == "draft" else "an EAGLE head folder"
-            raise EngineError(f"spec_method {spec_method!r} needs {what} (draft=FOLDER)")
-        if proposer is not None and spec_method in HEAD_METHODS:
-            raise EngineError(f"spec_method {spec_method!r} drafts with a head, not a proposer")
-        if draft is not None and spec_method is None:
-            spec_method = "draft"
-        elif proposer is not None and spec_method is None:
-            spec_method = "ngram"
-        if spec_method is not None and num_spec_tokens < 1:
-            raise EngineError(
-                f"speculative decoding ({spec_method}) needs num_spec_tokens >= 1, got "
-                f"{num_spec_tokens}"
-            )
-        if spec_method is None and num_spec_tokens:
-            raise EngineError(f"num_spec_tokens={num_spec_tokens} needs a spec method or draft")
-        return spec_method, num_spec_tokens
-
     def _load_head(
         self, spec: ModelSpec, method: str, draft: str | Path | None
     ) -> tuple[DraftHead, ModelSpec]:
@@ -263,14 +220,10 @@ class LLM:
         return None if self.draft_model is None else self.draft_model.layers
 
     def _ssm_dtype(self, cache_dtype: DType) -> DType:
-        """The model's ssm state dtype (a config may pin it, e.g. float32), else ours."""
         layers = list(self.model.layers)
         if self.draft_model is not None:
             layers += list(self.draft_model.layers)
-        pinned = {d.ssm_dtype for d in layers if d.ssm_dtype is not None}
-        if len(pinned) > 1:
-            raise EngineError(f"state layers disagree on the ssm dtype: {sorted(map(str, pinned))}")
-        return parse_dtype(str(pinned.pop())) if pinned else cache_dtype
+        return resolve_ssm_dtype(layers, cache_dtype)
 
     # ------------------------------------------------------------------ tokenizer
     @property
@@ -383,28 +336,7 @@ class LLM:
 
     def result(self, req: Request) -> GenerationResult:
         spec = self.stepper.req_spec.get(req.req_id, SpecCounters())
-        text = None
-        if self.tokenizer is not None:
-            text = self.tokenizer.decode(req.output)
-        return GenerationResult(
-            request_id=req.req_id,
-            prompt_token_ids=list(req.prompt),
-            token_ids=list(req.output),
-            text=text,
-            stats=RequestStats(
-                num_prompt_tokens=len(req.prompt),
-                prefix_hit_tokens=req.prefix_hit_tokens,
-                num_preemptions=req.num_preemptions,
-                num_steps=req.num_steps,
-                num_proposed_tokens=spec.num_proposed,
-                num_accepted_tokens=spec.num_accepted,
-                num_verify_steps=spec.num_verify_steps,
-                mean_accepted_length=spec.mean_accepted_length,
-                tokens_per_step=len(req.output) / req.num_steps if req.num_steps else 0.0,
-            ),
-            cancelled=req.status is Status.CANCELLED,
-            finish_reason=req.finish_reason,
-        )
+        return build_result(req, spec, self.tokenizer)
 
     def stats(self) -> EngineStats:
         cache = self.manager.stats()
@@ -429,55 +361,14 @@ class LLM:
         )
 
 
-def per_prompt_salts(
-    cache_salt: str | Sequence[str | None] | None, num_prompts: int
-) -> list[str | None]:
-    """``generate``'s ``cache_salt`` as one salt (or None) per prompt."""
-    if cache_salt is None or isinstance(cache_salt, str):
-        return [cache_salt] * num_prompts
-    if not isinstance(cache_salt, Sequence):
-        raise EngineError(
-            f"cache_salt must be a string, None, or one of those per prompt; got {cache_salt!r}"
-        )
-    salts = list(cache_salt)
-    bad = [s for s in salts if s is not None and not isinstance(s, str)]
-    if bad:
-        raise EngineError(f"cache_salt entries must be strings or None; got {bad[:3]!r}")
-    if len(salts) != num_prompts:
-        raise EngineError(
-            f"cache_salt has {len(salts)} entries for {num_prompts} prompts; give one salt "
-            "per prompt, or a single string for all of them"
-        )
-    return salts
-
-
-def parse_kv_dtype(name: str) -> DType:
-    """``kv_dtype``: a cache dtype name (``fp8_e4m3``, ``fp8_e5m2``, ``bfloat16``...);
-    "auto" means the model dtype and is handled by the caller passing None."""
-    try:
-        return parse_dtype(name)
-    except SpecError as err:
-        raise EngineError(f"kv_dtype {name!r}: {err}") from None
-
-
-def resolve_device(device: str | torch.device) -> torch.device:
-    """``device`` as a `torch.device` with its index ("cuda" -> "cuda:N", the current
-    one); `EngineError` for an unknown device or CUDA on a machine without it."""
-    try:
-        resolved = torch.device(device)
-    except (RuntimeError, TypeError) as err:
-        raise EngineError(f"device {device!r} is not a torch device: {err}") from None
-    if resolved.type not in ("cpu", "cuda"):
-        raise EngineError(f"device {device!r}: the engine runs on cpu or cuda")
-    if resolved.type == "cuda":
-        if not torch.cuda.is_available():
-            raise EngineError(f"device {device!r} asked for, but torch sees no CUDA device here")
-        count = torch.cuda.device_count()
-        index = torch.cuda.current_device() if resolved.index is None else resolved.index
-        if not 0 <= index < count:
-            raise EngineError(f"device {device!r}: torch sees {count} CUDA device(s)")
-        resolved = torch.device("cuda", index)  # "cuda" -> "cuda:0": tensors report that
-    return resolved
-
-
-__all__ = ["LLM", "EngineStats", "GenerationResult", "RequestStats", "resolve_device"]
+__all__ = [
+    "DEFAULT_MAX_MODEL_LEN",
+    "DEFAULT_MEMORY_BYTES",
+    "LLM",
+    "EngineStats",
+    "GenerationResult",
+    "RequestStats",
+    "parse_kv_dtype",
+    "per_prompt_salts",
+    "resolve_device",
+]

@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from hybridkv.sched import Request, Status
+
+if TYPE_CHECKING:
+    from hybridkv.engine.speculative import SpecCounters
 
 
 @dataclass(frozen=True)
@@ -68,3 +73,28 @@ class EngineStats:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def build_result(req: Request, spec: SpecCounters, tokenizer: Any) -> GenerationResult:
+    """``req``'s `GenerationResult` (text decoded when there is a tokenizer), with its
+    speculative counters ``spec``."""
+    text = None if tokenizer is None else tokenizer.decode(req.output)
+    return GenerationResult(
+        request_id=req.req_id,
+        prompt_token_ids=list(req.prompt),
+        token_ids=list(req.output),
+        text=text,
+        stats=RequestStats(
+            num_prompt_tokens=len(req.prompt),
+            prefix_hit_tokens=req.prefix_hit_tokens,
+            num_preemptions=req.num_preemptions,
+            num_steps=req.num_steps,
+            num_proposed_tokens=spec.num_proposed,
+            num_accepted_tokens=spec.num_accepted,
+            num_verify_steps=spec.num_verify_steps,
+            mean_accepted_length=spec.mean_accepted_length,
+            tokens_per_step=len(req.output) / req.num_steps if req.num_steps else 0.0,
+        ),
+        cancelled=req.status is Status.CANCELLED,
+        finish_reason=req.finish_reason,
+    )
