@@ -11,7 +11,7 @@ engine and the simulator alike (torch-free). A step::
        prefix among the first `reorder_window`, arrival) while budget and max_num_seqs
        allow: lookup (prefix hit), allocate a chunk from the hit; a request whose next
        uncached block a running prefill is computing is deferred (in-batch dedupe), a
-       request that does not fit stops admission
+       request that does not fit stops admission (ordering and dedupe: `admission`)
     3. the executor runs the step; `update` cuts each verdict at the request's limits and
        stop ids, commits accepted tokens, emits, frees finished requests
 
@@ -28,6 +28,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from hybridkv.errors import InvariantError, SchedulerError
+from hybridkv.sched.admission import PrefixAdmission
 from hybridkv.sched.config import SchedulerConfig
 from hybridkv.sched.request import Request, Status
 from hybridkv.sched.step import (
@@ -52,16 +53,8 @@ class Scheduler:
         self.num_deferrals = 0  # waiting-request steps deferred by in-batch dedupe
         self._seq = itertools.count()
         self._live: dict[str, Request] = {}
-        self._order_hits: dict[str, tuple[int, int]] = {}  # req -> (step, hit) for ordering
         self._pending: SchedulerOutput | None = None
-        self._dedupe = config.cache_aware and bool(getattr(manager, "caching", True))
-        self._unit = int(manager.hash_unit_tokens) if self._dedupe else 0
-        # Hits come in granules (state checkpoints, attention blocks): waiting pays only
-        # when a running prefill computes the whole next granule of a waiting request.
-        granule = getattr(getattr(manager, "plan", None), "hit_granularity_tokens", None)
-        self._granule: int = self._unit
-        if isinstance(granule, int) and self._unit and granule % self._unit == 0:
-            self._granule = granule
+        self.admission = PrefixAdmission(manager, config)
 
     # ------------------------------------------------------------------ requests
     @property
@@ -237,13 +230,14 @@ class Scheduler:
         cfg = self.config
         if not self.waiting or budget <= 0 or len(self.running) >= cfg.max_num_seqs:
             return
-        order = self._admission_order()
-        inflight = self._inflight_hashes() if self._dedupe else None
+        admission = self.admission
+        order = admission.order(self.waiting, self.num_steps)
+        inflight = admission.inflight(self.running)
         for req in order:
             if budget <= 0 or len(self.running) >= cfg.max_num_seqs:
                 break
             hit = self.manager.lookup(req.req_id)
-            if inflight is not None and self._computed_by_others(req, hit, inflight):
+            if inflight is not None and admission.computed_by_others(req, hit, inflight):
                 deferred.append(req.req_id)
                 self.num_deferrals += 1
                 continue
@@ -267,7 +261,7 @@ class Scheduler:
                     )
                 break
             self.waiting.remove(req)
-            self._order_hits.pop(req.req_id, None)
+            admission.forget(req.req_id)
             req.status = Status.RUNNING
             req.num_computed = hit
             req.prefix_hit_tokens += hit
@@ -276,7 +270,7 @@ class Scheduler:
             chunks.append(ScheduledChunk(req, hit, n, hit))
             budget -= n
             if inflight is not None:
-                inflight.update(self._uncomputed_hashes(req))
+                inflight.update(admission.uncomputed(req))
 
     def _first_chunk(self, req: Request, hit: int, budget: int) -> int:
         if not 0 <= hit < req.num_tokens:
@@ -285,57 +279,6 @@ class Scheduler:
                 f"{req.num_tokens} known tokens; a hit must leave >= 1 token to compute"
             )
         return self.chunk(hit, req.num_tokens - hit, self._prefill_budget(budget))
-
-    def _admission_order(self) -> list[Request]:
-        """Waiting requests in admission order: (priority, longest cached prefix first,
-        arrival) among the first ``reorder_window``, arrival order after them.
-
-        The ordering hit of a request is looked up again only every
-        ``reorder_refresh_steps`` steps (lookups cost a prefix scan each; a stale key
-        only changes the order, admission itself looks up afresh)."""
-        window = self.config.reorder_window if self._dedupe else 0
-        if window < 2 or len(self.waiting) < 2:
-            return list(self.waiting)
-        head = self.waiting[:window]
-        refresh = self.config.reorder_refresh_steps
-        hits: dict[str, int] = {}
-        for r in head:
-            memo = self._order_hits.get(r.req_id)
-            if memo is None or self.num_steps - memo[0] >= refresh:
-                memo = (self.num_steps, self.manager.lookup(r.req_id))
-                self._order_hits[r.req_id] = memo
-            hits[r.req_id] = memo[1]
-        head.sort(key=lambda r: (r.priority, -hits[r.req_id], r.seq))
-        return head + self.waiting[window:]
-
-    def _uncomputed_hashes(self, req: Request) -> list[bytes]:
-        """Hashes of the full units a running prefill has still to compute and commit."""
-        if req.num_tokens - req.num_computed <= 1:
-            return []
-        unit = self._unit
-        return list(
-            self.manager.block_hashes(req.req_id, req.num_computed // unit, req.num_tokens // unit)
-        )
-
-    def _inflight_hashes(self) -> set[bytes]:
-        inflight: set[bytes] = set()
-        for req in self.running:
-            inflight.update(self._uncomputed_hashes(req))
-        return inflight
-
-    def _computed_by_others(self, req: Request, hit: int, inflight: set[bytes]) -> bool:
-        """Whether a running prefill computes ``req``'s next hit granule, up to its last
-        unit: then ``req`` waits for that commit and hits it instead of computing it
-        twice. (Deferring for a partly shared granule would gain nothing: the hit stays
-        at the granule start, and the waiters would prefill one after another.)
-
-            G = 64, unit 16, hit 192: wait iff the unit [240, 256) is in flight
-        """
-        if not inflight:
-            return False
-        index = (hit // self._granule + 1) * self._granule // self._unit - 1
-        nxt = self.manager.block_hashes(req.req_id, index, index + 1)
-        return bool(nxt) and nxt[0] in inflight
 
     def _insert_waiting(self, req: Request) -> None:
         key = (req.priority, req.seq)
@@ -411,7 +354,7 @@ class Scheduler:
             self.manager.commit(req_id, a, new)
 
     def _retire(self, req: Request, status: Status) -> None:
-        self._order_hits.pop(req.req_id, None)
+        self.admission.forget(req.req_id)
         self.manager.free(req.req_id)
         del self._live[req.req_id]
         req.status = status
