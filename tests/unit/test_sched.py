@@ -116,9 +116,11 @@ def test_preemption_takes_the_newest_first_and_requeues_by_arrival():
     for name, base in (("a", 0), ("b", 10), ("c", 20)):
         s.add(req(name, range(base, base + 4), max_new=20))
     step(s)
-    # a takes the 2 free blocks (7 drafts: 12 positions); b needs 1 block: c goes
+    # 2 free blocks: a's 7 drafts would take both (12 positions). Drafts go first: a
+    # drops them, but a, b and c still need a block each, so c goes
     out, _ = step(s, offered={"a": 7})
-    assert decisions(out) == [("a", 4, 1, 7), ("b", 4, 1, 0)]
+    assert decisions(out) == [("a", 4, 1, 0), ("b", 4, 1, 0)]
+    assert out.dropped_drafts == ("a",)
     assert [(p.request.req_id, p.num_computed) for p in out.preempted] == [("c", 4)]
     c = s.waiting[0]
     assert c.req_id == "c" and c.status is Status.WAITING and c.num_computed == 0

@@ -33,6 +33,7 @@ from hybridkv.cache.events import CacheEvent, CacheStats
 from hybridkv.cache.free_queue import DEFAULT_EVICTION_POLICY
 from hybridkv.cache.hashing import MAX_TOKEN_ID
 from hybridkv.cache.managers import Counters, StepSlots
+from hybridkv.cache.needs import step_needs
 from hybridkv.cache.request import RequestRecord
 from hybridkv.cache.validate import check_count, check_same_lengths, token_array
 from hybridkv.errors import CacheError, InvariantError
@@ -218,6 +219,19 @@ class CacheManager:
             r = get(req_id)
             if r is None or not r.try_fast_commit(accepted, new):
                 slow(r, req_id, accepted, new)
+
+    def blocks_needed(
+        self, req_id: str, num_new_tokens: int, num_lookahead_tokens: int = 0
+    ) -> list[int]:
+        """Per pool, the blocks `allocate(req_id, n, L)` would take now, changing nothing;
+        for a running request between steps (see `cache.needs`)."""
+        return step_needs(
+            self._get(req_id),
+            self._managers,
+            len(self.coordinator.pools),
+            num_new_tokens,
+            num_lookahead_tokens,
+        )
 
     def free(self, req_id: str) -> None:
         """Release everything; cached blocks stay in the cache as evictable."""

@@ -42,6 +42,7 @@ import torch
 
 from hybridkv.cache import CacheManager
 from hybridkv.cache.free_queue import DEFAULT_EVICTION_POLICY
+from hybridkv.engine.block_tables import DeviceBlockTables
 from hybridkv.engine.llm_options import (
     DEFAULT_MAX_MODEL_LEN,
     DEFAULT_MEMORY_BYTES,
@@ -161,17 +162,23 @@ class LLM:
             device=self.device,
             draft_layers=self._draft_layers(),
         )
-        self.runner = ModelRunner(self.model, self.plan, self.manager, self.tensors)
+        # One set of device block tables for every runner, fed the scheduler's deltas.
+        tables = DeviceBlockTables.for_plan(self.plan, self.device)
+        self.runner = ModelRunner(self.model, self.plan, self.manager, self.tensors, tables=tables)
         self.spec_method = spec_method
         self.num_spec_tokens = num_spec_tokens
         drafter: Drafter | None = None
         if self.head is not None:
             # The runner only builds batches over the draft groups (the head runs itself).
-            batches = ModelRunner(self.model, self.plan, self.manager, self.tensors, "draft")
+            batches = ModelRunner(
+                self.model, self.plan, self.manager, self.tensors, "draft", tables=tables
+            )
             drafter = HeadDrafter(batches, self.head)
         elif self.draft_model is not None:
             drafter = DraftModelDrafter(
-                ModelRunner(self.draft_model, self.plan, self.manager, self.tensors, "draft")
+                ModelRunner(
+                    self.draft_model, self.plan, self.manager, self.tensors, "draft", tables=tables
+                )
             )
         if proposer is None and spec_method in PROPOSER_METHODS:
             proposer = make_proposer(spec_method)

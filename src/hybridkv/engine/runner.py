@@ -2,9 +2,10 @@
 `CacheManager`'s block tables and state slots, run the model, return the logits.
 
 Per attention group, request ``r``'s row is ``manager.block_table(r, g)`` padded with
-the null block, kept on the device across steps (`block_tables.PersistentBlockTable`:
-only rows that changed are written); a sliding-window row may hold null blocks for
-positions that left the window (attention never reads them). Per state group,
+the null block, kept on the device across steps and updated from the scheduler's
+per-step deltas by whoever drives the runner (`block_tables.DeviceBlockTables`,
+`Stepper`); a sliding-window row may hold null blocks for positions that left the
+window (attention never reads them). Per state group,
 `CacheManager.state_slots` turns into one read slot and a list of write points,
 counted in new tokens ``k`` of this step (``c`` = computed tokens before the step)::
 
@@ -27,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from hybridkv.cache import CacheManager
-from hybridkv.engine.block_tables import PersistentBlockTable
+from hybridkv.engine.block_tables import DeviceBlockTables
 from hybridkv.engine.context import BlockTable, ForwardBatch, StateSlots, WritePoint, make_batch
 from hybridkv.engine.models.common import CausalLM, HiddenStates
 from hybridkv.engine.tensors import CacheTensors, group_key
@@ -98,7 +99,8 @@ def draft_pass_points(
 
 class ModelRunner:
     """Runs one model (``model_name`` "main" or "draft") over the groups the plan gives
-    it, with the cache views of that model."""
+    it, with the cache views of that model. ``tables``: the persistent block tables
+    (shared between runners; the caller applies each step's deltas to them)."""
 
     def __init__(
         self,
@@ -107,6 +109,7 @@ class ModelRunner:
         manager: CacheManager,
         tensors: CacheTensors,
         model_name: str = "main",
+        tables: DeviceBlockTables | None = None,
     ) -> None:
         self.model = model
         self.plan = plan
@@ -118,22 +121,13 @@ class ModelRunner:
         mine = [g for g in plan.groups if any(ref.model == model_name for ref in g.layers)]
         self.attention_groups = [g for g in mine if not g.is_state]
         self.state_groups = [g for g in mine if g.is_state]
-        self.block_tables = {
-            g.group_id: PersistentBlockTable(g.block_size, self.device)
-            for g in self.attention_groups
-        }
+        self.tables = DeviceBlockTables.for_plan(plan, self.device) if tables is None else tables
 
     def build_batch(self, steps: Sequence[StepInput]) -> ForwardBatch:
         tables: dict[str, BlockTable] = {}
-        live = self.manager.has_request
+        req_ids = [s.req_id for s in steps]
         for group in self.attention_groups:
-            persistent = self.block_tables[group.group_id]
-            rows = [
-                persistent.apply(s.req_id, self.manager.block_table(s.req_id, group.group_id), live)
-                for s in steps
-            ]
-            widths = [len(persistent.host[s.req_id]) for s in steps]
-            tables[group_key(group.group_id)] = persistent.table(rows, widths)
+            tables[group_key(group.group_id)] = self.tables.table(group.group_id, req_ids)
         slots: dict[str, StateSlots] = {}
         for group in self.state_groups:
             reads: list[int | None] = []
@@ -178,8 +172,7 @@ class ModelRunner:
 
     def check_invariants(self) -> None:
         """Every persistent block table matches its host rows (`PersistentBlockTable`)."""
-        for table in self.block_tables.values():
-            table.check_invariants()
+        self.tables.check_invariants()
 
     def execute_with_hidden(
         self, steps: Sequence[StepInput], capture: Sequence[int] = ()

@@ -4,6 +4,8 @@ main model, verify. The scheduler decides the step and settles it (cut, commit, 
     propose    n-gram / suffix: the proposal for each decode-ready request (its length
                is offered); draft model: K offered, it drafts after the allocation
     schedule   `Scheduler.schedule` -> chunks (prefill pieces, decode steps with L drafts)
+    tables     the output's block-table changes (released rows, then the manager's
+               deltas) go to the device tables every runner reads, once per step
     draft      draft model passes (`DraftModelDrafter`), or the first L proposed drafts
     main       ModelRunner.execute -> logits [1 + L, vocab] per sampling request
     verify     greedy / speculative sampling -> a accepted drafts + 1 token (`StepResult`)
@@ -28,6 +30,7 @@ request's CPU generator (logits rows are tiny), so a seed gives the same stream 
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 
 import torch
@@ -89,6 +92,9 @@ class Stepper:
         self.num_steps = self.num_tokens = self.num_output = 0
         self.hits = {"attention": 0, "state": 0}
         self.hooks: list[StepHook] = []  # called after every step (traces, servers)
+        self.tables = runner.tables  # shared with the drafter's runner
+        # debug: compare every scheduled row with the manager's after applying deltas
+        self.check_tables = os.environ.get("HYBRIDKV_CHECK_TABLES", "") not in ("", "0")
         self._has_attention = any(not g.is_state for g in plan.groups)
         self._state_groups = [g.group_id for g in plan.groups if g.is_state]
 
@@ -139,6 +145,9 @@ class Stepper:
     def execute(self, output: SchedulerOutput) -> dict[str, StepResult]:
         """Draft (draft model), run the main model over every chunk, verify."""
         chunks = output.chunks
+        self.tables.apply_step(output.released, output.deltas)
+        if self.check_tables:
+            self.tables.check_against(self.manager, [c.request.req_id for c in chunks])
         drafts: dict[str, Drafts] = {}
         if self.drafter is not None:
             temps = {c.request.req_id: self.params[c.request.req_id].temperature for c in chunks}

@@ -1,12 +1,14 @@
 """`Scheduler`: the one continuous-batching policy over a `CacheManager`, for the
 engine and the simulator alike (torch-free). A step::
 
-    1. running requests, oldest first, while the token budget lasts:
+    1. running requests, oldest first, while the token budget lasts (`running`):
          decode step   1 token + L drafts, L = min(offered, K, budget - 1, left - 1)
          prefill chunk min(uncomputed, budget, chunk_size), cut at a checkpoint (`chunk`)
-       allocate; on a miss: drop this request's drafts, then preempt the newest running
-       request (recompute) and retry; the newest preempts itself; alone, a prefill
-       chunk halves; a step that cannot fit alone is a `SchedulerError`
+       planned first: while the plan does not fit the free blocks, the newest request
+       with drafts drops them (drafts go before anyone is preempted); then allocate; on
+       a miss: preempt the newest running request (recompute) and retry; the newest
+       preempts itself; alone, a prefill chunk halves; a step that cannot fit alone is
+       a `SchedulerError`
     2. if nobody was preempted: admit waiting requests by (priority, longest cached
        prefix among the first `reorder_window`, arrival) while budget and max_num_seqs
        allow: lookup (prefix hit), allocate a chunk from the hit; a request whose next
@@ -14,6 +16,11 @@ engine and the simulator alike (torch-free). A step::
        request that does not fit stops admission (ordering and dedupe: `admission`)
     3. the executor runs the step; `update` cuts each verdict at the request's limits and
        stop ids, commits accepted tokens, emits, frees finished requests
+
+The output carries what changed in the block tables since the previous output, for an
+engine's persistent tables: the manager's `StepDelta` of every allocate that changed
+one, and the requests whose blocks were released (finished, cancelled, preempted) --
+apply ``released`` first, then ``deltas``.
 
 Example, budget 8, chunk size 4: running A decodes (1 token + 2 drafts: budget 5),
 B prefills 4 of 10 (budget 1); waiting C (prompt 9, hit 4) gets 1 token. Waiting D and E
@@ -27,10 +34,12 @@ import itertools
 from collections.abc import Mapping
 from typing import Any
 
+from hybridkv.cache.delta import StepDelta
 from hybridkv.errors import InvariantError, SchedulerError
 from hybridkv.sched.admission import PrefixAdmission
 from hybridkv.sched.config import SchedulerConfig
 from hybridkv.sched.request import Request, Status
+from hybridkv.sched.running import PlannedStep, StepPlanner
 from hybridkv.sched.step import (
     Preemption,
     ScheduledChunk,
@@ -54,7 +63,9 @@ class Scheduler:
         self._seq = itertools.count()
         self._live: dict[str, Request] = {}
         self._pending: SchedulerOutput | None = None
+        self._released: list[str] = []  # blocks released since the last output
         self.admission = PrefixAdmission(manager, config)
+        self.planner = StepPlanner(manager, config)
 
     # ------------------------------------------------------------------ requests
     @property
@@ -121,49 +132,57 @@ class Scheduler:
             raise SchedulerError(
                 f"schedule() called while step {self._pending.step} awaits update()"
             )
-        offered = offered or {}
         budget = self.config.max_num_batched_tokens
+        plan, dropped = self.planner.plan(self.running, budget, offered or {})
         chunks: list[ScheduledChunk] = []
         preempted: list[Preemption] = []
-        i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
-            chunk = self._schedule_running(req, budget, offered, preempted)
-            if chunk is None:
-                continue  # req preempted itself; the next request moved to index i
-            chunks.append(chunk)
-            budget -= chunk.num_scheduled_tokens
-            i += 1
+        deltas: dict[str, StepDelta] = {}
+        for planned in plan:
+            if planned.request.status is not Status.RUNNING:
+                continue  # preempted earlier in this loop to make room
+            chunk = self._allocate_running(planned, preempted, dropped, deltas)
+            if chunk is not None:
+                chunks.append(chunk)
+                budget -= chunk.num_scheduled_tokens
         deferred: list[str] = []
         # vLLM's rule too: no admissions in a step that had to preempt.
         if not preempted:
-            self._admit(budget, chunks, deferred)
+            self._admit(budget, chunks, deferred, deltas)
         if not chunks and self.has_work:
             raise SchedulerError(
                 f"no request could be scheduled ({len(self.running)} running, "
                 f"{len(self.waiting)} waiting); the cache is too small for one request"
             )
-        out = SchedulerOutput(self.num_steps, tuple(chunks), tuple(preempted), tuple(deferred))
+        out = SchedulerOutput(
+            self.num_steps,
+            tuple(chunks),
+            tuple(preempted),
+            tuple(deferred),
+            deltas=deltas,
+            released=tuple(self._released),
+            dropped_drafts=tuple(dropped),
+        )
+        self._released.clear()
         self._pending = out
         return out
 
-    def _schedule_running(
+    def _allocate_running(
         self,
-        req: Request,
-        budget: int,
-        offered: Mapping[str, int],
+        planned: PlannedStep,
         preempted: list[Preemption],
+        dropped: list[str],
+        deltas: dict[str, StepDelta],
     ) -> ScheduledChunk | None:
+        """Allocate a planned step; on a miss (the plan could not fit even without
+        drafts, or the manager cannot tell): drop its drafts, then preempt the newest
+        running request (the newest preempts itself), alone halve a prefill chunk."""
+        req = planned.request
         c = req.num_computed
-        decode = req.decode_ready
-        proposed = max(0, int(offered.get(req.req_id, 0))) if decode else 0
-        if decode:
-            n, lookahead = 1, self._lookahead(req, proposed, budget - 1)
-        else:
-            n, lookahead = self.chunk(c, req.num_tokens - c, self._prefill_budget(budget)), 0
-        while self.manager.allocate(req.req_id, n, lookahead) is None:
+        n, lookahead = planned.num_new_tokens, planned.num_lookahead
+        while (delta := self.manager.allocate(req.req_id, n, lookahead)) is None:
             if lookahead:  # drafts go before anyone is preempted
                 lookahead = 0
+                dropped.append(req.req_id)
             elif self.running[-1] is not req:
                 preempted.append(self._preempt(self.running[-1]))
             elif len(self.running) > 1:
@@ -178,45 +197,18 @@ class Scheduler:
                     f"{self.manager.usage():.3f}; give the plan more memory or shorten "
                     "the request"
                 )
-        return ScheduledChunk(req, c, n, None, lookahead, decode, proposed)
-
-    def _lookahead(self, req: Request, proposed: int, budget: int) -> int:
-        """Drafts to reserve: the offer, capped by K, the budget and the request's
-        limits (accepted drafts + the bonus token never pass them)."""
-        cap = self.config.max_spec_tokens
-        lookahead = proposed if cap is None else min(proposed, cap)
-        return max(0, min(lookahead, budget, req.num_tokens_left - 1))
-
-    def _prefill_budget(self, budget: int) -> int:
-        size = self.config.chunk_size
-        return budget if size is None else min(budget, size)
+        if delta:
+            deltas[req.req_id] = delta
+        return ScheduledChunk(req, c, n, None, lookahead, planned.decode, planned.num_proposed)
 
     def chunk(self, num_computed: int, num_uncomputed: int, budget: int) -> int:
-        """Prefill tokens this step: what fits the budget, cut at a checkpoint boundary.
-
-        With ``chunk_align_tokens`` B, a chunk that stops short of the last boundary
-        ``L`` of the known tokens ends on a multiple of B, and a chunk that would cross
-        ``L`` stops at it (the tail follows next step), as vLLM's align mode does::
-
-            B = 16, 100 tokens, L = 96, budget 40:  0-32 | 32-64 | 64-96 | 96-100
-        """
-        num_new = min(num_uncomputed, budget)
-        align = self.config.chunk_align_tokens
-        if not align:
-            return num_new
-        end = num_computed + num_new
-        last = (num_computed + num_uncomputed) // align * align
-        if end < last:
-            aligned_end = end // align * align
-            if aligned_end > num_computed:
-                return aligned_end - num_computed
-        elif num_computed < last < end:
-            return last - num_computed
-        return num_new
+        """Prefill tokens this step (`StepPlanner.chunk`)."""
+        return self.planner.chunk(num_computed, num_uncomputed, budget)
 
     def _preempt(self, req: Request) -> Preemption:
         self.running.remove(req)
         self.manager.preempt(req.req_id)
+        self._released.append(req.req_id)
         lost = req.num_computed
         req.status = Status.WAITING
         req.num_computed = 0
@@ -226,7 +218,13 @@ class Scheduler:
         return Preemption(req, lost)
 
     # ------------------------------------------------------------------ admission
-    def _admit(self, budget: int, chunks: list[ScheduledChunk], deferred: list[str]) -> None:
+    def _admit(
+        self,
+        budget: int,
+        chunks: list[ScheduledChunk],
+        deferred: list[str],
+        deltas: dict[str, StepDelta],
+    ) -> None:
         cfg = self.config
         if not self.waiting or budget <= 0 or len(self.running) >= cfg.max_num_seqs:
             return
@@ -260,6 +258,8 @@ class Scheduler:
                         "shorten the request"
                     )
                 break
+            if blocks:
+                deltas[req.req_id] = blocks
             self.waiting.remove(req)
             admission.forget(req.req_id)
             req.status = Status.RUNNING
@@ -278,7 +278,7 @@ class Scheduler:
                 f"lookup of request {req.req_id!r} returned a hit of {hit} tokens for "
                 f"{req.num_tokens} known tokens; a hit must leave >= 1 token to compute"
             )
-        return self.chunk(hit, req.num_tokens - hit, self._prefill_budget(budget))
+        return self.chunk(hit, req.num_tokens - hit, self.planner.prefill_budget(budget))
 
     def _insert_waiting(self, req: Request) -> None:
         key = (req.priority, req.seq)
@@ -356,6 +356,7 @@ class Scheduler:
     def _retire(self, req: Request, status: Status) -> None:
         self.admission.forget(req.req_id)
         self.manager.free(req.req_id)
+        self._released.append(req.req_id)
         del self._live[req.req_id]
         req.status = status
 

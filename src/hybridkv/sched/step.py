@@ -10,9 +10,10 @@ One decode step of request r (c computed, L drafts reserved, a accepted)::
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from hybridkv.cache.delta import StepDelta
 from hybridkv.sched.request import Request
 
 
@@ -52,12 +53,23 @@ class Preemption:
 class SchedulerOutput:
     """One step: chunks in execution order (running requests first, oldest first, then
     admissions), the preemptions made to fit them, and waiting requests deferred because
-    a running prefill is computing their next uncached block."""
+    a running prefill is computing their next uncached block.
+
+    Block-table changes since the previous output, for persistent tables: ``released``
+    (requests whose blocks went back since then: finished or cancelled after it,
+    preempted in this step; drop their rows first), then ``deltas`` (the manager's
+    `StepDelta` per request whose tables changed in this step's allocate: a whole table
+    on admission, new tail blocks, positions nulled). A request absent from ``deltas``
+    keeps its table. ``dropped_drafts``: requests whose offered drafts were dropped so
+    that the step fits without preempting (newest first)."""
 
     step: int
     chunks: tuple[ScheduledChunk, ...]
     preempted: tuple[Preemption, ...] = ()
     deferred: tuple[str, ...] = ()
+    deltas: Mapping[str, StepDelta] = field(default_factory=dict)
+    released: tuple[str, ...] = ()
+    dropped_drafts: tuple[str, ...] = ()
 
     @property
     def num_scheduled_tokens(self) -> int:
