@@ -1,5 +1,6 @@
 """Persistent block tables: rows follow the manager's rows through appends, window
-releases, preemption restarts and finished requests, writing only what changed."""
+releases, preemption restarts and finished requests, writing only what changed (whole
+rows diffed: the oracle; the scheduler's deltas: what the engine runs)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,13 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from hybridkv.engine.block_tables import NULL_BLOCK, PersistentBlockTable  # noqa: E402
+from hybridkv.cache.delta import GroupDelta, StepDelta  # noqa: E402
+from hybridkv.engine.block_tables import (  # noqa: E402
+    NULL_BLOCK,
+    DeviceBlockTables,
+    PersistentBlockTable,
+)
+from hybridkv.errors import EngineError  # noqa: E402
 
 
 @pytest.mark.parametrize("seed", range(10))
@@ -55,3 +62,35 @@ def test_unchanged_row_writes_nothing_and_dead_rows_are_reused():
     assert table.ids.shape[0] == 1
     assert table.ids[0].tolist() == [7, 0, 0, 0]
     table.check_invariants()
+
+
+def test_deltas_write_only_what_changed_in_one_store():
+    """The module doc's example: a tail block, a window release, a release and a
+    readmission, each one device store; rows match the host copies throughout."""
+    tables = DeviceBlockTables({0: 4}, torch.device("cpu"))
+    table = tables.groups[0]
+
+    def step(released=(), deltas=None):
+        tables.apply_step(tuple(released), deltas or {})
+        tables.check_invariants()
+        return {r: table.host[r] for r in table.rows}
+
+    assert step(deltas={"a": StepDelta({0: GroupDelta(0, (7, 2))}, admitted=True)}) == {"a": [7, 2]}
+    writes = table.num_writes
+    assert step(deltas={"a": StepDelta({0: GroupDelta(2, (9,))})}) == {"a": [7, 2, 9]}
+    assert step() == {"a": [7, 2, 9]} and table.num_writes == writes + 1  # nothing changed
+    assert step(deltas={"a": StepDelta({0: GroupDelta(3, (4,), (0, 1))})}) == {"a": [0, 2, 9, 4]}
+    assert table.ids[table.rows["a"], :5].tolist() == [0, 2, 9, 4, 0]
+    assert step(released=["a"]) == {} and not table.ids.any()
+    back = step(deltas={"a": StepDelta({0: GroupDelta(0, (5, 8))}, admitted=True)})
+    assert back == {"a": [5, 8]}
+    assert tables.table(0, ["a"]).block_ids.tolist() == [[5, 8]]
+    # an admission over a stale row (never released) replaces it, nulls included
+    assert step(deltas={"a": StepDelta({0: GroupDelta(0, (3,))}, admitted=True)}) == {"a": [3]}
+    assert table.ids[table.rows["a"], :3].tolist() == [3, 0, 0]
+
+
+def test_a_row_that_was_never_given_is_a_typed_error():
+    tables = DeviceBlockTables({0: 4}, torch.device("cpu"))
+    with pytest.raises(EngineError, match="no block table row"):
+        tables.table(0, ["ghost"])
