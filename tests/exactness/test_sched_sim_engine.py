@@ -2,7 +2,8 @@
 run the engine (tiny random-weight hybrid, greedy, with and without speculation, a pool
 small enough to preempt), record its requests as a trace (prompt, output, per decode
 step [proposed, accepted]), replay it through `simulate` with the same plan and
-scheduler limits, and compare every step's schedule."""
+scheduler limits, and compare every step's schedule (drafts dropped to fit included).
+The engine checks its delta-fed block tables against the manager's rows every step."""
 
 from __future__ import annotations
 
@@ -32,7 +33,8 @@ def signature(output: SchedulerOutput) -> tuple:
         for c in output.chunks
     )
     preempted = tuple((p.request.req_id, p.num_computed) for p in output.preempted)
-    return chunks, preempted, output.deferred
+    drops = (output.dropped_drafts, output.avoided_preemption)
+    return chunks, preempted, output.deferred, drops
 
 
 def run_engine(llm: LLM, prompts):
@@ -47,6 +49,7 @@ def run_engine(llm: LLM, prompts):
                 spec.setdefault(c.request.req_id, []).append((c.num_proposed, accepted))
 
     llm.stepper.hooks.append(hook)
+    llm.stepper.check_tables = True  # delta-applied rows == the manager's, every step
     results = llm.generate(prompts, NUM_NEW, ignore_eos=True)
     trace = [
         TraceRequest(
@@ -82,6 +85,8 @@ CASES = {
     "plain": dict(chunk_size=5, memory_bytes=98 << 10),
     "ngram": dict(spec_method="ngram", num_spec_tokens=3, chunk_size=4, memory_bytes=150 << 10),
     "draft": dict(draft=True, num_spec_tokens=2, chunk_size=3, memory_bytes=290 << 10),
+    # pressure: drafts of earlier requests are dropped so that a later one fits
+    "draft_pressure": dict(draft=True, num_spec_tokens=4, chunk_size=4, memory_bytes=300 << 10),
 }
 
 
@@ -101,6 +106,14 @@ def test_simulator_and_engine_decide_the_same_steps(llm_case, case_name):
         assert sim == engine, f"step {i} differs"
     # the run exercised what it should: preemption, dedupe, and drafts when speculating
     assert llm.stats().num_preemptions == result.preemptions > 0
-    assert any(deferred for _, _, deferred in engine_steps)
+    assert any(deferred for _, _, deferred, _ in engine_steps)
     if case_name != "plain":
-        assert any(c[3] for chunks, _, _ in engine_steps for c in chunks)
+        assert any(c[3] for chunks, _, _, _ in engine_steps for c in chunks)
+    if case_name == "draft_pressure":
+        # a step where dropping drafts globally fit everyone, and the rule without
+        # planning (a request drops only its own drafts) would have preempted someone
+        avoided = [
+            (i, drops) for i, (_, preempted, _, drops) in enumerate(engine_steps) if drops[1]
+        ]
+        assert avoided and all(not engine_steps[i][1] for i, _ in avoided), avoided
+        assert llm.scheduler.planner.num_preemptions_avoided == len(avoided)

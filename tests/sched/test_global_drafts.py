@@ -81,8 +81,9 @@ def test_dropping_drafts_of_others_avoids_a_preemption():
     assert decisions(out) == [("a", 6, 1, 3), ("b", 6, 1, 0), ("c", 4, 1, 0)]
     assert out.dropped_drafts == ("c", "b")
     assert out.preempted == () and s.num_preemptions == 0
+    assert out.avoided_preemption  # the rule without planning preempts c (next test)
     assert manager.num_free_blocks() == 0
-    assert s.planner.num_dropped == 2
+    assert s.planner.num_dropped == 2 and s.planner.num_preemptions_avoided == 1
 
 
 def test_the_old_rule_preempts_in_the_same_situation():
@@ -99,7 +100,7 @@ def test_no_drafts_are_dropped_when_the_step_fits():
     s, _ = three_decoding(planning=True)
     out = step(s, {"a": 3, "c": 3})  # a: 1 block, c: positions 4..7, inside its block 1
     assert decisions(out) == [("a", 6, 1, 3), ("b", 6, 1, 0), ("c", 4, 1, 3)]
-    assert out.dropped_drafts == () and out.preempted == ()
+    assert out.dropped_drafts == () and out.preempted == () and not out.avoided_preemption
 
 
 def test_drafts_go_first_even_when_a_preemption_remains():
@@ -114,6 +115,7 @@ def test_drafts_go_first_even_when_a_preemption_remains():
     assert decisions(out) == [("a", 7, 1, 0), ("b", 7, 1, 0), ("c", 5, 1, 0)]
     assert out.dropped_drafts == ("d", "c", "b", "a")
     assert [(p.request.req_id, p.num_computed) for p in out.preempted] == [("d", 4)]
+    assert not out.avoided_preemption
 
 
 def test_a_drop_does_not_grow_the_chunks_after_it():
@@ -133,6 +135,7 @@ def test_a_drop_does_not_grow_the_chunks_after_it():
     assert out.dropped_drafts == ("a",)
     assert decisions(out) == [("a", 5, 1, 0), ("b", 5, 1, 0)]
     assert out.preempted == ()
+    assert not out.avoided_preemption  # a dropping its own drafts was enough here
 
 
 def test_blocks_needed_matches_what_allocate_takes():

@@ -28,7 +28,7 @@ its own drafts before anyone is preempted (`Scheduler` does that on a failed all
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from hybridkv.sched.config import SchedulerConfig
@@ -46,6 +46,18 @@ class PlannedStep:
     num_proposed: int  # drafts offered (decode steps)
 
 
+@dataclass(frozen=True)
+class RunningPlan:
+    """``steps`` in running order; ``dropped``: requests whose drafts were dropped,
+    newest first; ``avoided_preemption``: the drops made every step fit where the rule
+    without planning (in order, a request that misses drops only its own drafts) would
+    have preempted someone."""
+
+    steps: list[PlannedStep]
+    dropped: list[str] = field(default_factory=list)
+    avoided_preemption: bool = False
+
+
 class StepPlanner:
     """Budget, chunking and drafts of the running requests (module doc)."""
 
@@ -54,22 +66,24 @@ class StepPlanner:
         self.config = config
         self._needs: Any = getattr(manager, "blocks_needed", None)
         self.num_dropped = 0  # requests whose drafts were dropped to fit a step
+        self.num_preemptions_avoided = 0  # steps `RunningPlan.avoided_preemption`
 
     def plan(
         self, running: Sequence[Request], budget: int, offered: Mapping[str, int]
-    ) -> tuple[list[PlannedStep], list[str]]:
+    ) -> RunningPlan:
         """The running part of the step and the requests whose drafts were dropped to
         fit it, newest first (module doc). A drop changes nothing else in the plan: the
         budget it frees goes to admissions, never to a bigger chunk that could need
         the very blocks the drop saved."""
         steps = self._plan(running, budget, offered)
         needs_of = self._needs
-        dropped: list[str] = []
         if needs_of is None or not any(s.num_lookahead for s in steps):
-            return steps, dropped
+            return RunningPlan(steps)
+        planned = list(steps)
         needs = [needs_of(s.request.req_id, s.num_new_tokens, s.num_lookahead) for s in steps]
         total = [sum(column) for column in zip(*needs, strict=True)]
         free = [self.manager.num_free_blocks(pool) for pool in range(len(total))]
+        dropped: list[str] = []
         i = len(steps)
         while any(t > f for t, f in zip(total, free, strict=True)):
             i -= 1
@@ -82,8 +96,28 @@ class StepPlanner:
             need = needs_of(s.request.req_id, s.num_new_tokens, 0)
             total = [t - old + new for t, old, new in zip(total, needs[i], need, strict=True)]
             dropped.append(s.request.req_id)
+        if not dropped:
+            return RunningPlan(steps)
         self.num_dropped += len(dropped)
-        return steps, dropped
+        fits = i >= 0
+        avoided = fits and self._in_order_preempts(planned, needs, free)
+        self.num_preemptions_avoided += avoided
+        return RunningPlan(steps, dropped, avoided)
+
+    def _in_order_preempts(
+        self, steps: Sequence[PlannedStep], needs: Sequence[Sequence[int]], free: Sequence[int]
+    ) -> bool:
+        """Whether allocating ``steps`` in order, each dropping only its own drafts on a
+        miss (the rule without planning), would have preempted someone (the needs are
+        exact and additive, so this is arithmetic)."""
+        left = list(free)
+        for s, need in zip(steps, needs, strict=True):
+            if any(n > f for n, f in zip(need, left, strict=True)) and s.num_lookahead:
+                need = self._needs(s.request.req_id, s.num_new_tokens, 0)
+            if any(n > f for n, f in zip(need, left, strict=True)):
+                return True
+            left = [f - n for f, n in zip(left, need, strict=True)]
+        return False
 
     def _plan(
         self, running: Sequence[Request], budget: int, offered: Mapping[str, int]

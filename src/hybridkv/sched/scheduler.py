@@ -133,11 +133,12 @@ class Scheduler:
                 f"schedule() called while step {self._pending.step} awaits update()"
             )
         budget = self.config.max_num_batched_tokens
-        plan, dropped = self.planner.plan(self.running, budget, offered or {})
+        plan = self.planner.plan(self.running, budget, offered or {})
+        dropped = plan.dropped
         chunks: list[ScheduledChunk] = []
         preempted: list[Preemption] = []
         deltas: dict[str, StepDelta] = {}
-        for planned in plan:
+        for planned in plan.steps:
             if planned.request.status is not Status.RUNNING:
                 continue  # preempted earlier in this loop to make room
             chunk = self._allocate_running(planned, preempted, dropped, deltas)
@@ -161,6 +162,7 @@ class Scheduler:
             deltas=deltas,
             released=tuple(self._released),
             dropped_drafts=tuple(dropped),
+            avoided_preemption=plan.avoided_preemption,
         )
         self._released.clear()
         self._pending = out

@@ -61,7 +61,9 @@ class SchedulerOutput:
     `StepDelta` per request whose tables changed in this step's allocate: a whole table
     on admission, new tail blocks, positions nulled). A request absent from ``deltas``
     keeps its table. ``dropped_drafts``: requests whose offered drafts were dropped so
-    that the step fits without preempting (newest first)."""
+    that the step fits without preempting (newest first); ``avoided_preemption``: those
+    drops fit a step where allocating in order (a request drops only its own drafts)
+    would have preempted someone (`sched.running`)."""
 
     step: int
     chunks: tuple[ScheduledChunk, ...]
@@ -70,6 +72,7 @@ class SchedulerOutput:
     deltas: Mapping[str, StepDelta] = field(default_factory=dict)
     released: tuple[str, ...] = ()
     dropped_drafts: tuple[str, ...] = ()
+    avoided_preemption: bool = False
 
     @property
     def num_scheduled_tokens(self) -> int:
