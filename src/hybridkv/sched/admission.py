@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from hybridkv.errors import InvariantError
 from hybridkv.sched.config import SchedulerConfig
 from hybridkv.sched.request import Request
 
@@ -91,3 +92,9 @@ class PrefixAdmission:
         index = (hit // self.granule + 1) * self.granule // self.unit - 1
         nxt = self.manager.block_hashes(req.req_id, index, index + 1)
         return bool(nxt) and nxt[0] in inflight
+
+    def check_invariants(self, waiting: set[str]) -> None:
+        """Ordering hits are memoised for waiting requests only (``waiting``: their ids)."""
+        stale = set(self._order_hits) - waiting
+        if stale:
+            raise InvariantError(f"ordering hits kept for requests not waiting: {sorted(stale)}")

@@ -31,6 +31,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from hybridkv.errors import InvariantError
 from hybridkv.sched.config import SchedulerConfig
 from hybridkv.sched.request import Request
 
@@ -136,6 +137,14 @@ class StepPlanner:
                 steps.append(PlannedStep(req, n, 0, False, 0))
             budget -= steps[-1].num_new_tokens + steps[-1].num_lookahead
         return steps
+
+    def check_invariants(self) -> None:
+        """A step that avoided a preemption dropped at least one request's drafts."""
+        if not 0 <= self.num_preemptions_avoided <= self.num_dropped:
+            raise InvariantError(
+                f"{self.num_preemptions_avoided} preemptions avoided by dropping drafts of "
+                f"{self.num_dropped} requests"
+            )
 
     def lookahead(self, req: Request, proposed: int, budget: int) -> int:
         """Drafts to reserve: the offer, capped by K, the budget and the request's

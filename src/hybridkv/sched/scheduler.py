@@ -388,6 +388,13 @@ class Scheduler:
         keys = [(r.priority, r.seq) for r in self.waiting]
         if keys != sorted(keys):
             raise InvariantError("the waiting queue is out of (priority, arrival) order")
+        self.admission.check_invariants({r.req_id for r in self.waiting})
+        self.planner.check_invariants()
+        if self._pending is None and any(r.req_id in self._released for r in self.running):
+            raise InvariantError(
+                f"running requests {[r.req_id for r in self.running if r.req_id in self._released]}"
+                " are queued for release from the block tables"
+            )
 
     def _check_request(self, req: Request) -> None:
         if not self.manager.has_request(req.req_id):
