@@ -162,4 +162,8 @@ def test_blocks_needed_matches_what_allocate_takes():
         tokens += accepted + 1
     with pytest.raises(CacheError, match="exceed"):
         manager.blocks_needed("r", 5)
+    with pytest.raises(CacheError, match="num_lookahead_tokens"):
+        manager.blocks_needed("r", 1, -2)
+    with pytest.raises(CacheError, match="num_new_tokens"):
+        manager.blocks_needed("r", 1.0)  # type: ignore[arg-type]
     manager.check_invariants()

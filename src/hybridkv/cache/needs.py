@@ -39,8 +39,10 @@ def step_needs(
             f"blocks_needed of request {req_id!r}: only for a running request between "
             f"steps; it is {state}"
         )
-    n = check_count(req_id, "num_new_tokens", num_new_tokens)
-    lookahead = check_count(req_id, "num_lookahead_tokens", num_lookahead_tokens)
+    n, lookahead = num_new_tokens, num_lookahead_tokens
+    if not (type(n) is int is type(lookahead) and n >= 0 and lookahead >= 0):
+        n = check_count(req_id, "num_new_tokens", n)
+        lookahead = check_count(req_id, "num_lookahead_tokens", lookahead)
     c = r.num_computed
     top = c + n
     if top > len(r.tokens):
