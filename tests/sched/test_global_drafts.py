@@ -138,6 +138,17 @@ def test_a_drop_does_not_grow_the_chunks_after_it():
     assert not out.avoided_preemption  # a dropping its own drafts was enough here
 
 
+def test_blocks_needed_batch_is_the_sum():
+    _, manager = three_decoding(planning=True)
+    ids, ns = ["a", "b", "c"], [1, 1, 1]
+    for lookaheads in ([3, 3, 4], [0, 0, 0], [3, 0, 4], [0, 3, 0]):
+        each = [manager.blocks_needed(r, 1, la) for r, la in zip(ids, lookaheads, strict=True)]
+        assert manager.blocks_needed_batch(ids, ns, lookaheads) == [sum(n[0] for n in each)]
+    assert manager.blocks_needed_batch(ids, ns, [3, 3, 4]) == [4]  # the module example
+    with pytest.raises(CacheError, match="blocks_needed_batch"):
+        manager.blocks_needed_batch(ids, ns, [0])
+
+
 def test_blocks_needed_matches_what_allocate_takes():
     """Per pool, `blocks_needed` equals the blocks the next `allocate` takes (full,
     sliding window and state groups in one pool), and refuses requests between states."""

@@ -33,7 +33,7 @@ from hybridkv.cache.events import CacheEvent, CacheStats
 from hybridkv.cache.free_queue import DEFAULT_EVICTION_POLICY
 from hybridkv.cache.hashing import MAX_TOKEN_ID
 from hybridkv.cache.managers import Counters, StepSlots
-from hybridkv.cache.needs import step_needs
+from hybridkv.cache.needs import step_needs, total_step_needs
 from hybridkv.cache.request import RequestRecord
 from hybridkv.cache.validate import check_count, check_same_lengths, token_array
 from hybridkv.errors import CacheError, InvariantError
@@ -231,6 +231,25 @@ class CacheManager:
             len(self.coordinator.pools),
             num_new_tokens,
             num_lookahead_tokens,
+        )
+
+    def blocks_needed_batch(
+        self,
+        req_ids: Sequence[str],
+        num_new_tokens: Sequence[int],
+        num_lookahead_tokens: Sequence[int],
+    ) -> list[int]:
+        """`blocks_needed` summed over ``req_ids``, per pool (one call per step)."""
+        check_same_lengths(
+            "blocks_needed_batch",
+            req_ids,
+            num_new_tokens=num_new_tokens,
+            num_lookahead_tokens=num_lookahead_tokens,
+        )
+        records = [self._get(r) for r in req_ids]
+        pools = len(self.coordinator.pools)
+        return total_step_needs(
+            records, self._managers, pools, num_new_tokens, num_lookahead_tokens
         )
 
     def free(self, req_id: str) -> None:

@@ -57,3 +57,33 @@ def step_needs(
         manager = managers[g]
         need[manager.pool.pool_id] += manager.num_new_blocks(r.states[g], c, n, lookahead)
     return need
+
+
+def total_step_needs(
+    records: Sequence[RequestRecord],
+    managers: Sequence[GroupManager],
+    num_pools: int,
+    num_new_tokens: Sequence[int],
+    num_lookahead_tokens: Sequence[int],
+) -> list[int]:
+    """Per pool, the sum of `step_needs` over a step's running requests (one call per
+    step; a step whose requests all stay within their fast limits costs a few
+    comparisons per request)."""
+    total = [0] * num_pools
+    for r, n, lookahead in zip(records, num_new_tokens, num_lookahead_tokens, strict=True):
+        top = r.num_computed + n
+        if (
+            type(n) is int is type(lookahead)
+            and n >= 0
+            and lookahead >= 0
+            and r.started
+            and not r.pending
+            and top <= len(r.tokens)
+            and top + lookahead <= r.fast_end
+            and top <= r.fast_verified
+            and lookahead <= r.fast_lookahead
+        ):
+            continue  # the fast path: no block
+        need = step_needs(r, managers, num_pools, n, lookahead)
+        total = [a + b for a, b in zip(total, need, strict=True)]
+    return total

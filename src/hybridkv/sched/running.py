@@ -66,6 +66,7 @@ class StepPlanner:
         self.manager = manager
         self.config = config
         self._needs: Any = getattr(manager, "blocks_needed", None)
+        self._needs_batch: Any = getattr(manager, "blocks_needed_batch", None)
         self.num_dropped = 0  # requests whose drafts were dropped to fit a step
         self.num_preemptions_avoided = 0  # steps `RunningPlan.avoided_preemption`
 
@@ -80,10 +81,12 @@ class StepPlanner:
         needs_of = self._needs
         if needs_of is None or not any(s.num_lookahead for s in steps):
             return RunningPlan(steps)
+        total = self._total(steps)
+        free = [self.manager.num_free_blocks(pool) for pool in range(len(total))]
+        if all(t <= f for t, f in zip(total, free, strict=True)):
+            return RunningPlan(steps)  # the usual case: one manager call
         planned = list(steps)
         needs = [needs_of(s.request.req_id, s.num_new_tokens, s.num_lookahead) for s in steps]
-        total = [sum(column) for column in zip(*needs, strict=True)]
-        free = [self.manager.num_free_blocks(pool) for pool in range(len(total))]
         dropped: list[str] = []
         i = len(steps)
         while any(t > f for t, f in zip(total, free, strict=True)):
@@ -104,6 +107,19 @@ class StepPlanner:
         avoided = fits and self._in_order_preempts(planned, needs, free)
         self.num_preemptions_avoided += avoided
         return RunningPlan(steps, dropped, avoided)
+
+    def _total(self, steps: Sequence[PlannedStep]) -> list[int]:
+        """Per pool, what the planned steps need together."""
+        if self._needs_batch is not None:
+            return list(
+                self._needs_batch(
+                    [s.request.req_id for s in steps],
+                    [s.num_new_tokens for s in steps],
+                    [s.num_lookahead for s in steps],
+                )
+            )
+        needs = [self._needs(s.request.req_id, s.num_new_tokens, s.num_lookahead) for s in steps]
+        return [sum(column) for column in zip(*needs, strict=True)]
 
     def _in_order_preempts(
         self, steps: Sequence[PlannedStep], needs: Sequence[Sequence[int]], free: Sequence[int]
