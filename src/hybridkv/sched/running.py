@@ -28,17 +28,17 @@ its own drafts before anyone is preempted (`Scheduler` does that on a failed all
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 from hybridkv.errors import InvariantError
 from hybridkv.sched.config import SchedulerConfig
 from hybridkv.sched.request import Request
 
 
-@dataclass(frozen=True)
-class PlannedStep:
-    """``num_new_tokens`` + ``num_lookahead`` drafts for running ``request``."""
+class PlannedStep(NamedTuple):
+    """``num_new_tokens`` + ``num_lookahead`` drafts for running ``request`` (a named
+    tuple: one is built per running request per step)."""
 
     request: Request
     num_new_tokens: int
@@ -96,7 +96,7 @@ class StepPlanner:
             if i < 0:
                 break  # no drafts left: the scheduler preempts
             s = steps[i]
-            steps[i] = replace(s, num_lookahead=0)
+            steps[i] = s._replace(num_lookahead=0)
             need = needs_of(s.request.req_id, s.num_new_tokens, 0)
             total = [t - old + new for t, old, new in zip(total, needs[i], need, strict=True)]
             dropped.append(s.request.req_id)
