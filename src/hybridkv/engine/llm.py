@@ -46,6 +46,7 @@ from hybridkv.engine.loader import eos_token_ids
 from hybridkv.engine.models import LayerDesc, load_model, load_mtp
 from hybridkv.engine.proposers import Proposer
 from hybridkv.engine.proposers.head import DraftHead, HeadDrafter
+from hybridkv.engine.proposers.tree import TreeHeadDrafter
 from hybridkv.engine.results import EngineStats, GenerationResult, RequestStats
 from hybridkv.engine.runner import ModelRunner
 from hybridkv.engine.sampler import SamplingParams
@@ -62,7 +63,7 @@ from hybridkv.errors import EngineError, SpecError
 from hybridkv.models.registry import load_model_spec
 from hybridkv.plan.planner import HEAD_METHODS
 from hybridkv.plan.planner import plan as make_plan
-from hybridkv.plan.tree import check_chain_drafts
+from hybridkv.plan.tree import check_tree_drafts
 from hybridkv.plan.types import CachePlan, PlanOptions
 from hybridkv.sched import Request, Scheduler, Status, config_from_plan
 from hybridkv.spec.dtypes import DType, parse_dtype
@@ -93,6 +94,7 @@ class LLM:
         num_spec_tokens: int = 0,
         proposer: Proposer | None = None,
         spec_topk: int = 1,
+        spec_tree: Sequence[Sequence[int]] | None = None,
         cache_aware: bool = True,
         eviction_policy: str = DEFAULT_EVICTION_POLICY,
         checkpoint_rules: Sequence[str] | None = None,
@@ -105,7 +107,10 @@ class LLM:
         self.model = load_model(self.model_path, self.torch_dtype, self.device)
         self.eos_token_ids = eos_token_ids(self.model_path)
         spec = load_model_spec(self.model_path)
-        check_chain_drafts(spec_topk, main=spec)  # trees: refused, naming what is missing
+        # Trees (`plan.tree`): N nodes verified per step, planned as N speculative tokens.
+        method = spec_method or ("draft" if draft is not None else None)
+        self.tree = check_tree_drafts(spec_topk, spec_tree, num_spec_tokens=num_spec_tokens, method=method)
+        num_spec_tokens = num_spec_tokens if self.tree is None else self.tree.num_nodes
         spec_method, num_spec_tokens = self._spec_setup(
             draft, spec_method, num_spec_tokens, proposer
         )
@@ -164,6 +169,8 @@ class LLM:
             # The runner only builds batches over the draft groups (the head runs itself).
             batches = ModelRunner(self.model, self.plan, self.manager, self.tensors, "draft")
             drafter = HeadDrafter(batches, self.head)
+            if self.tree is not None:
+                drafter = TreeHeadDrafter(drafter, self.tree)
         elif self.draft_model is not None:
             drafter = DraftModelDrafter(
                 ModelRunner(self.draft_model, self.plan, self.manager, self.tensors, "draft")
