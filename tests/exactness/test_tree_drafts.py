@@ -1,0 +1,150 @@
+"""Token trees verified in one main pass: the output equals transformers' greedy tokens
+(fp32) for pure attention, sliding window, Gated DeltaNet, Mamba2 and short-conv
+models; every node's logits equal transformers run on the node's own path (tree mask
+and per-node recurrent state); the accepted path's K/V, states and checkpoints are
+committed (a warm second round hits the cache and is still exact); the manager's
+accounting holds."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from exactness_harness import hf_greedy  # noqa: E402
+from llm_support import VOCAB, shared_prefix_prompts  # noqa: E402
+from mtp_support import build_mtp_checkpoint  # noqa: E402
+from tree_support import TREE, ScriptedTreeDrafter, node_logits_oracle  # noqa: E402
+
+from hybridkv.engine import LLM  # noqa: E402
+from hybridkv.engine import tree as tree_mod  # noqa: E402
+from hybridkv.engine.proposers.tree import TreeHeadDrafter  # noqa: E402
+from hybridkv.engine.sampler import SamplingParams  # noqa: E402
+from hybridkv.errors import EngineError, PlanError  # noqa: E402
+
+NUM_NEW = 32
+
+
+def scripted_llm(case, **options) -> tuple[LLM, ScriptedTreeDrafter]:
+    """An engine planned for TREE.num_nodes drafts per step, drafting with the script."""
+    llm = LLM(case.folder, spec_method="ngram", num_spec_tokens=TREE.num_nodes, **options)
+    drafter = ScriptedTreeDrafter(case.prompts, case.expected, VOCAB)
+    llm.stepper.drafter = drafter
+    return llm, drafter
+
+
+@pytest.mark.parametrize(
+    "name", ["qwen3", "gemma3", "qwen3_5", "nemotron_h", "lfm2", "gpt_oss", "falcon_h1"]
+)
+def test_tree_output_is_exact_and_warm_round_hits(llm_case, name, monkeypatch):
+    case = llm_case(name)
+    llm, _drafter = scripted_llm(case, chunk_size=16, state_mode="all")
+    moved: list[bool] = []
+    real = tree_mod.compact_path
+
+    def recording(runner, manager, req_id, first, path):
+        moved.append(any(i != d for d, i in enumerate(path)))
+        return real(runner, manager, req_id, first, path)
+
+    monkeypatch.setattr(tree_mod, "compact_path", recording)
+    got = [r.token_ids for r in llm.generate(case.prompts, NUM_NEW)]
+    assert got == case.expected
+    stats = llm.stats()
+    assert stats.num_accepted_tokens > 0 and sum(moved) > 0, "no off-chain path accepted"
+    assert stats.mean_accepted_length > 1.5
+    llm.manager.check_invariants()
+    before = llm.stats().prefix_hit_tokens
+    again = [r.token_ids for r in llm.generate(case.prompts, NUM_NEW)]
+    assert again == case.expected
+    after = llm.stats().prefix_hit_tokens
+    # the prompts share 40-token prefixes: a hit needs a block that fits in one
+    if max(g.block_size for g in llm.plan.groups) <= 40:
+        assert after["attention"] > before["attention"]
+        if case.hybrid:
+            assert after["state"] > before["state"]
+    llm.manager.check_invariants()
+
+
+@pytest.mark.parametrize("name", ["qwen3", "qwen3_5", "nemotron_h", "lfm2"])
+def test_every_node_sees_its_own_path_only(llm_case, name):
+    """The main pass's logits at each node == transformers on verified + that node's
+    path: the tree mask (attention) and one state per node from its parent's (GDN,
+    Mamba2, short conv) are exact."""
+    case = llm_case(name)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(case.folder, dtype=torch.float32)
+    hf.eval()
+    llm, drafter = scripted_llm(case, chunk_size=16)
+    captured = []
+    execute = llm.runner.execute
+
+    def spy(steps):
+        logits = execute(steps)
+        for step, rows in zip(steps, logits, strict=True):
+            if step.parents is not None:
+                captured.append((step, rows))
+        return logits
+
+    llm.runner.execute = spy
+    prompts = case.prompts[:3]
+    llm.generate(prompts, 8)
+    assert len(captured) >= 3
+    for step, rows in captured[:6]:
+        verified, drafts = next(
+            (v, d)
+            for v, d in drafter.seen
+            if len(v) == step.num_computed + 1 and d.token_ids == list(step.token_ids[1:])
+        )
+        assert verified[-1] == step.token_ids[0]
+        want = node_logits_oracle(hf, verified, drafts)
+        torch.testing.assert_close(rows[1:].float(), want, atol=2e-4, rtol=2e-4)
+
+
+def test_tree_with_a_preempting_budget_is_exact(llm_case):
+    case = llm_case("qwen3_5")
+    llm, _ = scripted_llm(case, memory_bytes=250 << 10, chunk_size=4, max_model_len=128)
+    got = [r.token_ids for r in llm.generate(case.prompts, NUM_NEW)]
+    assert got == case.expected
+    assert llm.stats().num_preemptions > 0
+    llm.manager.check_invariants()
+
+
+@pytest.fixture(scope="module")
+def mtp_folder(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tree_mtp")
+    hf = build_mtp_checkpoint("qwen3_5", folder, echo=True)
+    return folder, hf
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"spec_topk": 2, "num_spec_tokens": 4}, {"spec_tree": [[0], [1], [0, 0], [1, 0], [0, 1]]}],
+    ids=["topk", "explicit"],
+)
+def test_mtp_head_tree_is_exact(mtp_folder, options):
+    folder, hf = mtp_folder
+    prompts = shared_prefix_prompts()
+    want = hf_greedy(hf, prompts, 20)
+    llm = LLM(folder, spec_method="mtp", chunk_size=16, **options)
+    assert isinstance(llm.stepper.drafter, TreeHeadDrafter)
+    assert llm.num_spec_tokens == llm.tree.num_nodes  # planned: N speculative tokens
+    assert [r.token_ids for r in llm.generate(prompts, 20)] == want
+    assert llm.stats().num_accepted_tokens > 0
+    llm.manager.check_invariants()
+
+
+def test_tree_refusals(mtp_folder, llm_case):
+    folder, _hf = mtp_folder
+    with pytest.raises(PlanError, match="hidden-state head"):
+        LLM(llm_case("qwen3").folder, spec_method="ngram", num_spec_tokens=3, spec_topk=2)
+    with pytest.raises(PlanError, match="no parent"):
+        LLM(folder, spec_method="mtp", spec_tree=[[0], [1, 0]])
+    with pytest.raises(PlanError, match="node count|nodes"):
+        LLM(folder, spec_method="mtp", num_spec_tokens=2, spec_tree=[[0], [1], [0, 0]])
+    with pytest.raises(PlanError, match="depth"):
+        LLM(folder, spec_method="mtp", spec_tree=[[0] * d for d in range(1, 10)])
+    llm = LLM(folder, spec_method="mtp", spec_topk=2, num_spec_tokens=3)
+    with pytest.raises(EngineError, match="greedily"):
+        llm.add_request([1, 2, 3], SamplingParams(8, temperature=0.7))
+        while llm.num_requests() != (0, 0):
+            llm.step()
