@@ -109,7 +109,9 @@ class LLM:
         spec = load_model_spec(self.model_path)
         # Trees (`plan.tree`): N nodes verified per step, planned as N speculative tokens.
         method = spec_method or ("draft" if draft is not None else None)
-        self.tree = check_tree_drafts(spec_topk, spec_tree, num_spec_tokens=num_spec_tokens, method=method)
+        self.tree = check_tree_drafts(
+            spec_topk, spec_tree, num_spec_tokens=num_spec_tokens, method=method
+        )
         num_spec_tokens = num_spec_tokens if self.tree is None else self.tree.num_nodes
         spec_method, num_spec_tokens = self._spec_setup(
             draft, spec_method, num_spec_tokens, proposer

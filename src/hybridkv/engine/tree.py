@@ -50,7 +50,9 @@ class TreeVerdict:
     path: tuple[int, ...]
 
 
-def accept_tree(best: Sequence[int], node_tokens: Sequence[int], parents: Sequence[int]) -> TreeVerdict:
+def accept_tree(
+    best: Sequence[int], node_tokens: Sequence[int], parents: Sequence[int]
+) -> TreeVerdict:
     """``best``: the main model's argmax at [T, node 0 .. node N-1]; ``parents[i]``: the
     parent node of node i (-1: T). Siblings carry distinct tokens, so at most one child
     matches at each step."""

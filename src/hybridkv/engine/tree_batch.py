@@ -52,7 +52,7 @@ class TreeLayout:
     def build(
         cls,
         parents: Sequence[Sequence[int] | None],
-        starts: Sequence[int],
+        starts: Sequence[tuple[int, int]],
         device: torch.device,
     ) -> TreeLayout:
         """``parents`` per request; ``starts``: (num_computed, num_new) per request."""
@@ -155,8 +155,7 @@ def tree_state_parts(batch: ForwardBatch, group: str) -> list[StatePart]:
             continue
         if has_initial[r] and computed[r] == 0:
             raise EngineError(
-                f"request {r} claims an initial state in group {group!r} but has 0 "
-                "computed tokens"
+                f"request {r} claims an initial state in group {group!r} but has 0 computed tokens"
             )
         parents = tree.parents[r]
         paths = [list(range(n))] if parents is None else root_paths(parents)
@@ -180,9 +179,7 @@ def tree_state_parts(batch: ForwardBatch, group: str) -> list[StatePart]:
     for rows, points in (short, long):
         if not rows:
             continue
-        out.append(
-            _part(StatePart, rows, points, slot_ids, has_initial, batch.num_tokens, device)
-        )
+        out.append(_part(StatePart, rows, points, slot_ids, has_initial, batch.num_tokens, device))
     return out
 
 
