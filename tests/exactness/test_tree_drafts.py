@@ -14,7 +14,7 @@ transformers = pytest.importorskip("transformers")
 
 from exactness_harness import hf_greedy  # noqa: E402
 from llm_support import VOCAB, shared_prefix_prompts  # noqa: E402
-from mtp_support import build_mtp_checkpoint  # noqa: E402
+from mtp_support import ReferenceMTP, build_mtp_checkpoint  # noqa: E402
 from tree_support import TREE, ScriptedTreeDrafter, node_logits_oracle  # noqa: E402
 
 from hybridkv.engine import LLM  # noqa: E402
@@ -148,3 +148,50 @@ def test_tree_refusals(mtp_folder, llm_case):
         llm.add_request([1, 2, 3], SamplingParams(8, temperature=0.7))
         while llm.num_requests() != (0, 0):
             llm.step()
+
+
+def reference_tree(ref: ReferenceMTP, verified: list[int], drafts) -> list[int]:
+    """The tree's node tokens from the plain reference head: each node's children are
+    the ranks of the head's logits after the node's own path (chained, no cache)."""
+    parents = drafts.parents
+    hidden = ref.hf.model(torch.tensor([verified])).last_hidden_state[0]
+    tokens: list[int] = []
+    for i in range(len(parents)):
+        path = []
+        node = parents[i]
+        while node >= 0:
+            path.append(node)
+            node = parents[node]
+        inputs = list(verified[1:])
+        features = hidden[:-1]
+        last = ref._head(torch.tensor(inputs), features)[-1]
+        for node in reversed(path):
+            inputs.append(drafts.token_ids[node])
+            features = torch.cat((features, last[None]))
+            last = ref._head(torch.tensor(inputs), features)[-1]
+        logits = last @ ref.hf.lm_head.weight.T
+        rank = sum(1 for j in range(i) if parents[j] == parents[i])
+        tokens.append(int(torch.topk(logits, rank + 1).indices[rank]))
+    return tokens
+
+
+def test_mtp_tree_drafts_match_the_reference_head(mtp_folder):
+    folder, hf = mtp_folder
+    ref = ReferenceMTP(hf, folder)
+    llm = LLM(folder, spec_method="mtp", spec_tree=[[0], [1], [0, 0], [1, 0], [0, 1], [0, 0, 0]])
+    drafter = llm.stepper.drafter
+    seen = []
+    run = drafter.run
+
+    def recording(chunks, temps, gens):
+        out = run(chunks, temps, gens)
+        for c in chunks:
+            if c.num_lookahead:
+                seen.append((list(c.request.tokens[: c.num_computed + 1]), out[c.request.req_id]))
+        return out
+
+    drafter.run = recording
+    llm.generate(shared_prefix_prompts()[:3], 10)
+    assert len(seen) >= 5
+    for verified, drafts in seen[:8]:
+        assert drafts.token_ids == reference_tree(ref, verified, drafts), len(verified)
