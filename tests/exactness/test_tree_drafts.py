@@ -195,3 +195,67 @@ def test_mtp_tree_drafts_match_the_reference_head(mtp_folder):
     assert len(seen) >= 5
     for verified, drafts in seen[:8]:
         assert drafts.token_ids == reference_tree(ref, verified, drafts), len(verified)
+
+
+def test_tree_with_fp8_kv_equals_non_speculative_fp8(mtp_folder):
+    """The compaction moves fp8 pages as they are: the same tokens as the engine
+    without speculation under the same fp8 numerics."""
+    folder, _hf = mtp_folder
+    prompts = shared_prefix_prompts()
+    want = [r.token_ids for r in LLM(folder, kv_dtype="fp8_e4m3").generate(prompts, 20)]
+    llm = LLM(folder, spec_method="mtp", spec_topk=2, num_spec_tokens=4, kv_dtype="fp8_e4m3")
+    assert [r.token_ids for r in llm.generate(prompts, 20)] == want
+    assert llm.stats().num_accepted_tokens > 0
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        {"method": "qwen3_5_mtp", "num_speculative_tokens": 4, "topk": 2},
+        {"method": "mtp", "speculative_token_tree": "[(0,), (1,), (0, 0), (1, 0)]"},
+    ],
+)
+def test_tree_through_hybridkv_generate(mtp_folder, config):
+    import json
+
+    from typer.testing import CliRunner
+
+    import hybridkv.engine.cli  # noqa: F401  (registers generate)
+    from hybridkv.cli import app
+
+    folder, hf = mtp_folder
+    prompts = shared_prefix_prompts()[:3]
+    args = ["generate", str(folder), "--speculative-config", json.dumps(config)]
+    for p in prompts:
+        args += ["--prompt-ids", ",".join(map(str, p))]
+    result = CliRunner().invoke(app, [*args, "--max-new-tokens", "16", "--json"])
+    assert result.exit_code == 0, result.output
+    payload = json.loads(result.stdout)
+    assert [o["token_ids"] for o in payload["outputs"]] == hf_greedy(hf, prompts, 16)
+    assert payload["stats"]["spec_method"] == "mtp"
+    assert payload["stats"]["num_spec_tokens"] == 4
+
+
+def test_generate_refuses_a_tree_of_ngram(mtp_folder):
+    import json
+
+    from typer.testing import CliRunner
+
+    import hybridkv.engine.cli  # noqa: F401
+    from hybridkv.cli import app
+
+    folder, _hf = mtp_folder
+    config = {"method": "ngram", "num_speculative_tokens": 3, "topk": 2}
+    result = CliRunner().invoke(
+        app,
+        [
+            "generate",
+            str(folder),
+            "--prompt-ids",
+            "1,2",
+            "--speculative-config",
+            json.dumps(config),
+        ],
+    )
+    assert result.exit_code != 0
+    assert "hidden-state head" in result.output

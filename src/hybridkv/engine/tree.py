@@ -93,8 +93,9 @@ def compact_path(
     for group in runner.attention_groups:
         key = group_key(group.group_id)
         table = manager.block_table(req_id, group.group_id)
-        src_at = _page_index(table, group.block_size, [first_node_pos + i for i in src])
-        dst_at = _page_index(table, group.block_size, [first_node_pos + d for d in dst])
+        size, device = group.block_size, runner.device
+        src_at = _page_index(table, size, [first_node_pos + i for i in src], device)
+        dst_at = _page_index(table, size, [first_node_pos + d for d in dst], device)
         for cache in runner.caches.values():
             if isinstance(cache, KVCache) and cache.group == key:
                 cache.key[dst_at] = cache.key[src_at]
@@ -118,7 +119,7 @@ def compact_path(
 
 
 def _page_index(
-    table: Sequence[int], block_size: int, positions: Sequence[int]
+    table: Sequence[int], block_size: int, positions: Sequence[int], device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
     last = max(positions)
     if last // block_size >= len(table):
@@ -127,8 +128,10 @@ def _page_index(
             f"request holds {len(table)} blocks"
         )
     blocks = [int(table[p // block_size]) for p in positions]
-    return torch.tensor(blocks, dtype=torch.long), torch.tensor(
-        [p % block_size for p in positions], dtype=torch.long
+    offsets = [p % block_size for p in positions]
+    return (
+        torch.tensor(blocks, dtype=torch.long, device=device),
+        torch.tensor(offsets, dtype=torch.long, device=device),
     )
 
 
