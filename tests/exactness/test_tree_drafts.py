@@ -20,8 +20,7 @@ from tree_support import TREE, ScriptedTreeDrafter, node_logits_oracle  # noqa: 
 from hybridkv.engine import LLM  # noqa: E402
 from hybridkv.engine import tree as tree_mod  # noqa: E402
 from hybridkv.engine.proposers.tree import TreeHeadDrafter  # noqa: E402
-from hybridkv.engine.sampler import SamplingParams  # noqa: E402
-from hybridkv.errors import EngineError, PlanError  # noqa: E402
+from hybridkv.errors import PlanError  # noqa: E402
 
 NUM_NEW = 32
 
@@ -143,11 +142,19 @@ def test_tree_refusals(mtp_folder, llm_case):
         LLM(folder, spec_method="mtp", num_spec_tokens=2, spec_tree=[[0], [1], [0, 0]])
     with pytest.raises(PlanError, match="depth"):
         LLM(folder, spec_method="mtp", spec_tree=[[0] * d for d in range(1, 10)])
-    llm = LLM(folder, spec_method="mtp", spec_topk=2, num_spec_tokens=3)
-    with pytest.raises(EngineError, match="greedily"):
-        llm.add_request([1, 2, 3], SamplingParams(8, temperature=0.7))
-        while llm.num_requests() != (0, 0):
-            llm.step()
+
+
+def test_sampled_requests_draft_a_chain_under_a_tree(mtp_folder):
+    """Trees verify greedily; a sampled request drafts a chain of N and is verified by
+    speculative sampling: the same stream as the chain engine with K = N, same seed."""
+    folder, _hf = mtp_folder
+    prompts = shared_prefix_prompts()[:4]
+    tree = LLM(folder, spec_method="mtp", spec_topk=2, num_spec_tokens=3)
+    chain = LLM(folder, spec_method="mtp", num_spec_tokens=3)
+    got = [r.token_ids for r in tree.generate(prompts, 16, temperature=0.8, seed=5)]
+    assert got == [r.token_ids for r in chain.generate(prompts, 16, temperature=0.8, seed=5)]
+    assert tree.stats().num_proposed_tokens > 0
+    tree.manager.check_invariants()
 
 
 def reference_tree(ref: ReferenceMTP, verified: list[int], drafts) -> list[int]:

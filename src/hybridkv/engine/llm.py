@@ -16,9 +16,11 @@ Speculative decoding (`hybridkv.engine.speculative`): ``draft=FOLDER`` (a draft 
 planned with its own groups), ``spec_method="mtp"`` (the checkpoint's own MTP head),
 ``spec_method="eagle", draft=FOLDER`` (an EAGLE head, `hybridkv.engine.models.eagle`),
 ``spec_method="ngram" | "suffix"`` or any `Proposer` (``proposer=``);
-``num_spec_tokens=K`` drafts at most per step. Heads are fed the main model's hidden
-states (`hybridkv.engine.proposers.head`). ``kv_dtype`` (default: ``dtype``) may be
-``fp8_e4m3`` / ``fp8_e5m2``: fp8 KV pages (`hybridkv.engine.kv_quant`). Then
+``num_spec_tokens=K`` drafts at most per step; with a head, ``spec_topk=k`` or
+``spec_tree=[[0], [1], [0, 0]]`` drafts a token tree of N nodes (`engine.tree`). Heads
+are fed the main model's hidden states (`hybridkv.engine.proposers.head`). ``kv_dtype``
+(default: ``dtype``) may be ``fp8_e4m3`` / ``fp8_e5m2``: fp8 KV pages
+(`hybridkv.engine.kv_quant`). Then
     step():  schedule (reserve L drafts) -> draft model passes -> main verifies 1 + L
              tokens -> verify (greedy / speculative sampling) -> commit(a, a + 1 tokens)
 

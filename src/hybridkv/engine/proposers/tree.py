@@ -10,6 +10,10 @@ output at c - 1 and then runs one chained pass per draft. For a tree
               c + depth - 1, with the tree mask (each node sees the head's committed
               KV and its own ancestors); the depth-d outputs give their children
 
+Sampled requests (temperature > 0) get a chain of their L drafts from the inner head
+drafter: tree verification is greedy (multi-branch speculative sampling is not built),
+a chain is verified by exact speculative sampling.
+
 Pass d recomputes the shallower nodes so that their K/V sit in the head's slots for the
 depth-d nodes to attend to (a tree of depth D costs D - 1 head passes over at most N
 tokens; the head is one layer). The K/V written past c are overwritten by the
@@ -58,18 +62,20 @@ class TreeHeadDrafter:
         temperature: Mapping[str, float],
         generators: Mapping[str, torch.Generator],
     ) -> dict[str, Drafts]:
-        """The tree's nodes (tokens and parents) per request id with lookahead."""
-        del generators  # greedy only: verified by argmax
-        wanted = {c.request.req_id: c for c in chunks if c.num_lookahead}
+        """The tree's nodes (tokens and parents) per request id with lookahead. Sampled
+        requests (temperature > 0) draft a chain of their L drafts instead: trees are
+        verified greedily, a chain by exact speculative sampling."""
+        sampled = [c for c in chunks if temperature.get(c.request.req_id, 0.0) > 0]
+        drafts = self.inner.run(sampled, temperature, generators) if sampled else {}
+        wanted = {
+            c.request.req_id: c
+            for c in chunks
+            if c.num_lookahead and temperature.get(c.request.req_id, 0.0) <= 0
+        }
         trees: dict[str, TokenTree] = {}
         tokens: dict[str, list[int]] = {}
         outs: dict[str, list[torch.Tensor | None]] = {}
         for req_id, chunk in wanted.items():
-            if temperature.get(req_id, 0.0) > 0:
-                raise EngineError(
-                    f"request {req_id!r}: tree drafts are verified greedily; sampling "
-                    "(temperature > 0) with a tree is not supported (use topk=1)"
-                )
             pend = self.inner.pending.get(req_id)
             if pend is None or pend.position != chunk.num_computed - 1:
                 raise EngineError(
@@ -113,7 +119,8 @@ class TreeHeadDrafter:
                     for i, row_logits in zip(needing, logits, strict=True):
                         _fill_children(tree, i, row_logits, tokens[r])
             depth += 1
-        return {r: Drafts(tokens[r], None, trees[r].parents) for r in wanted}
+        drafts.update({r: Drafts(tokens[r], None, trees[r].parents) for r in wanted})
+        return drafts
 
 
 def _fill_children(tree: TokenTree, node: int, logits: torch.Tensor, tokens: list[int]) -> None:
