@@ -65,7 +65,7 @@ def test_tree_output_is_exact_and_warm_round_hits(llm_case, name, monkeypatch):
     llm.manager.check_invariants()
 
 
-@pytest.mark.parametrize("name", ["qwen3", "qwen3_5", "nemotron_h", "lfm2"])
+@pytest.mark.parametrize("name", ["qwen3", "gemma3", "qwen3_5", "nemotron_h", "lfm2"])
 def test_every_node_sees_its_own_path_only(llm_case, name):
     """The main pass's logits at each node == transformers on verified + that node's
     path: the tree mask (attention) and one state per node from its parent's (GDN,
@@ -130,6 +130,8 @@ def test_mtp_head_tree_is_exact(mtp_folder, options):
     assert [r.token_ids for r in llm.generate(prompts, 20)] == want
     assert llm.stats().num_accepted_tokens > 0
     llm.manager.check_invariants()
+    llm.runner.check_invariants()
+    llm.stepper.drafter.check_invariants()
 
 
 def test_tree_refusals(mtp_folder, llm_case):
@@ -266,3 +268,29 @@ def test_generate_refuses_a_tree_of_ngram(mtp_folder):
     )
     assert result.exit_code != 0
     assert "hidden-state head" in result.output
+
+
+@pytest.mark.parametrize("name", ["qwen3", "qwen3_5", "nemotron_h"])
+def test_checkpoints_written_by_tree_steps_serve_exact_hits(llm_case, name):
+    """Round 1 decodes 16 tokens with trees (state checkpoints at every boundary, some
+    from compacted speculative slots); round 2 continues prompt + those 16 tokens and
+    hits the cache past the original prompts, i.e. reads K/V and states that tree
+    steps committed. Its tokens are transformers' tokens 16..31."""
+    case = llm_case(name)
+    half = NUM_NEW // 2
+    llm, _ = scripted_llm(case, chunk_size=16, state_mode="all", block_size=16)
+    assert [r.token_ids for r in llm.generate(case.prompts, half)] == [
+        e[:half] for e in case.expected
+    ]
+    longer = [list(p) + e[:half] for p, e in zip(case.prompts, case.expected, strict=True)]
+    rest = [e[half:] for e in case.expected]
+    llm.stepper.drafter = ScriptedTreeDrafter(longer, rest, VOCAB)
+    before = llm.stats().prefix_hit_tokens
+    assert [r.token_ids for r in llm.generate(longer, half)] == rest
+    after = llm.stats().prefix_hit_tokens
+    # what hits could reach if nothing past the original prompts had been committed
+    prompt_only = sum(len(p) // 16 * 16 for p in case.prompts)
+    assert after["attention"] - before["attention"] > prompt_only
+    if case.hybrid:
+        assert after["state"] - before["state"] > prompt_only
+    llm.manager.check_invariants()

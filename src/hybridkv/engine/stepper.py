@@ -6,7 +6,9 @@ main model, verify. The scheduler decides the step and settles it (cut, commit, 
     schedule   `Scheduler.schedule` -> chunks (prefill pieces, decode steps with L drafts)
     draft      draft model passes (`DraftModelDrafter`), or the first L proposed drafts
     main       ModelRunner.execute -> logits [1 + L, vocab] per sampling request
-    verify     greedy / speculative sampling -> a accepted drafts + 1 token (`StepResult`)
+    verify     greedy / speculative sampling -> a accepted drafts + 1 token (`StepResult`);
+               a token tree: greedy along the tree, the accepted path moved into the
+               chain's slots before the commit (`engine.tree.TreeSettler`)
     observe    a hidden-state head (MTP, EAGLE) writes its KV at the positions the step
                computed, from the main pass's hidden states (`proposers.head`); before
                the update commits, so no block is cached without the head's KV

@@ -191,6 +191,12 @@ class TreeSettler:
         self.paths[req_id] = (n, num_nodes, tv.path)
         return tv.verdict
 
+    def check_invariants(self) -> None:
+        """Every accepted path is a chain of distinct nodes within its tree."""
+        for req_id, (_n, num_nodes, path) in self.paths.items():
+            if len(set(path)) != len(path) or any(not 0 <= i < num_nodes for i in path):
+                raise EngineError(f"request {req_id!r}: accepted path {path} of {num_nodes}")
+
     def reorder(self, hidden: HiddenStates, steps: Sequence[StepInput]) -> HiddenStates:
         counts = [len(s.token_ids) for s in steps]
         entries = [self.paths.get(s.req_id) for s in steps]

@@ -47,6 +47,12 @@ class TreeHeadDrafter:
     def forget(self, req_id: str) -> None:
         self.inner.forget(req_id)
 
+    def check_invariants(self) -> None:
+        """The tree is well formed and fits the head's speculative capacity."""
+        self.tree.check_invariants()
+        if self.capture != self.inner.capture:
+            raise EngineError("tree drafter: capture layers differ from its head drafter's")
+
     def features(self, hidden: HiddenStates) -> torch.Tensor:
         return self.inner.features(hidden)
 
