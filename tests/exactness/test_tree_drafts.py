@@ -294,3 +294,21 @@ def test_checkpoints_written_by_tree_steps_serve_exact_hits(llm_case, name):
     if case.hybrid:
         assert after["state"] - before["state"] > prompt_only
     llm.manager.check_invariants()
+
+
+def test_eagle_head_tree_is_exact(tmp_path):
+    from eagle_support import build_eagle_head
+
+    hf = build_mtp_checkpoint("qwen3_5", tmp_path / "main", echo=True)
+    build_eagle_head(tmp_path / "eagle", hf.config.hidden_size, echo=True)
+    prompts = shared_prefix_prompts()[:4]
+    want = hf_greedy(hf, prompts, 16)
+    llm = LLM(
+        tmp_path / "main",
+        spec_method="eagle",
+        draft=tmp_path / "eagle",
+        spec_tree=[[0], [1], [0, 0], [0, 1], [0, 0, 0]],
+    )
+    assert [r.token_ids for r in llm.generate(prompts, 16)] == want
+    assert llm.stats().num_proposed_tokens > 0
+    llm.manager.check_invariants()
