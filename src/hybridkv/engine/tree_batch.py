@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from hybridkv.engine.varlen import Padded
-from hybridkv.errors import EngineError
+from hybridkv.errors import EngineError, InvariantError
 
 if TYPE_CHECKING:
     from hybridkv.engine.context import ForwardBatch
@@ -88,8 +88,8 @@ class TreeLayout:
 
     def check_invariants(self) -> None:
         for tree, depth in zip(self.parents, self.depths, strict=True):
-            if (tree is None) != (depth is None):
-                raise EngineError("tree layout: parents and depths disagree on a request")
+            if (tree is None) != (depth is None) or (tree and len(tree) != len(depth or ())):
+                raise InvariantError("tree layout: parents and depths disagree on a request")
 
 
 def rope_positions(batch: ForwardBatch) -> torch.Tensor:
