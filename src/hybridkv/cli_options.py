@@ -8,6 +8,7 @@ A vLLM command line carries over: ``--kv-cache-dtype``, ``--mamba-cache-dtype``,
 
 from __future__ import annotations
 
+import ast
 import json
 import re
 from dataclasses import dataclass, field
@@ -16,7 +17,7 @@ from typing import Annotated
 import typer
 
 from hybridkv.errors import HybridKVError, PlanError
-from hybridkv.plan.tree import TREE_KEYS, check_chain_drafts
+from hybridkv.plan.tree import TREE_KEYS, TokenTree, check_tree_drafts
 from hybridkv.plan.types import PlanOptions
 from hybridkv.spec.dtypes import DType, parse_dtype
 from hybridkv.spec.model import ModelSpec
@@ -169,8 +170,6 @@ SPEC_CONFIG_KEYS = ("method", "model", "num_speculative_tokens")
 # vLLM --speculative-config keys we know and refuse, with why: silently dropping them
 # would plan something else than what was asked (a tree planned as a chain).
 SPEC_CONFIG_UNSUPPORTED = {
-    "speculative_token_tree": "tree drafts (hybridkv plans a chain of K drafts per step)",
-    "topk": "top-k tree drafts (hybridkv plans a chain of K drafts per step)",
     "draft_tensor_parallel_size": "a draft TP size different from --tp",
     "quantization": "draft quantization (weights do not change the cache plan)",
     "max_model_len": "a draft max_model_len (use --max-model-len for both)",
@@ -189,13 +188,45 @@ def _check_num_spec(k: object, what: str) -> None:
         raise PlanError(f"{what}={k!r}: K must be an integer from 0 to {MAX_SPEC_TOKENS}")
 
 
+def speculative_tree(config: dict[str, object], method: str | None) -> TokenTree | None:
+    """The token tree a ``--speculative-config`` asks for (``topk`` and
+    ``num_speculative_tokens``, or ``speculative_token_tree`` as a list of rank paths or
+    vLLM's string form ``"[(0,), (1,), (0, 0)]"``); None for a chain; `PlanError` for a
+    tree the engine does not run (`hybridkv.plan.tree.check_tree_drafts`)."""
+    keys = ", ".join(key for key in TREE_KEYS if key in config)
+    raw = config.get("speculative_token_tree")
+    try:
+        if isinstance(raw, str):
+            try:
+                raw = ast.literal_eval(raw)
+            except (ValueError, SyntaxError) as err:
+                raise PlanError(
+                    f"speculative_token_tree {raw!r} is not a list of paths: {err}"
+                ) from None
+        k = config.get("num_speculative_tokens")
+        return check_tree_drafts(
+            config.get("topk", 1),
+            raw,
+            num_spec_tokens=k if isinstance(k, int) and not isinstance(k, bool) else 0,
+            method=_normalize_method(_str_or_none(config.get("method")) or method),
+        )
+    except PlanError as err:
+        raise PlanError(f"--speculative-config: not supported: {keys}: {err}") from None
+
+
+def _str_or_none(value: object) -> str | None:
+    return value if isinstance(value, str) else None
+
+
 def parse_speculative_config(
     text: str, method: str | None, draft: str | None, k: int | None
 ) -> tuple[str | None, str | None, int | None]:
     """vLLM's ``--speculative-config`` JSON over the flags' (method, draft, K).
 
-    Only ``method``, ``model`` and ``num_speculative_tokens`` are read; any other key is
-    refused by name (`SPEC_CONFIG_UNSUPPORTED` says why for vLLM's own keys)."""
+    Only ``method``, ``model`` and ``num_speculative_tokens`` are read, and ``topk`` /
+    ``speculative_token_tree`` for a tree (planned as N speculative tokens, N = its node
+    count; `speculative_tree`); any other key is refused by name
+    (`SPEC_CONFIG_UNSUPPORTED` says why for vLLM's own keys)."""
     try:
         config = json.loads(text)
     except (json.JSONDecodeError, ValueError, RecursionError) as err:
@@ -205,13 +236,11 @@ def parse_speculative_config(
             f"--speculative-config must be a JSON object, got {type(config).__name__}; "
             '{"method": "draft_model", "model": "qwen3-0.6b", "num_speculative_tokens": 4}'
         )
-    if any(key in config for key in TREE_KEYS):  # trees: what is missing, by name
-        try:
-            check_chain_drafts(config.get("topk", 1), config.get("speculative_token_tree"))
-        except PlanError as err:
-            keys = ", ".join(key for key in TREE_KEYS if key in config)
-            raise PlanError(f"--speculative-config: not supported: {keys}: {err}") from None
-        config = {key: value for key, value in config.items() if key != "topk"}  # 1: a chain
+    if any(key in config for key in TREE_KEYS):  # trees: planned as N speculative tokens
+        tree = speculative_tree(config, method)
+        config = {key: value for key, value in config.items() if key not in TREE_KEYS}
+        if tree is not None:
+            config["num_speculative_tokens"] = tree.num_nodes
     unsupported = [key for key in config if key in SPEC_CONFIG_UNSUPPORTED]
     if unsupported:
         why = "; ".join(f"{key}: {SPEC_CONFIG_UNSUPPORTED[key]}" for key in unsupported)

@@ -163,12 +163,15 @@ def test_mtp_count_without_tensors_is_a_typed_error(llm_case, tmp_path):
         LLM(folder, spec_method="mtp", num_spec_tokens=2)
 
 
-def test_tree_drafts_are_refused_by_llm(mtp_case):
-    from hybridkv.errors import PlanError
-
+def test_tree_drafts_plan_one_state_slot_per_node(mtp_case):
+    """A tree of N nodes (here topk=2, N=3) is planned as N speculative tokens: every
+    state group keeps one speculative state per node (tests/exactness/test_tree_drafts.py
+    runs trees end to end)."""
     folder, _hf, _ref = mtp_case("qwen3_5", False)
-    with pytest.raises(PlanError, match="recurrent state per branch point"):
-        LLM(folder, spec_method="mtp", num_spec_tokens=3, spec_topk=2)
+    llm = LLM(folder, spec_method="mtp", num_spec_tokens=3, spec_topk=2)
+    assert llm.tree is not None and llm.tree.num_nodes == llm.num_spec_tokens == 3
+    states = [g for g in llm.plan.groups if g.is_state]
+    assert states and all(g.num_spec_states == 3 for g in states)
 
 
 def test_mtp_preemption_mid_speculation_gives_the_same_tokens(mtp_case):

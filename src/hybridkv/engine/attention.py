@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from hybridkv.engine.attention_reference import check_cache
 from hybridkv.engine.context import ForwardBatch, KVCache
 from hybridkv.engine.kv_io import PageIndex, load_kv, store_kv
+from hybridkv.engine.tree_batch import apply_tree_mask
 from hybridkv.engine.varlen import Padded, split_by_length
 from hybridkv.errors import EngineError
 
@@ -97,7 +98,10 @@ def _build(batch: ForwardBatch, group: str, window: int | None) -> AttentionInde
         # Padding queries see their row's first key, so no softmax row is all -inf.
         mask[:, :, 0] |= ~layout.valid
         parts.append(AttentionPart(layout, (blocks, key_pos % block_size), mask[:, None]))
-    return AttentionIndex(new_slots=new_slots, parts=tuple(parts))
+    index = AttentionIndex(new_slots=new_slots, parts=tuple(parts))
+    if batch.tree is not None:  # token trees: ancestors only (`tree_batch`)
+        apply_tree_mask(index, batch, window)
+    return index
 
 
 def paged_attention(

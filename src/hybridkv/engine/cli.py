@@ -20,9 +20,11 @@ from hybridkv.engine.cli_options import (
     KvDtypeOpt,
     MemoryOpt,
     NumSpecOpt,
+    SpecConfigOpt,
     SpecMethodOpt,
     StateModeOpt,
     ThreadsOpt,
+    engine_speculative_config,
 )
 
 
@@ -53,6 +55,7 @@ def load_llm(
     chunk_size: int | None = None,
     state_mode: str | None = None,
     eviction_policy: str | None = None,
+    spec_tree: list[list[int]] | None = None,
 ) -> Any:
     """The `LLM` of `generate` / `serve` flags: MODEL and ``--draft`` may name the demo
     models, ``--draft`` or ``--spec-method`` without ``--num-spec`` drafts 4 per step,
@@ -73,6 +76,8 @@ def load_llm(
         extra["state_mode"] = state_mode
     if eviction_policy is not None:
         extra["eviction_policy"] = eviction_policy
+    if spec_tree is not None:  # a token tree of N nodes (`plan.tree`)
+        extra["spec_tree"] = spec_tree
     return LLM(
         resolve_model(model),
         dtype=dtype,
@@ -109,6 +114,7 @@ def generate_command(
     draft: DraftOpt = None,
     spec_method: SpecMethodOpt = None,
     num_spec: NumSpecOpt = None,
+    speculative_config: SpecConfigOpt = None,
     device: DeviceOpt = "cpu",
     max_num_seqs: Annotated[
         int, typer.Option("--max-num-seqs", help="requests running at once (1: one by one)")
@@ -133,11 +139,15 @@ def generate_command(
     def body() -> None:
         if bool(prompt) == bool(prompt_ids):
             raise ValueError("give --prompt TEXT or --prompt-ids 1,2,3 (one of them, repeatable)")
+        method, folder, k, tree = engine_speculative_config(
+            speculative_config, spec_method, draft, num_spec
+        )
         llm = load_llm(
             model,
-            draft=draft,
-            spec_method=spec_method,
-            num_spec=num_spec,
+            draft=folder,
+            spec_method=method,
+            num_spec=k,
+            spec_tree=tree,
             memory=memory,
             dtype=dtype,
             device=device,

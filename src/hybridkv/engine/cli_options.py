@@ -3,9 +3,12 @@ each flag, its vLLM alias and its help text)."""
 
 from __future__ import annotations
 
+import json
 from typing import Annotated
 
 import typer
+
+from hybridkv.plan.tree import TREE_KEYS
 
 THREADS_HELP = "torch CPU threads (default: 1 for models under 256 MiB, else torch's)"
 
@@ -50,3 +53,27 @@ StateModeOpt = Annotated[
 EvictionOpt = Annotated[
     str, typer.Option("--eviction", help="eviction policy of the prefix cache: lru | chain")
 ]
+SpecConfigOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--speculative-config",
+        help="vLLM-style JSON: method, model, num_speculative_tokens, and topk or "
+        "speculative_token_tree for tree drafts (mtp, eagle)",
+    ),
+]
+
+
+def engine_speculative_config(
+    text: str | None, method: str | None, draft: str | None, k: int | None
+) -> tuple[str | None, str | None, int | None, list[list[int]] | None]:
+    """``--speculative-config`` over the flags: (spec method, draft, K, token tree paths
+    or None for a chain). A tree's K is its node count."""
+    if text is None:
+        return method, draft, k, None
+    from hybridkv.cli_options import _normalize_method, parse_speculative_config, speculative_tree
+
+    method, draft, k = parse_speculative_config(text, method, draft, k)
+    method = _normalize_method(method)
+    config = json.loads(text)
+    tree = speculative_tree(config, method) if any(key in config for key in TREE_KEYS) else None
+    return method, draft, k, None if tree is None else [list(p) for p in tree.paths]

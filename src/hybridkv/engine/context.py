@@ -115,6 +115,8 @@ class ForwardBatch:
     block_tables: dict[str, BlockTable] = field(default_factory=dict)
     state_slots: dict[str, StateSlots] = field(default_factory=dict)
     logits_indices: torch.Tensor | None = None  # [N] stream indices; None: last of each req
+    # Token trees of the step (`tree_batch.TreeLayout`), None for plain causal chunks.
+    tree: Any = None
     # Per-step index tensors that every layer of a group shares (padded layouts, key
     # indices, state write points), built by the first layer that needs them.
     memo: dict[Any, Any] = field(default_factory=dict, compare=False, repr=False)

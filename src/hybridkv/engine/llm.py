@@ -16,9 +16,11 @@ Speculative decoding (`hybridkv.engine.speculative`): ``draft=FOLDER`` (a draft 
 planned with its own groups), ``spec_method="mtp"`` (the checkpoint's own MTP head),
 ``spec_method="eagle", draft=FOLDER`` (an EAGLE head, `hybridkv.engine.models.eagle`),
 ``spec_method="ngram" | "suffix"`` or any `Proposer` (``proposer=``);
-``num_spec_tokens=K`` drafts at most per step. Heads are fed the main model's hidden
-states (`hybridkv.engine.proposers.head`). ``kv_dtype`` (default: ``dtype``) may be
-``fp8_e4m3`` / ``fp8_e5m2``: fp8 KV pages (`hybridkv.engine.kv_quant`). Then
+``num_spec_tokens=K`` drafts at most per step; with a head, ``spec_topk=k`` or
+``spec_tree=[[0], [1], [0, 0]]`` drafts a token tree of N nodes (`engine.tree`). Heads
+are fed the main model's hidden states (`hybridkv.engine.proposers.head`). ``kv_dtype``
+(default: ``dtype``) may be ``fp8_e4m3`` / ``fp8_e5m2``: fp8 KV pages
+(`hybridkv.engine.kv_quant`). Then
     step():  schedule (reserve L drafts) -> draft model passes -> main verifies 1 + L
              tokens -> verify (greedy / speculative sampling) -> commit(a, a + 1 tokens)
 
@@ -57,6 +59,7 @@ from hybridkv.engine.loader import eos_token_ids
 from hybridkv.engine.models import LayerDesc, load_model, load_mtp
 from hybridkv.engine.proposers import Proposer
 from hybridkv.engine.proposers.head import DraftHead, HeadDrafter
+from hybridkv.engine.proposers.tree import TreeHeadDrafter
 from hybridkv.engine.results import EngineStats, GenerationResult, RequestStats, build_result
 from hybridkv.engine.runner import ModelRunner
 from hybridkv.engine.sampler import SamplingParams
@@ -73,7 +76,7 @@ from hybridkv.errors import EngineError
 from hybridkv.models.registry import load_model_spec
 from hybridkv.plan.planner import HEAD_METHODS
 from hybridkv.plan.planner import plan as make_plan
-from hybridkv.plan.tree import check_chain_drafts
+from hybridkv.plan.tree import check_tree_drafts
 from hybridkv.plan.types import CachePlan, PlanOptions
 from hybridkv.sched import Request, Scheduler, Status, config_from_plan
 from hybridkv.spec.dtypes import DType, parse_dtype
@@ -101,6 +104,7 @@ class LLM:
         num_spec_tokens: int = 0,
         proposer: Proposer | None = None,
         spec_topk: int = 1,
+        spec_tree: Sequence[Sequence[int]] | None = None,
         cache_aware: bool = True,
         eviction_policy: str = DEFAULT_EVICTION_POLICY,
         checkpoint_rules: Sequence[str] | None = None,
@@ -113,7 +117,12 @@ class LLM:
         self.model = load_model(self.model_path, self.torch_dtype, self.device)
         self.eos_token_ids = eos_token_ids(self.model_path)
         spec = load_model_spec(self.model_path)
-        check_chain_drafts(spec_topk, main=spec)  # trees: refused, naming what is missing
+        # Trees (`plan.tree`): N nodes verified per step, planned as N speculative tokens.
+        method = spec_method or ("draft" if draft is not None else None)
+        self.tree = check_tree_drafts(
+            spec_topk, spec_tree, num_spec_tokens=num_spec_tokens, method=method
+        )
+        num_spec_tokens = num_spec_tokens if self.tree is None else self.tree.num_nodes
         spec_method, num_spec_tokens = resolve_spec(draft, spec_method, num_spec_tokens, proposer)
         self.draft_model = None
         self.head: DraftHead | None = None
@@ -174,6 +183,8 @@ class LLM:
                 self.model, self.plan, self.manager, self.tensors, "draft", tables=tables
             )
             drafter = HeadDrafter(batches, self.head)
+            if self.tree is not None:
+                drafter = TreeHeadDrafter(drafter, self.tree)
         elif self.draft_model is not None:
             drafter = DraftModelDrafter(
                 ModelRunner(

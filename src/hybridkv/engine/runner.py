@@ -23,7 +23,7 @@ points (20, write) and (6, checkpoint block at 16).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -32,6 +32,7 @@ from hybridkv.engine.block_tables import DeviceBlockTables
 from hybridkv.engine.context import BlockTable, ForwardBatch, StateSlots, WritePoint, make_batch
 from hybridkv.engine.models.common import CausalLM, HiddenStates
 from hybridkv.engine.tensors import CacheTensors, group_key
+from hybridkv.engine.tree_batch import TreeLayout
 from hybridkv.errors import EngineError
 from hybridkv.plan.types import CachePlan
 
@@ -49,6 +50,9 @@ class StepInput:
     num_computed: int
     num_draft_tokens: int = 0
     draft_pass: int = 0
+    # Token tree over ``token_ids`` (`tree_batch`: parent per token, -1: the context);
+    # None: a plain causal chunk.
+    parents: tuple[int, ...] | None = None
 
 
 def state_write_points(
@@ -142,13 +146,18 @@ class ModelRunner:
         for s in steps:
             end += len(s.token_ids)
             indices.extend(range(end - 1 - s.num_draft_tokens, end))
-        return make_batch(
+        batch = make_batch(
             [(list(s.token_ids), s.num_computed) for s in steps],
             tables,
             slots,
             torch.tensor(indices, dtype=torch.long, device=self.device),
             self.device,
         )
+        if any(s.parents is not None for s in steps):  # token trees (`tree_batch`)
+            starts = [(s.num_computed, len(s.token_ids)) for s in steps]
+            tree = TreeLayout.build([s.parents for s in steps], starts, self.device)
+            batch = replace(batch, tree=tree)
+        return batch
 
     def _state_points(self, s: StepInput, group_id: int) -> tuple[int | None, list[WritePoint]]:
         st = self.manager.state_slots(s.req_id, group_id)

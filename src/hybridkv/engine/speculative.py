@@ -49,10 +49,13 @@ def make_proposer(method: str) -> Proposer:
 @dataclass(frozen=True)
 class Drafts:
     """One request's drafts in a step and, for sampled drafts, their proposal
-    distributions ``[len(token_ids), vocab]`` (None: deterministic, one-hot)."""
+    distributions ``[len(token_ids), vocab]`` (None: deterministic, one-hot).
+    ``parents``: a token tree (`hybridkv.engine.tree`): draft i follows draft
+    ``parents[i]`` (-1: the verified token); None: a chain."""
 
     token_ids: list[int]
     probs: torch.Tensor | None = None
+    parents: tuple[int, ...] | None = None
 
 
 @dataclass

@@ -56,6 +56,10 @@ def state_parts(batch: ForwardBatch, group: str) -> list[StatePart]:
 
 
 def _build_parts(batch: ForwardBatch, group: str) -> list[StatePart]:
+    if batch.tree is not None:  # token trees: one row per root-to-leaf path
+        from hybridkv.engine.tree_batch import tree_state_parts
+
+        return tree_state_parts(batch, group)
     slots = batch.slots(group)
     slot_ids = [int(x) for x in slots.slot_ids.tolist()]
     has_initial = [bool(x) for x in slots.has_initial_state.tolist()]

@@ -58,6 +58,11 @@ class RequestState:
 
 def request_slots(batch: ForwardBatch, cache: StateCache) -> list[RequestState]:
     """Read slot and write points per request with new tokens."""
+    if batch.tree is not None:
+        raise EngineError(
+            f"state group {cache.group!r}: token trees run on the batched state path only "
+            "(`state_batched`), not the per-request reference loop"
+        )
     slots: StateSlots = batch.slots(cache.group)
     slot_ids = slots.slot_ids.tolist()
     has_initial = slots.has_initial_state.tolist()

@@ -8,7 +8,9 @@ main model, verify. The scheduler decides the step and settles it (cut, commit, 
                deltas) go to the device tables every runner reads, once per step
     draft      draft model passes (`DraftModelDrafter`), or the first L proposed drafts
     main       ModelRunner.execute -> logits [1 + L, vocab] per sampling request
-    verify     greedy / speculative sampling -> a accepted drafts + 1 token (`StepResult`)
+    verify     greedy / speculative sampling -> a accepted drafts + 1 token (`StepResult`);
+               a token tree: greedy along the tree, the accepted path moved into the
+               chain's slots before the commit (`engine.tree.TreeSettler`)
     observe    a hidden-state head (MTP, EAGLE) writes its KV at the positions the step
                computed, from the main pass's hidden states (`proposers.head`); before
                the update commits, so no block is cached without the head's KV
@@ -42,6 +44,7 @@ from hybridkv.engine.proposers.head import Observation
 from hybridkv.engine.runner import ModelRunner, StepInput
 from hybridkv.engine.sampler import SamplingParams, greedy_ids, make_generator, sample
 from hybridkv.engine.speculative import Drafter, Drafts, SpecCounters
+from hybridkv.engine.tree import TreeSettler, step_parents
 from hybridkv.engine.verify import Verdict, accept_greedy, verify_sampling
 from hybridkv.errors import EngineError
 from hybridkv.plan.types import CachePlan
@@ -167,12 +170,19 @@ class Stepper:
             logits, hidden = self.runner.execute_with_hidden(steps, capture)
         results: dict[str, StepResult] = {}
         best = greedy_ids(logits)  # every row's argmax at once (greedy requests use it)
+        trees = TreeSettler(self.runner, self.manager)
         for chunk, rows, argmax in zip(chunks, logits, best, strict=True):
             self.num_tokens += chunk.num_scheduled_tokens
             if chunk.samples:
                 req = chunk.request
-                verdict = self._verify(req, rows, argmax, drafts.get(req.req_id))
+                draft = drafts.get(req.req_id)
+                if draft is not None and draft.parents is not None:  # a token tree
+                    verdict = trees.settle(chunk, argmax, draft)
+                else:
+                    verdict = self._verify(req, rows, argmax, draft)
                 results[req.req_id] = StepResult(verdict.num_accepted, verdict.token_ids)
+        if hidden is not None and trees.paths:
+            hidden = trees.reorder(hidden, steps)
         if hidden is not None and self.drafter is not None:
             self.drafter.observe(self._observations(chunks, steps, results, hidden))
         return results
@@ -261,7 +271,9 @@ class Stepper:
                 f"request {req.req_id!r}: {len(draft_ids)} drafts for {chunk.num_lookahead} "
                 "reserved positions"
             )
-        return StepInput(req.req_id, [*tokens, *draft_ids], start, len(draft_ids))
+        parents = drafts[req.req_id].parents
+        tree = None if parents is None else step_parents(len(tokens), parents)
+        return StepInput(req.req_id, [*tokens, *draft_ids], start, len(draft_ids), parents=tree)
 
     def _count_hit(self, req: Request, hit: int) -> None:
         if self._has_attention:

@@ -27,6 +27,7 @@ from hybridkv.engine.models.common import (
     inv_sqrt,
 )
 from hybridkv.engine.models.rope import Rope
+from hybridkv.engine.tree_batch import rope_positions
 from hybridkv.errors import EngineError
 
 
@@ -174,8 +175,9 @@ class Attention:
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rope is not None:
-            q = self.rope.apply(q, batch.positions)
-            k = self.rope.apply(k, batch.positions)
+            positions = rope_positions(batch)  # a tree's nodes: num_computed + depth
+            q = self.rope.apply(q, positions)
+            k = self.rope.apply(k, positions)
         out = paged_attention(
             q,
             k,
