@@ -24,6 +24,14 @@ PROMPTS = [
 CONFIGS = {
     "fp8-draft": {"draft": "demo-draft", "num_spec": 3, "kv_dtype": "fp8_e4m3"},
     "fp8-mtp": {"spec_method": "mtp", "draft": "demo-mtp", "num_spec": 3, "kv_dtype": "fp8_e4m3"},
+    # A token tree of 5 nodes from the demo MTP head (docs/tree_drafts.md), verified in one pass.
+    "fp8-mtp-tree": {
+        "spec_method": "mtp",
+        "draft": "demo-mtp",
+        "num_spec": 5,
+        "spec_tree": [[0], [1], [0, 0], [0, 1], [0, 0, 0]],
+        "kv_dtype": "fp8_e4m3",
+    },
 }
 
 

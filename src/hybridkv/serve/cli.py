@@ -20,9 +20,11 @@ from hybridkv.engine.cli_options import (
     KvDtypeOpt,
     MemoryOpt,
     NumSpecOpt,
+    SpecConfigOpt,
     SpecMethodOpt,
     StateModeOpt,
     ThreadsOpt,
+    engine_speculative_config,
 )
 from hybridkv.errors import ServeError
 
@@ -48,6 +50,7 @@ def serve_command(
     draft: DraftOpt = None,
     spec_method: SpecMethodOpt = None,
     num_spec: NumSpecOpt = None,
+    speculative_config: SpecConfigOpt = None,
     host: Annotated[str, typer.Option("--host", help="address to listen on")] = "127.0.0.1",
     port: Annotated[int, typer.Option("--port", help="TCP port (0: any free port)")] = 8000,
     max_model_len: Annotated[
@@ -91,11 +94,15 @@ def serve_command(
             from hybridkv.engine.cli import load_llm
             from hybridkv.serve.server import run_server
 
+            method, folder, k, tree = engine_speculative_config(
+                speculative_config, spec_method, draft, num_spec
+            )
             llm = load_llm(
                 model,
-                draft=draft,
-                spec_method=spec_method,
-                num_spec=num_spec,
+                draft=folder,
+                spec_method=method,
+                num_spec=k,
+                spec_tree=tree,
                 memory=memory,
                 dtype=dtype,
                 device=device,
