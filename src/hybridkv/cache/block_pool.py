@@ -109,6 +109,32 @@ class BlockPool:
         self.ref_counts[block] = 1
         return block
 
+    def take_many(self, num: int) -> list[BlockId]:
+        """``num`` calls of `take` (same blocks, same order, same evictions) in one
+        pass; the caller has checked that ``num`` blocks are free."""
+        fresh, evicted = self.free.pop_many(num)
+        for block in evicted:
+            self._evict(block)  # type: ignore[arg-type]  # ids from the free queue
+        out: list[BlockId] = fresh + evicted  # type: ignore[assignment]
+        refs = self.ref_counts
+        for block in out:
+            refs[block] = 1
+        while len(out) < num:  # chain policy: each victim depends on the last eviction
+            out.append(self.take())
+        return out
+
+    def touch_many(self, block_ids: Iterable[BlockId]) -> None:
+        """`touch` for each block in order (a request's hit blocks at admission)."""
+        refs, was_hit, free = self.ref_counts, self.was_hit, self.free
+        for block in block_ids:
+            if refs[block] == 0:
+                if block == NULL_BLOCK:
+                    raise InvariantError(f"pool {self.pool_id}: touch of the null block")
+                free.note_hit(block)
+                free.remove_cached(block)
+            refs[block] += 1
+            was_hit[block] = 1
+
     def touch(self, block_id: BlockId) -> None:
         """Add a reference to a cached block (a prefix hit); revives it if free."""
         assert block_id != NULL_BLOCK

@@ -94,6 +94,8 @@ class CacheManager:
         self._all_groups = range(len(self._managers))
         self._requests: dict[str, RequestRecord] = {}
         self._hit_requests: set[str] = set()  # running requests that started from a hit
+        # only the chain policy reads hot releases (`BlockPool.releasing_hot`)
+        self._track_hot = eviction_policy == "chain"
         if checkpoint_rules is None:
             checkpoint_rules = DEFAULT_CHECKPOINT_RULES
         unknown = sorted(set(checkpoint_rules) - set(CHECKPOINT_RULES))
@@ -412,7 +414,8 @@ class CacheManager:
             r.pending_states = None
             if c:
                 self._counters.checkpoints_used += len(self._state_group_ids)
-                self._hit_requests.add(req_id)
+                if self._track_hot:
+                    self._hit_requests.add(req_id)
             self._junctions.pop(req_id, None)
         r.nulled = None
         r.pending = True

@@ -102,22 +102,20 @@ class RequestRecord:
     def try_fast_allocate(self, n: int, lookahead: int) -> bool:
         """Record the step and return True if no group needs a block and no delta is
         owed; else change nothing (the slow path validates and explains)."""
-        if type(n) is not int or type(lookahead) is not int or self.nulled is not None:
-            return False
-        top = self.num_computed + n
-        if (
-            not self.pending
-            and top + lookahead <= self.fast_end
-            and top <= self.fast_verified
-            and lookahead <= self.fast_lookahead
-            and top <= len(self.tokens)
-            and n >= 0
-            and lookahead >= 0
-        ):
-            self.pending = True
-            self.pend_n = n
-            self.pend_lookahead = lookahead
-            return True
+        if type(n) is int is type(lookahead) and not self.pending and self.nulled is None:
+            top = self.num_computed + n
+            if (
+                top + lookahead <= self.fast_end
+                and top <= self.fast_verified
+                and lookahead <= self.fast_lookahead
+                and top <= len(self.tokens)
+                and n >= 0
+                and lookahead >= 0
+            ):
+                self.pending = True
+                self.pend_n = n
+                self.pend_lookahead = lookahead
+                return True
         return False
 
     def try_fast_commit(self, accepted: int, new_token_ids: Sequence[int]) -> bool:
@@ -134,10 +132,17 @@ class RequestRecord:
         ):
             return False
         if new_token_ids:
-            for t in new_token_ids:
-                if type(t) is not int or not 0 <= t <= 0x7FFFFFFFFFFFFFFF:
+            # array.extend refuses non-integers and ids >= 2^63 at C speed (undone on
+            # error: it may have appended some); min() refuses negative ids.
+            tokens = self.tokens
+            num = len(tokens)
+            try:
+                if min(new_token_ids) < 0:
                     return False
-            self.tokens.extend(new_token_ids)
+                tokens.extend(new_token_ids)
+            except (TypeError, OverflowError):
+                del tokens[num:]
+                return False
         if accepted:
             for settle, states in self.settlers:
                 settle(states, accepted)
@@ -179,10 +184,11 @@ class RequestRecord:
         lookahead, commit = self.lookahead_limits, self.commit_limits
         for g in groups:
             x = limits[g] = managers[g].fast_limits(states[g], c)
-            ends[g] = _UNBOUNDED if x[0] is None else x[0]
-            verified[g] = _UNBOUNDED if x[1] is None else x[1]
-            lookahead[g] = _UNBOUNDED if x[2] is None else x[2]
-            commit[g] = _UNBOUNDED if x[3] is None else x[3]
+            end, ver, spec, below = x
+            ends[g] = _UNBOUNDED if end is None else end
+            verified[g] = _UNBOUNDED if ver is None else ver
+            lookahead[g] = _UNBOUNDED if spec is None else spec
+            commit[g] = _UNBOUNDED if below is None else below
         if len(limits) == 1:
             self.fast_end, self.fast_verified = ends[0], verified[0]
             self.fast_lookahead, self.commit_below = lookahead[0], commit[0]

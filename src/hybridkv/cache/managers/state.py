@@ -59,6 +59,8 @@ from hybridkv.cache.managers.base import FastLimits, GroupManager, StepSlots
 from hybridkv.errors import InvariantError
 from hybridkv.ids import BlockId
 
+_new_limits = tuple.__new__
+
 
 @dataclass
 class StateBlocks:
@@ -162,8 +164,7 @@ class StateManager(GroupManager):
         self, state: StateBlocks, c: int, n: int, lookahead: int, num_new: int
     ) -> list[BlockId]:
         need_write, _, positions = self._layout(state, c, n, lookahead)
-        take = self.pool.take
-        new = [take() for _ in range(num_new)]
+        new = self.pool.take_many(num_new) if num_new else []
         state.spares.extend(new)
         state.write = state.spares.pop(0) if need_write else state.running
         state.ckpts = [(pos, state.spares.pop()) for pos in positions]
@@ -291,11 +292,17 @@ class StateManager(GroupManager):
         boundary = (c // self.block_size + 1) * self.block_size if self.checkpoints else None
         spares = len(state.spares)
         in_place = state.write == state.running and not state.ckpts
-        return FastLimits(  # positional (cheaper): end, verified, lookahead, commit_below
-            None if self._running_private(state) else c,
-            boundary,
-            None if spares >= self.num_spec_states else spares,
-            (boundary if in_place else c) if c > 0 else 0,
+        running = state.running
+        private = running is not None and running not in self.pool.hashes  # _running_private
+        # end, verified, lookahead, commit_below (tuple.__new__: see `FullAttentionManager`)
+        return _new_limits(
+            FastLimits,
+            (
+                None if private else c,
+                boundary,
+                None if spares >= self.num_spec_states else spares,
+                (boundary if in_place else c) if c > 0 else 0,
+            ),
         )
 
     def check_state(self, state: StateBlocks, c: int) -> None:
