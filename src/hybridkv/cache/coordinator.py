@@ -38,6 +38,8 @@ from hybridkv.errors import CacheError
 from hybridkv.ids import BlockId
 from hybridkv.plan.types import CachePlan
 
+_new_tuple = tuple.__new__  # a named tuple's own constructor is a Python function
+
 
 def hash_unit_tokens(plan: CachePlan) -> int:
     """The finest unit that divides every group's block size (see `hashing`)."""
@@ -206,7 +208,8 @@ class Coordinator:
                     deltas[g] = base._replace(nulled_range=span)
         if not deltas and not taken:
             return NO_CHANGE
-        return StepDelta(groups=deltas, taken=taken, admitted=touch)
+        # StepDelta(groups=deltas, taken=taken, admitted=touch), built the cheap way
+        return _new_tuple(StepDelta, (deltas, taken, touch))
 
     def commit(
         self,

@@ -24,7 +24,7 @@ from hybridkv.cache.managers.base import FastLimits, GroupManager
 from hybridkv.errors import InvariantError
 from hybridkv.ids import BlockId
 
-_new_limits = tuple.__new__
+_new_limits = tuple.__new__  # named tuples built without their Python-level __new__
 
 
 @dataclass
@@ -161,9 +161,12 @@ class FullAttentionManager(GroupManager):
         return new
 
     def delta(self, state: TableBlocks, new_blocks: list[BlockId], whole: bool) -> GroupDelta:
+        # GroupDelta(start, new_blocks, None), built the cheap way (`_new_limits`)
         if whole:
-            return GroupDelta(0, tuple(state.blocks))
-        return GroupDelta(len(state.blocks) - len(new_blocks), tuple(new_blocks))
+            return _new_limits(GroupDelta, (0, tuple(state.blocks), None))
+        return _new_limits(
+            GroupDelta, (len(state.blocks) - len(new_blocks), tuple(new_blocks), None)
+        )
 
     def commit(
         self,

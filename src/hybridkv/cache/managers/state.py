@@ -90,6 +90,8 @@ class StateManager(GroupManager):
         # checkpoint): 2 + S in align and all modes, 1 + S in none mode. Checkpoints of
         # the step in flight come on top (all mode, junction rule; see `blocks_needed`).
         self.budget_blocks = self.group.blocks_at(self.block_size, 1, self.num_spec_states)
+        # the last `num_new_blocks` call: (state, c, n, lookahead, its layout)
+        self._memo: tuple[StateBlocks, int, int, int, tuple[int, int, list[int]]] | None = None
 
     def new_state(self) -> StateBlocks:
         return StateBlocks()
@@ -136,7 +138,8 @@ class StateManager(GroupManager):
         self, state: StateBlocks, c: int, n: int, lookahead: int
     ) -> tuple[int, int, list[int]]:
         """(needs a write block, spec slots, checkpoint positions, ascending)."""
-        need_write = 0 if self._running_private(state) else 1
+        running = state.running
+        need_write = 0 if running is not None and running not in self.pool.hashes else 1
         num_spec = min(lookahead, self.num_spec_states)
         positions: list[int] = []
         if self.checkpoints and n > 0:
@@ -157,13 +160,22 @@ class StateManager(GroupManager):
         return need_write, num_spec, positions
 
     def num_new_blocks(self, state: StateBlocks, c: int, n: int, lookahead: int) -> int:
-        need_write, num_spec, positions = self._layout(state, c, n, lookahead)
+        layout = self._layout(state, c, n, lookahead)
+        # `allocate` follows for the same step when the pool has room: it reuses this
+        # layout (nothing between the two calls can change it: the running block is
+        # referenced, so no eviction uncaches it)
+        self._memo = (state, c, n, lookahead, layout)
+        need_write, num_spec, positions = layout
         return max(0, need_write + num_spec + len(positions) - len(state.spares))
 
     def allocate(
         self, state: StateBlocks, c: int, n: int, lookahead: int, num_new: int
     ) -> list[BlockId]:
-        need_write, _, positions = self._layout(state, c, n, lookahead)
+        memo, self._memo = self._memo, None
+        if memo is not None and memo[0] is state and memo[1:4] == (c, n, lookahead):
+            need_write, _, positions = memo[4]
+        else:
+            need_write, _, positions = self._layout(state, c, n, lookahead)
         new = self.pool.take_many(num_new) if num_new else []
         state.spares.extend(new)
         state.write = state.spares.pop(0) if need_write else state.running
