@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from array import array
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from hybridkv.cache.block import NULL_BLOCK, BlockInfo
 from hybridkv.cache.events import BLOCK_REMOVED, BLOCK_STORED, CacheEvent
@@ -224,13 +224,46 @@ class BlockPool:
             self.events.append(CacheEvent(BLOCK_STORED, group_id, block_id, block_hash, num_tokens))
         return True
 
+    def cache_table(
+        self,
+        group_id: int,
+        blocks: list[BlockId],
+        first: int,
+        last: int,
+        hashes: Sequence[bytes],
+        units_per_block: int,
+        block_size: int,
+    ) -> None:
+        """`cache` each block ``blocks[j]``, j in ``[first, last)``, under the chain hash
+        ``hashes[(j + 1) * units_per_block - 1]`` (a token-indexed table's newly full
+        blocks), skipping null blocks and blocks already cached; in one loop."""
+        index, own, events = self.index[group_id], self.hashes, self.events
+        hash_group, hash_end = self.hash_group, self.hash_end
+        stored = 0
+        for j in range(first, last):
+            block = blocks[j]
+            if block == NULL_BLOCK or block in own:
+                continue
+            key = hashes[(j + 1) * units_per_block - 1]
+            if key in index:
+                continue  # the first copy wins (see `cache`)
+            index[key] = block
+            own[block] = key
+            hash_group[block] = group_id
+            hash_end[block] = (j + 1) * block_size
+            stored += 1
+            if events is not None:
+                events.append(CacheEvent(BLOCK_STORED, group_id, block, key, (j + 1) * block_size))
+        self.num_stored += stored
+
     def _evict(self, block_id: BlockId) -> None:
         block_hash = self.hashes.pop(block_id)
         group = self.hash_group[block_id]
         del self.index[group][block_hash]
         self.hash_group[block_id] = -1
         self.was_hit[block_id] = 0
-        self.free.forget(block_id)
+        if self.free.chain:  # only chain keeps reuse distances
+            self.free.forget(block_id)
         if self.ghosts is not None:
             self.ghosts[(group, block_hash)] = self.free.last_victim_newest
             if len(self.ghosts) > self.num_blocks:

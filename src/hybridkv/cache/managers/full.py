@@ -182,16 +182,22 @@ class FullAttentionManager(GroupManager):
         B = self.block_size
         num_full = (min(c2, len(tokens) - 1) if self.key_ahead else c2) // B  # cacheable_end
         if num_full > state.num_cached:
-            if self.caching:
+            if self.caching and not self.key_ahead:  # keys: chain hashes (`key`)
+                self.pool.cache_table(
+                    self.group_id,
+                    state.blocks,
+                    state.num_cached,
+                    num_full,
+                    hashes,
+                    B // self.unit_tokens,
+                    B,
+                )
+            elif self.caching:
                 blocks, block_hashes = state.blocks, self.pool.hashes
-                cache, group_id, step = self.pool.cache, self.group_id, B // self.unit_tokens
                 for j in range(state.num_cached, num_full):
                     block = blocks[j]
                     if block != NULL_BLOCK and block not in block_hashes:
-                        if self.key_ahead:
-                            self.try_cache(block, hashes, tokens, (j + 1) * B)
-                        else:  # the chain hash of the block's last unit (`key`)
-                            cache(block, group_id, hashes[(j + 1) * step - 1], (j + 1) * B)
+                        self.try_cache(block, hashes, tokens, (j + 1) * B)
             state.num_cached = num_full
         if not self.releases:
             return None
