@@ -32,7 +32,7 @@ from hybridkv.cache.free_queue import DEFAULT_EVICTION_POLICY
 from hybridkv.cache.hashing import MAX_TOKEN_ID
 from hybridkv.cache.managers import Counters
 from hybridkv.cache.request import RequestRecord
-from hybridkv.cache.validate import check_count, check_same_lengths, token_array
+from hybridkv.cache.validate import append_tokens, check_count, check_same_lengths, token_array
 from hybridkv.cache.views import CacheViews
 from hybridkv.errors import CacheError
 from hybridkv.ids import BlockId
@@ -91,6 +91,7 @@ class CacheManager(CacheViews):
             default=MAX_TOKEN_ID,
         )
         self._all_groups = range(len(self._managers))
+        self._unit = self.coordinator.hasher.unit_tokens
         self._requests: dict[str, RequestRecord] = {}
         self._hit_requests: set[str] = set()  # running requests that started from a hit
         # only the chain policy reads hot releases (`BlockPool.releasing_hot`)
@@ -313,7 +314,21 @@ class CacheManager(CacheViews):
             raise CacheError(f"commit of request {req_id!r} without an allocated step")
         if type(a) is not int or a < 0:
             a = check_count(req_id, "num_accepted_tokens", a)
-        new_tokens = token_array(req_id, "new_token_ids", new_token_ids)
+        tokens = r.tokens
+        num_tokens = len(tokens)
+        if not append_tokens(tokens, new_token_ids):  # not a plain list of valid ids:
+            tokens.extend(token_array(req_id, "new_token_ids", new_token_ids))  # or raise
+        num_new = len(tokens) - num_tokens
+        try:
+            self._check_commit(r, req_id, a, num_tokens, num_new)
+        except CacheError:
+            del tokens[num_tokens:]  # refused: nothing changed
+            raise
+        self._commit_run(r, req_id, a)
+
+    def _check_commit(
+        self, r: RequestRecord, req_id: str, a: int, num_tokens: int, num_new: int
+    ) -> None:
         if a > r.pend_lookahead:
             raise CacheError(
                 f"commit of request {req_id!r}: {a} accepted tokens but {r.pend_lookahead} "
@@ -324,16 +339,19 @@ class CacheManager(CacheViews):
                 f"commit of request {req_id!r}: {a} accepted drafts but the plan keeps "
                 f"{self._max_accept} speculative states per request"
             )
-        c, n, lookahead = r.num_computed, r.pend_n, r.pend_lookahead
-        c2 = c + n + a
-        if c2 > len(r.tokens) + len(new_tokens):
+        c2 = r.num_computed + r.pend_n + a
+        if c2 > num_tokens + num_new:
             raise CacheError(
                 f"commit of request {req_id!r}: {c2} computed tokens would exceed "
-                f"{len(r.tokens)} + {len(new_tokens)} verified tokens"
+                f"{num_tokens} + {num_new} verified tokens"
             )
-        r.tokens.extend(new_tokens)
-        if self.caching:
-            self._ensure_hashes(r, c2)
+
+    def _commit_run(self, r: RequestRecord, req_id: str, a: int) -> None:
+        """Settle a checked step whose tokens are appended: hash, then each group."""
+        c, n, lookahead = r.num_computed, r.pend_n, r.pend_lookahead
+        c2 = c + n + a
+        if self.caching and (len(r.hashes) + 1) * self._unit <= c2:  # a unit to hash
+            self.coordinator.hasher.extend(r.hashes, r.root, r.tokens, c2)
         groups = r.groups_to_commit(c2, self._is_state_group)
         hot = req_id in self._hit_requests
         if hot:

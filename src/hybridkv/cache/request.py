@@ -33,6 +33,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from hybridkv.cache.managers import FastLimits, GroupManager
+from hybridkv.cache.validate import append_tokens
 from hybridkv.errors import InvariantError
 
 # Internal encoding of "no bound" (a `FastLimits` field of None) in the cached minima,
@@ -131,18 +132,8 @@ class RequestRecord:
             and c2 <= len(self.tokens) + len(new_token_ids)
         ):
             return False
-        if new_token_ids:
-            # array.extend refuses non-integers and ids >= 2^63 at C speed (undone on
-            # error: it may have appended some); min() refuses negative ids.
-            tokens = self.tokens
-            num = len(tokens)
-            try:
-                if min(new_token_ids) < 0:
-                    return False
-                tokens.extend(new_token_ids)
-            except (TypeError, OverflowError):
-                del tokens[num:]
-                return False
+        if new_token_ids and not append_tokens(self.tokens, new_token_ids):
+            return False  # the slow path names the bad token
         if accepted:
             for settle, states in self.settlers:
                 settle(states, accepted)

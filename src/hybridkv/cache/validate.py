@@ -68,6 +68,25 @@ def token_array(req_id: str, name: str, tokens: object) -> array[int]:
     raise AssertionError("unreachable: array() refused a valid token list")
 
 
+def append_tokens(tokens: array[int], new: Sequence[int]) -> bool:
+    """Append ``new`` to ``tokens`` if every id is an int in [0, 2^63) and return True;
+    else leave ``tokens`` as it was and return False (`token_array` names the culprit).
+    The array refuses non-integers and ids >= 2^63 at C speed; min() the negative ones."""
+    if not isinstance(new, list | tuple):
+        return False  # arrays, generators, str / bytes: `token_array` decides
+    if not new:
+        return True
+    num = len(tokens)
+    try:
+        if min(new) < 0:
+            return False
+        tokens.extend(new)
+    except (TypeError, OverflowError):
+        del tokens[num:]  # extend may have appended the ids before the bad one
+        return False
+    return True
+
+
 def check_same_lengths(call: str, req_ids: Sequence[str], **others: Sequence[object]) -> None:
     for name, values in others.items():
         if len(values) != len(req_ids):
