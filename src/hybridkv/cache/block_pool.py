@@ -168,7 +168,7 @@ class BlockPool:
             freed: list[int] = []
             tiers: list[int] = []  # -1: fresh; else the cached tier single releases pick
             for block in block_ids:
-                if block == NULL_BLOCK:
+                if not block:  # NULL_BLOCK (0): a plain truth test in the hot loop
                     continue
                 count = refs[block] - 1
                 if count < 0:
@@ -186,7 +186,7 @@ class BlockPool:
         fresh: list[int] = []
         cached: list[int] = []
         for block in block_ids:
-            if block == NULL_BLOCK:
+            if not block:  # NULL_BLOCK (0), as above
                 continue
             count = refs[block] - 1
             if count < 0:

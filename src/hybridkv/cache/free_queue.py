@@ -260,6 +260,9 @@ class FreeQueue:
         blocks only, and the caller pops the rest one by one (``num`` is then larger than
         the fresh blocks plus the second list)."""
         fresh = self._fresh
+        if num == 1 and fresh:  # a decode step's one new block
+            self._end_burst()
+            return [fresh.pop()], []
         k = min(num, len(fresh))
         taken: list[int] = []
         if k:
