@@ -185,15 +185,21 @@ class BlockPool:
             return
         fresh: list[int] = []
         cached: list[int] = []
+        add_fresh, add_cached = fresh.append, cached.append
         for block in block_ids:
             if not block:  # NULL_BLOCK (0), as above
                 continue
             count = refs[block] - 1
-            if count < 0:
+            if count > 0:  # still shared
+                refs[block] = count
+            elif count == 0:
+                refs[block] = 0
+                if block in hashes:
+                    add_cached(block)
+                else:
+                    add_fresh(block)
+            else:
                 raise InvariantError(f"pool {self.pool_id}: block {block} released while free")
-            refs[block] = count
-            if count == 0:
-                (cached if block in hashes else fresh).append(block)
         if fresh:
             self.free.push_fresh_many(fresh)
         if cached:
