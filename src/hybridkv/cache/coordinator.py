@@ -204,8 +204,8 @@ class Coordinator:
         elif nulled:
             for g, span in nulled.items():
                 base = deltas.get(g) or managers[g].delta(states[g], [], False)
-                if base is not None:
-                    deltas[g] = base._replace(nulled_range=span)
+                if base is not None:  # base._replace(nulled_range=span), the cheap way
+                    deltas[g] = _new_tuple(GroupDelta, (base[0], base[1], span))
         if not deltas and not taken:
             return NO_CHANGE
         # StepDelta(groups=deltas, taken=taken, admitted=touch), built the cheap way
