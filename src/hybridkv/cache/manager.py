@@ -24,6 +24,7 @@ persistent tables. Misuse raises `CacheError` before anything changes.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NoReturn
 
 from hybridkv.cache.coordinator import Coordinator
 from hybridkv.cache.delta import NO_CHANGE, StepDelta
@@ -319,16 +320,32 @@ class CacheManager(CacheViews):
         if not append_tokens(tokens, new_token_ids):  # not a plain list of valid ids:
             tokens.extend(token_array(req_id, "new_token_ids", new_token_ids))  # or raise
         num_new = len(tokens) - num_tokens
-        try:
-            self._check_commit(r, req_id, a, num_tokens, num_new)
-        except CacheError:
+        c, n, lookahead = r.num_computed, r.pend_n, r.pend_lookahead
+        c2 = c + n + a
+        if a > lookahead or a > self._max_accept or c2 > num_tokens + num_new:
             del tokens[num_tokens:]  # refused: nothing changed
-            raise
-        self._commit_run(r, req_id, a)
+            self._refuse_commit(r, req_id, a, num_tokens, num_new)
+        if self.caching and (len(r.hashes) + 1) * self._unit <= c2:  # a unit to hash
+            self.coordinator.hasher.extend(r.hashes, r.root, tokens, c2)
+        groups = r.groups_to_commit(c2, self._is_state_group)
+        hot = req_id in self._hit_requests
+        if hot:
+            self._set_hot(True)
+        try:
+            r.nulled = self.coordinator.commit(
+                r.states, c, n, lookahead, a, r.hashes, tokens, groups, r.nulled
+            )
+        finally:
+            if hot:
+                self._set_hot(False)
+        r.num_computed = c2
+        r.pending = False
+        r.refresh_limits(self._managers, groups)
 
-    def _check_commit(
+    def _refuse_commit(
         self, r: RequestRecord, req_id: str, a: int, num_tokens: int, num_new: int
-    ) -> None:
+    ) -> NoReturn:
+        """Raise the CacheError that explains why the commit was refused."""
         if a > r.pend_lookahead:
             raise CacheError(
                 f"commit of request {req_id!r}: {a} accepted tokens but {r.pend_lookahead} "
@@ -340,32 +357,10 @@ class CacheManager(CacheViews):
                 f"{self._max_accept} speculative states per request"
             )
         c2 = r.num_computed + r.pend_n + a
-        if c2 > num_tokens + num_new:
-            raise CacheError(
-                f"commit of request {req_id!r}: {c2} computed tokens would exceed "
-                f"{num_tokens} + {num_new} verified tokens"
-            )
-
-    def _commit_run(self, r: RequestRecord, req_id: str, a: int) -> None:
-        """Settle a checked step whose tokens are appended: hash, then each group."""
-        c, n, lookahead = r.num_computed, r.pend_n, r.pend_lookahead
-        c2 = c + n + a
-        if self.caching and (len(r.hashes) + 1) * self._unit <= c2:  # a unit to hash
-            self.coordinator.hasher.extend(r.hashes, r.root, r.tokens, c2)
-        groups = r.groups_to_commit(c2, self._is_state_group)
-        hot = req_id in self._hit_requests
-        if hot:
-            self._set_hot(True)
-        try:
-            r.nulled = self.coordinator.commit(
-                r.states, c, n, lookahead, a, r.hashes, r.tokens, groups, r.nulled
-            )
-        finally:
-            if hot:
-                self._set_hot(False)
-        r.num_computed = c2
-        r.pending = False
-        r.refresh_limits(self._managers, groups)
+        raise CacheError(
+            f"commit of request {req_id!r}: {c2} computed tokens would exceed "
+            f"{num_tokens} + {num_new} verified tokens"
+        )
 
     def _release(self, r: RequestRecord) -> None:
         self._junctions.pop(r.req_id, None)
