@@ -47,7 +47,8 @@ class Adapter(Protocol):
     def free(self, indexes: list[int]) -> None: ...
 
     # Optional: ``begin_step()``, called first in every step inside the allocate timer
-    # (vLLM's scheduler tells its manager that a step starts).
+    # (vLLM's scheduler tells its manager that a step starts); ``sub_timers``, a dict of
+    # seconds the adapter splits admission into (add, lookup, first_allocate).
 
 
 def chunk_end(start: int, budget: int, prompt_len: int, block: int, junction: int) -> int:
@@ -80,6 +81,8 @@ def run(trace: dict[str, Any], adapter: Any) -> dict[str, Any]:
         "draft_tokens": 0,
         "hit_tokens": 0,
         "admissions": 0,
+        "allocate_items": 0,  # running requests' allocate calls (admissions apart)
+        "commit_items": 0,  # commit calls (every scheduled request-step)
     }
     computed = [0] * len(prompts)
     produced = [0] * len(prompts)  # output tokens emitted
@@ -131,6 +134,7 @@ def run(trace: dict[str, Any], adapter: Any) -> dict[str, Any]:
             raise SystemExit(f"step {step}: a running request did not fit; enlarge the pool")
         timers["allocate"] += t2 - t0
         timers["decode"] += t2 - t1
+        counts["allocate_items"] += len(alloc_p) + len(alloc_d)
         admitted: list[int] = []
         blocked: set[int] = {f for f, num in before_junction.items() if num}
         while waiting and len(running) + len(admitted) < max_running and budget >= block:
@@ -189,6 +193,7 @@ def run(trace: dict[str, Any], adapter: Any) -> dict[str, Any]:
             if decode_step[i] >= len(drafts[i]):
                 finished.append(i)
         counts["request_steps"] += len(work)
+        counts["commit_items"] += len(work)
         counts["decode_request_steps"] += decodes
         if finished:
             done = set(finished)
@@ -198,4 +203,6 @@ def run(trace: dict[str, Any], adapter: Any) -> dict[str, Any]:
             timers["free"] += clock() - t0
         counts["steps"] += 1
     timers["total"] = timers["admit"] + timers["allocate"] + timers["commit"] + timers["free"]
-    return {"timers": timers, "counts": counts}
+    # Optional: the adapter's split of admission (``add``, ``lookup``, ``first_allocate``)
+    sub_timers = dict(getattr(adapter, "sub_timers", {}))
+    return {"timers": timers, "counts": counts, "sub_timers": sub_timers}

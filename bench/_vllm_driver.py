@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -93,6 +94,7 @@ class VllmAdapter:
         self.num_allocations = 0
         self.peak_used = 0
         self.pool = self.manager.block_pool
+        self.sub_timers = {"add": 0.0, "lookup": 0.0, "first_allocate": 0.0}
 
     def _track(self) -> None:
         used = self.pool.num_gpu_blocks - self.pool.get_num_free_blocks()
@@ -103,10 +105,20 @@ class VllmAdapter:
         self.manager.new_step_starts()  # as vLLM's scheduler does at every step
 
     def admit(self, index: int, prompt: list[int], chunk: Callable[[int], int]) -> int | None:
+        clock, sub = time.process_time, self.sub_timers
+        t0 = clock()
         req = Request(f"r{index}", prompt, self.params, None, block_hasher=self.hasher)
+        t1 = clock()
         blocks, hit = self.manager.get_computed_blocks(req)[:2]
         self.num_allocations += 1
-        if self.manager.allocate_slots(req, chunk(hit), hit, blocks) is None:
+        n = chunk(hit)
+        t2 = clock()
+        out = self.manager.allocate_slots(req, n, hit, blocks)
+        t3 = clock()
+        sub["add"] += t1 - t0  # the request's block hasher hashes the prompt here
+        sub["lookup"] += t2 - t1
+        sub["first_allocate"] += t3 - t2
+        if out is None:
             return None
         req.num_computed_tokens = hit
         self.requests[index] = req

@@ -32,7 +32,7 @@ Gated DeltaNet (align) main layers and a Qwen3-0.6B-like dense draft, K drafts, 
 ``vllm`` layout (the block size vLLM's rule gives; the groups are vLLM's).
 
     python bench/manager_step.py [--num-requests 768] [--max-running 256] [--reps 5]
-                                 [--configs full,hybrid] [--no-vllm]
+                                 [--configs full,hybrid] [--no-vllm] [--quick]
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from array import array
 from collections.abc import Callable
 from hashlib import sha256
 from pathlib import Path
@@ -57,7 +58,7 @@ from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _trace_loop import run
-from hybridkv.cache import CacheManager
+from hybridkv.cache import NO_CHANGE, CacheManager
 from hybridkv.cache.coordinator import hash_unit_tokens
 from hybridkv.models import load_model_spec
 from hybridkv.plan import PlanOptions, plan
@@ -157,24 +158,33 @@ class OursAdapter:
         self.blocks_taken = 0
         self.peak_used = 0
         self.track_peak = track_peak
+        self.sub_timers = {"add": 0.0, "lookup": 0.0, "first_allocate": 0.0}
 
     def _track(self) -> None:
-        if self.track_peak:
-            used = sum(p.num_usable - p.num_free for p in self.cm.coordinator.pools)
-            self.peak_used = max(self.peak_used, used)
+        used = sum(p.num_usable - p.num_free for p in self.cm.coordinator.pools)
+        self.peak_used = max(self.peak_used, used)
 
     def admit(self, index: int, prompt: list[int], chunk: Callable[[int], int]) -> int | None:
         req = self.ids[index] = f"r{index}"
-        cm = self.cm
+        cm, clock, sub = self.cm, time.process_time, self.sub_timers
+        t0 = clock()
         cm.add_request(req, prompt)
-        hit = cm.lookup(req)
+        t1 = clock()
+        hit = cm.lookup(req)  # hashes the prompt
+        n = chunk(hit)
+        t2 = clock()
+        delta = cm.allocate(req, n)
+        t3 = clock()
+        sub["add"] += t1 - t0
+        sub["lookup"] += t2 - t1
+        sub["first_allocate"] += t3 - t2
         self.num_allocations += 1
-        delta = cm.allocate(req, chunk(hit))
         if delta is None:
             return None
-        if delta:
-            self.blocks_taken += sum(len(b) for b in delta.taken.values())
-        self._track()
+        if delta is not NO_CHANGE:
+            self.blocks_taken += sum(map(len, delta.taken.values()))
+        if self.track_peak:
+            self._track()
         return hit
 
     def allocate(self, items: list[tuple[int, int, int]]) -> bool:
@@ -182,26 +192,24 @@ class OursAdapter:
             return True
         ids = self.ids
         self.num_allocations += len(items)
-        results = self.cm.allocate_batch(
-            [ids[i] for i, _, _ in items], [n for _, n, _ in items], [d for _, _, d in items]
-        )
+        indexes, num_new, num_drafts = zip(*items, strict=True)
+        results = self.cm.allocate_batch([ids[i] for i in indexes], num_new, num_drafts)
+        if None in results:
+            return False
         for delta in results:
-            if delta is None:
-                return False
-            if delta:
-                self.blocks_taken += sum(len(b) for b in delta.taken.values())
-        self._track()
+            if delta is not NO_CHANGE:
+                self.blocks_taken += sum(map(len, delta.taken.values()))
+        if self.track_peak:
+            self._track()
         return True
 
     def commit(self, items: list[tuple[int, int, int, list[int]]]) -> None:
         if items:
             ids = self.ids
-            self.cm.commit_batch(
-                [ids[i] for i, _, _, _ in items],
-                [a for _, _, a, _ in items],
-                [new for _, _, _, new in items],
-            )
-            self._track()
+            indexes, _, accepted, new = zip(*items, strict=True)
+            self.cm.commit_batch([ids[i] for i in indexes], accepted, new)
+            if self.track_peak:
+                self._track()
 
     def free(self, indexes: list[int]) -> None:
         ids, free = self.ids, self.cm.free
@@ -217,6 +225,7 @@ def run_ours(cache_plan: CachePlan, trace: dict[str, Any], track_peak: bool = Fa
     result["counts"]["allocate_calls"] = adapter.num_allocations
     result["evictions"] = stats.num_evictions
     result["blocks_taken"] = adapter.blocks_taken
+    result["blocks_stored"] = stats.num_blocks_stored
     result["peak_used_blocks"] = adapter.peak_used
     return result
 
@@ -264,10 +273,13 @@ def run_vllm(
 
 # ---------------------------------------------------------------------- the floor
 class _FastCall:
-    __slots__ = ("limit", "n", "pending")
+    """The least a request's step can cost: compare a counter, then append tokens."""
+
+    __slots__ = ("limit", "n", "pending", "tokens")
 
     def __init__(self) -> None:
         self.limit, self.n, self.pending = 1 << 40, 0, False
+        self.tokens = array("q")
 
     def step(self, n: int, lookahead: int) -> bool:
         if not self.pending and self.n + n + lookahead <= self.limit and lookahead >= 0:
@@ -276,8 +288,9 @@ class _FastCall:
             return True
         return False
 
-    def settle(self) -> None:
+    def settle(self, new: list[int]) -> None:
         self.pending = False
+        self.tokens.extend(new)
 
 
 def _per_call_seconds(fn: Callable[[], None], number: int) -> float:
@@ -290,15 +303,17 @@ def _per_call_seconds(fn: Callable[[], None], number: int) -> float:
 
 
 def unit_costs(unit_tokens: int) -> dict[str, float]:
-    """Seconds per fast-path call pair, per block life, per hashed unit (min of 5)."""
+    """Seconds per request-step call pair, block life, index operation and hashed unit
+    (min of 5 runs of 100k each)."""
     number = 100_000
-    obj = _FastCall()
+    requests = {f"r{i}": _FastCall() for i in range(256)}
 
     def calls() -> None:
-        step, settle = obj.step, obj.settle
+        get, new = requests.get, [5, 6]
         for _ in range(number):
-            step(1, 3)
-            settle()
+            get("r7").step(1, 3)  # type: ignore[union-attr]
+            get("r7").settle(new)  # type: ignore[union-attr]
+        requests["r7"].tokens = array("q")
 
     free = list(range(number))
     table: list[int] = []
@@ -311,43 +326,65 @@ def unit_costs(unit_tokens: int) -> dict[str, float]:
             back(b)
         table.clear()
 
+    keys = [sha256(i.to_bytes(8, "little")).digest() for i in range(number)]
+    index: dict[bytes, int] = {}
+
+    def index_ops() -> None:  # one insert, one hit, one delete per key: / 3 below
+        for i, key in enumerate(keys):
+            index[key] = i
+        get = index.get
+        for key in keys:
+            get(key)
+        for key in keys:
+            del index[key]
+
     parent = sha256(b"root").digest()
     payload = bytes(8 * unit_tokens)
+    empty = sha256()
 
-    def hashing() -> None:
-        p = parent
+    def hashing() -> None:  # the cheapest form: copy an empty context, as hybridkv does
+        p, fresh = parent, empty.copy
         for _ in range(number // 10):
-            p = sha256(p + payload).digest()
+            h = fresh()
+            h.update(p + payload)
+            p = h.digest()
 
     return {
         "call_pair": _per_call_seconds(calls, number),
         "block": _per_call_seconds(block_life, number),
+        "index_op": _per_call_seconds(index_ops, 3 * number),
         "unit_hash": _per_call_seconds(hashing, number // 10),
     }
+
+
+FLOOR_NOTE = (
+    "floor = a pure-Python lower bound for the same work: per request-step two dict "
+    "lookups by id, a counter compare and a token append; per block taken one block "
+    "life (pop, append, push back); per block stored, evicted or hit one dict "
+    "operation; sha256 of every hashed unit (prompt at lookup, output at commit). "
+    "Excludes the adapter's batch lists, which both sides' times include."
+)
 
 
 def floor_us(
     result: dict, costs: dict[str, float], unit: int, inv_blocks: float
 ) -> tuple[float, float]:
-    """(whole trace, decode) floor in us per request-step / decode request-step.
-
-    Whole trace: a call pair per request-step, one block life per block taken, one
-    hash per unit of every token hashed (prompt at lookup, computed tokens after).
-    Decode: a call pair, plus per step's tokens their share of a unit hash and of a
-    block life in every token-indexed group (``inv_blocks`` = sum of 1 / block size).
-    """
+    """(whole trace, decode) floor in us per request-step / decode request-step
+    (see `FLOOR_NOTE`). ``inv_blocks``: sum of 1 / block size over token groups."""
     counts = result["counts"]
     hashed_units = (counts["tokens"] + counts["hit_tokens"]) / unit
+    index_ops = result["blocks_stored"] + result["evictions"] + counts["hit_tokens"] * inv_blocks
     total = (
         counts["request_steps"] * costs["call_pair"]
         + result["blocks_taken"] * costs["block"]
+        + index_ops * costs["index_op"]
         + hashed_units * costs["unit_hash"]
     )
     tokens_per_decode = counts["decode_tokens"] / max(counts["decode_request_steps"], 1)
     per_decode = (
         costs["call_pair"]
         + tokens_per_decode / unit * costs["unit_hash"]
-        + tokens_per_decode * inv_blocks * costs["block"]
+        + tokens_per_decode * inv_blocks * (costs["block"] + costs["index_op"])
     )
     return total / counts["request_steps"] * 1e6, per_decode * 1e6
 
@@ -364,53 +401,55 @@ def _report(
     costs: dict[str, float],
     unit: int,
 ) -> None:
-    def per_step(r: dict) -> float:
-        return r["timers"]["total"] / r["counts"]["request_steps"] * 1e6
+    def per(timer: str, count: str) -> Callable[[dict], float]:
+        def value(r: dict) -> float:
+            seconds = r["timers"][timer] if timer in r["timers"] else r["sub_timers"][timer]
+            return seconds / max(r["counts"][count], 1) * 1e6
 
-    def per_decode(r: dict) -> float:
-        return r["timers"]["decode"] / max(r["counts"]["decode_request_steps"], 1) * 1e6
+        return value
 
-    def per_admit(r: dict) -> float:
-        return r["timers"]["admit"] / max(r["counts"]["admissions"], 1) * 1e6
+    def per_lookup(r: dict) -> float:  # prompt hashing + lookup (vLLM hashes at add)
+        sub = r["sub_timers"]
+        return (sub["add"] + sub["lookup"]) / max(r["counts"]["admissions"], 1) * 1e6
 
-    def per_free(r: dict) -> float:
-        return r["timers"]["free"] / max(r["counts"]["admissions"], 1) * 1e6
-
+    columns: list[tuple[str, Callable[[dict], float]]] = [
+        ("request-step", per("total", "request_steps")),
+        ("decode step", per("decode", "decode_request_steps")),
+        ("admission", per("admit", "admissions")),
+        ("hash+lookup", per_lookup),
+        ("first alloc", per("first_allocate", "admissions")),
+        ("allocate", per("allocate", "allocate_items")),
+        ("commit", per("commit", "commit_items")),
+        ("free", per("free", "admissions")),
+    ]
     inv_blocks = sum(1 / g.block_size for g in cache_plan.groups if not g.is_state)
     floor_total, floor_decode = floor_us(ours[0], costs, unit, inv_blocks)
     title = (
         f"{name}: {len(cache_plan.groups)} groups, block {block}, {args.num_requests} requests "
-        f"({args.max_running} at once), drafts 0..{args.max_drafts}, {args.reps} alternating "
-        "reps, us per call: median [min-max]"
+        f"({args.max_running} at once), drafts 0..{args.max_drafts}, {len(ours)} alternating "
+        "reps; us per call (per request-step, decode request-step, admitted request, "
+        "running allocate, commit, freed request): median [min-max]"
     )
     table = Table(title=title)
-    for col in ("manager", "request-step", "decode step", "admission", "free", "vs vLLM"):
-        table.add_column(col, justify="left" if col == "manager" else "right")
-    ref_total = statistics.median(per_step(r) for r in ref) if ref else None
-    ref_decode = statistics.median(per_decode(r) for r in ref) if ref else None
+    table.add_column("manager")
+    for col, _ in columns:
+        table.add_column(col, justify="right")
     rows = [("hybridkv", ours)] + ([("vLLM 0.33", ref)] if ref else [])
     for label, runs in rows:
-        ratio = "-"
-        if ref_total and label == "hybridkv":
-            total = statistics.median(per_step(r) for r in runs)
-            decode = statistics.median(per_decode(r) for r in runs)
-            ratio = f"{ref_total / total:.2f}x (decode {ref_decode / decode:.2f}x)"
-        table.add_row(
-            label,
-            _fmt([per_step(r) for r in runs]),
-            _fmt([per_decode(r) for r in runs]),
-            _fmt([per_admit(r) for r in runs]),
-            _fmt([per_free(r) for r in runs]),
-            ratio,
-        )
-    ours_decode = statistics.median(per_decode(r) for r in ours)
+        table.add_row(label, *[_fmt([fn(r) for r in runs]) for _, fn in columns])
+    if ref:
+        ratios = []
+        for _, fn in columns:
+            mine = statistics.median(fn(r) for r in ours)
+            theirs = statistics.median(fn(r) for r in ref)
+            ratios.append(f"{theirs / mine:.2f}x" if mine else "-")
+        table.add_row("vLLM / hybridkv", *ratios)
+    ours_decode = statistics.median(columns[1][1](r) for r in ours)
     table.add_row(
         "pure-Python floor",
         f"{floor_total:.2f}",
-        f"{floor_decode:.2f}",
-        "-",
-        "-",
-        f"hybridkv decode = {ours_decode / floor_decode:.2f}x floor",
+        f"{floor_decode:.2f} (hybridkv {ours_decode / floor_decode:.1f}x)",
+        *["-"] * (len(columns) - 2),
     )
     console.print(table)
     counters = Table(title=f"{name}: work counters (must match; evictions prove a tight pool)")
@@ -423,6 +462,7 @@ def _report(
         "hit_tokens",
         "admissions",
         "allocate_calls",
+        "commit_items",
     ]
     counters.add_column("side")
     for key in [*keys, "evictions"]:
@@ -438,8 +478,8 @@ def _report(
     console.print(counters)
     console.print(
         f"unit costs: call pair {costs['call_pair'] * 1e6:.3f} us, block life "
-        f"{costs['block'] * 1e6:.3f} us, sha256 of a {unit}-token unit "
-        f"{costs['unit_hash'] * 1e6:.3f} us"
+        f"{costs['block'] * 1e6:.3f} us, index op {costs['index_op'] * 1e6:.3f} us, sha256 "
+        f"of a {unit}-token unit {costs['unit_hash'] * 1e6:.3f} us. {FLOOR_NOTE}"
     )
 
 
@@ -527,9 +567,23 @@ def main() -> None:
     parser.add_argument("--configs", default="full,hybrid")
     parser.add_argument("--vllm-python", default=DEFAULT_VLLM_PYTHON)
     parser.add_argument("--no-vllm", action="store_true")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="profiling mode: 256 requests (96 at once), 3 reps (explicit flags still win)",
+    )
     args = parser.parse_args()
+    if args.quick:
+        given = set(sys.argv[1:])
+        for flag, attr, value in (
+            ("--num-requests", "num_requests", 256),
+            ("--max-running", "max_running", 96),
+            ("--reps", "reps", 3),
+        ):
+            if flag not in given:
+                setattr(args, attr, value)
     use_vllm = not args.no_vllm and Path(args.vllm_python).exists()
-    console = Console(width=140)
+    console = Console(width=170)
     for name in args.configs.split(","):
         _run_config(name, args, use_vllm, console)
     if not use_vllm:

@@ -345,3 +345,79 @@ def test_release_many_is_exactly_single_releases_under_each_policy(policy):
         assert a._num_releases == b_._num_releases and a._anchors == b_._anchors
         for pool in pools:
             pool.check_invariants(Counter({x: pool.ref_counts[x] for x in range(1, 40)}))
+
+
+@pytest.mark.parametrize("policy", ["chain", "lru"])
+def test_take_touch_and_cache_table_in_bulk_equal_one_by_one(policy):
+    """`take_many`, `touch_many` and `cache_table` (the admission and commit hot paths)
+    leave the pool exactly as `take`, `touch` and `cache` one by one: the same block ids
+    in the same order, the same evictions and events, the same queue links."""
+    import random
+    from collections import Counter
+
+    rng = random.Random(11)
+    plan_ = PoolPlan(pool_id=0, page_bytes=1, num_pages=30, num_tensors=1, group_ids=(0,))
+    for _trial in range(40):
+        events: list[list] = [[], []]
+        pools = [BlockPool(plan_, events[i], eviction_policy=policy) for i in range(2)]
+        held: list[int] = []
+        for _round in range(4):
+            # take some blocks (evicting once the fresh ones are gone)
+            num = rng.randint(0, min(8, pools[0].num_free))
+            bulk = pools[0].take_many(num)
+            assert bulk == [pools[1].take() for _ in range(num)]
+            # cache a run of them (some keys taken already: the first copy wins)
+            keys = [bytes([rng.randrange(6), _round]) for _ in bulk]
+            table = [0, *bulk]  # a null entry first, as a released window position
+            hashes = [b"x", *keys]
+            pools[0].cache_table(0, table, 0, len(table), hashes, 1, 4)
+            for j, block in enumerate(table):
+                if block and block not in pools[1].hashes:
+                    pools[1].cache(BlockId(block), 0, hashes[j], (j + 1) * 4)
+            held += bulk
+            # release some, then touch a few of the released cached ones back
+            rng.shuffle(held)
+            freed, held = held[: len(held) // 2], held[len(held) // 2 :]
+            for pool in pools:
+                for block in freed:
+                    pool.release(BlockId(block))
+            back = [b for b in freed if b in pools[0].hashes and rng.random() < 0.5]
+            pools[0].touch_many(back)
+            for block in back:
+                pools[1].touch(BlockId(block))
+            held += back
+        a, b_ = pools
+        assert a.free.fresh_ids() == b_.free.fresh_ids()
+        assert [a.free.tier_ids(t) for t in range(3)] == [b_.free.tier_ids(t) for t in range(3)]
+        assert a.hashes == b_.hashes and a.index == b_.index
+        assert list(a.ref_counts) == list(b_.ref_counts) and a.num_stored == b_.num_stored
+        assert events[0] == events[1] and a.num_evictions == b_.num_evictions
+        for pool in pools:
+            pool.check_invariants(Counter({x: pool.ref_counts[x] for x in range(1, 30)}))
+
+
+def test_token_validation_accepts_integer_types_and_refuses_the_rest():
+    """Prompt and commit tokens are validated at C speed: any integer type in [0, 2^63)
+    packs to the same ids; negatives, ids >= 2^63 and floats are a CacheError naming the
+    position, and a refused commit changes nothing (fast path included)."""
+    import numpy as np
+
+    cm = CacheManager(toy_plan([ToyGroup("full", 4)], num_blocks=16))
+    cm.add_request("ok", [np.int64(3), True, 2**63 - 1, 0])
+    assert cm.token_ids("ok") == [3, 1, 2**63 - 1, 0]
+    for bad, where in (([1, -1], "[1]"), ([2**63, 1], "[0]"), ([1, 2.0], "[1]")):
+        with pytest.raises(CacheError, match=r"prompt_token_ids\[" + where[1] + r"\]"):
+            cm.add_request(f"bad{where}{bad[1]}", bad)
+    for i, bad in enumerate(([-4], [2**63], [1.5], [9, -1], "ab")):
+        req = f"r{i}"
+        cm.add_request(req, [5, 6, 7])
+        cm.lookup(req)
+        cm.allocate(req, 3)
+        cm.commit(req, 0, [8])
+        assert cm.allocate(req, 1) is not None  # a fast-path step (no block needed)
+        with pytest.raises(CacheError):
+            cm.commit(req, 0, bad)  # type: ignore[arg-type]
+        assert cm.token_ids(req) == [5, 6, 7, 8] and cm.num_computed_tokens(req) == 3
+        cm.commit(req, 0, [9])  # the step is still allocated: settle it
+        assert cm.token_ids(req) == [5, 6, 7, 8, 9] and cm.num_computed_tokens(req) == 4
+        cm.check_invariants()

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from array import array
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from hybridkv.cache.block import NULL_BLOCK, BlockInfo
 from hybridkv.cache.events import BLOCK_REMOVED, BLOCK_STORED, CacheEvent
@@ -109,6 +109,32 @@ class BlockPool:
         self.ref_counts[block] = 1
         return block
 
+    def take_many(self, num: int) -> list[BlockId]:
+        """``num`` calls of `take` (same blocks, same order, same evictions) in one
+        pass; the caller has checked that ``num`` blocks are free."""
+        fresh, evicted = self.free.pop_many(num)
+        for block in evicted:
+            self._evict(block)  # type: ignore[arg-type]  # ids from the free queue
+        out: list[BlockId] = fresh + evicted  # type: ignore[assignment]
+        refs = self.ref_counts
+        for block in out:
+            refs[block] = 1
+        while len(out) < num:  # chain policy: each victim depends on the last eviction
+            out.append(self.take())
+        return out
+
+    def touch_many(self, block_ids: Iterable[BlockId]) -> None:
+        """`touch` for each block in order (a request's hit blocks at admission)."""
+        refs, was_hit, free = self.ref_counts, self.was_hit, self.free
+        for block in block_ids:
+            if refs[block] == 0:
+                if block == NULL_BLOCK:
+                    raise InvariantError(f"pool {self.pool_id}: touch of the null block")
+                free.note_hit(block)
+                free.remove_cached(block)
+            refs[block] += 1
+            was_hit[block] = 1
+
     def touch(self, block_id: BlockId) -> None:
         """Add a reference to a cached block (a prefix hit); revives it if free."""
         assert block_id != NULL_BLOCK
@@ -142,7 +168,7 @@ class BlockPool:
             freed: list[int] = []
             tiers: list[int] = []  # -1: fresh; else the cached tier single releases pick
             for block in block_ids:
-                if block == NULL_BLOCK:
+                if not block:  # NULL_BLOCK (0): a plain truth test in the hot loop
                     continue
                 count = refs[block] - 1
                 if count < 0:
@@ -159,15 +185,21 @@ class BlockPool:
             return
         fresh: list[int] = []
         cached: list[int] = []
+        add_fresh, add_cached = fresh.append, cached.append
         for block in block_ids:
-            if block == NULL_BLOCK:
+            if not block:  # NULL_BLOCK (0), as above
                 continue
             count = refs[block] - 1
-            if count < 0:
+            if count > 0:  # still shared
+                refs[block] = count
+            elif count == 0:
+                refs[block] = 0
+                if block in hashes:
+                    add_cached(block)
+                else:
+                    add_fresh(block)
+            else:
                 raise InvariantError(f"pool {self.pool_id}: block {block} released while free")
-            refs[block] = count
-            if count == 0:
-                (cached if block in hashes else fresh).append(block)
         if fresh:
             self.free.push_fresh_many(fresh)
         if cached:
@@ -198,13 +230,46 @@ class BlockPool:
             self.events.append(CacheEvent(BLOCK_STORED, group_id, block_id, block_hash, num_tokens))
         return True
 
+    def cache_table(
+        self,
+        group_id: int,
+        blocks: list[BlockId],
+        first: int,
+        last: int,
+        hashes: Sequence[bytes],
+        units_per_block: int,
+        block_size: int,
+    ) -> None:
+        """`cache` each block ``blocks[j]``, j in ``[first, last)``, under the chain hash
+        ``hashes[(j + 1) * units_per_block - 1]`` (a token-indexed table's newly full
+        blocks), skipping null blocks and blocks already cached; in one loop."""
+        index, own, events = self.index[group_id], self.hashes, self.events
+        hash_group, hash_end = self.hash_group, self.hash_end
+        stored = 0
+        for j in range(first, last):
+            block = blocks[j]
+            if block == NULL_BLOCK or block in own:
+                continue
+            key = hashes[(j + 1) * units_per_block - 1]
+            if key in index:
+                continue  # the first copy wins (see `cache`)
+            index[key] = block
+            own[block] = key
+            hash_group[block] = group_id
+            hash_end[block] = (j + 1) * block_size
+            stored += 1
+            if events is not None:
+                events.append(CacheEvent(BLOCK_STORED, group_id, block, key, (j + 1) * block_size))
+        self.num_stored += stored
+
     def _evict(self, block_id: BlockId) -> None:
         block_hash = self.hashes.pop(block_id)
         group = self.hash_group[block_id]
         del self.index[group][block_hash]
         self.hash_group[block_id] = -1
         self.was_hit[block_id] = 0
-        self.free.forget(block_id)
+        if self.free.chain:  # only chain keeps reuse distances
+            self.free.forget(block_id)
         if self.ghosts is not None:
             self.ghosts[(group, block_hash)] = self.free.last_victim_newest
             if len(self.ghosts) > self.num_blocks:

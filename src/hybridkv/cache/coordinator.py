@@ -38,6 +38,8 @@ from hybridkv.errors import CacheError
 from hybridkv.ids import BlockId
 from hybridkv.plan.types import CachePlan
 
+_new_tuple = tuple.__new__  # a named tuple's own constructor is a Python function
+
 
 def hash_unit_tokens(plan: CachePlan) -> int:
     """The finest unit that divides every group's block size (see `hashing`)."""
@@ -87,6 +89,8 @@ class Coordinator:
                     key_ahead=eagle and any(ref.model == "draft" for ref in group.layers),
                 )
             )
+        self._all_groups = range(len(self.managers))
+        self._one_pool = len(self.pools) == 1
 
     def num_evictions(self) -> int:
         """Blocks evicted so far in every pool (a lookup's ``found`` stays valid while
@@ -154,31 +158,40 @@ class Coordinator:
         need a block (default: all), in order. ``nulled``: positions released since the
         last delta, per group, to hand out with this one."""
         managers = self.managers
-        todo = range(len(managers)) if groups is None else groups
-        need = [0] * len(self.pools)
-        counts = []
-        for g in todo:
-            manager = managers[g]
-            count = manager.num_new_blocks(states[g], c, n, lookahead)
-            counts.append(count)
-            need[manager.pool.pool_id] += count
-        if touch:
-            for manager, state in zip(managers, states, strict=True):
-                pool = manager.pool
-                need[pool.pool_id] += sum(pool.ref_counts[b] == 0 for b in manager.held(state))
-        for pool, num_blocks in zip(self.pools, need, strict=True):
-            if num_blocks and num_blocks > pool.num_free:
+        if groups is not None and len(groups) == 1 and not touch and not nulled:
+            return self._grow_one(states, groups[0], c, n, lookahead)
+        todo = self._all_groups if groups is None else groups
+        counts = [managers[g].num_new_blocks(states[g], c, n, lookahead) for g in todo]
+        held = [m.held(state) for m, state in zip(managers, states, strict=True)] if touch else []
+        if self._one_pool:  # the common plan: one pool, one sum
+            pool = self.pools[0]
+            need = sum(counts)
+            if touch:
+                refs = pool.ref_counts
+                for blocks in held:  # hit blocks that sit in the free queue leave it
+                    need += sum([refs[b] == 0 for b in blocks])
+            if need and need > len(pool.free):
                 return None
+        else:
+            needs = [0] * len(self.pools)
+            for g, count in zip(todo, counts, strict=True):
+                needs[managers[g].pool.pool_id] += count
+            for manager, blocks in zip(managers, held, strict=touch):
+                refs = manager.pool.ref_counts
+                needs[manager.pool.pool_id] += sum([refs[b] == 0 for b in blocks])
+            for pool, num_blocks in zip(self.pools, needs, strict=True):
+                if num_blocks and num_blocks > len(pool.free):
+                    return None
         if touch:
-            for manager, state in zip(managers, states, strict=True):
-                for block in manager.held(state):
-                    manager.pool.touch(block)
+            for manager, blocks in zip(managers, held, strict=True):
+                manager.pool.touch_many(blocks)
         deltas: dict[int, GroupDelta] = {}
         taken: dict[int, tuple[BlockId, ...]] = {}
         for g, count in zip(todo, counts, strict=True):
+            if not count and not managers[g].is_state:
+                continue  # a table that needs no block: nothing to lay out
             manager = managers[g]
             new = manager.allocate(states[g], c, n, lookahead, count)
-            assert len(new) == count
             if new:
                 taken[g] = tuple(new)
                 if not touch:
@@ -193,11 +206,30 @@ class Coordinator:
         elif nulled:
             for g, span in nulled.items():
                 base = deltas.get(g) or managers[g].delta(states[g], [], False)
-                if base is not None:
-                    deltas[g] = base._replace(nulled_range=span)
+                if base is not None:  # base._replace(nulled_range=span), the cheap way
+                    deltas[g] = _new_tuple(GroupDelta, (base[0], base[1], span))
         if not deltas and not taken:
             return NO_CHANGE
-        return StepDelta(groups=deltas, taken=taken, admitted=touch)
+        # StepDelta(groups=deltas, taken=taken, admitted=touch), built the cheap way
+        return _new_tuple(StepDelta, (deltas, taken, touch))
+
+    def _grow_one(
+        self, states: list[Any], g: int, c: int, n: int, lookahead: int
+    ) -> StepDelta | None:
+        """`try_allocate` of a running step that crosses one group's limits (the common
+        slow step: a decode step that needs one block), without the general bookkeeping."""
+        manager = self.managers[g]
+        state = states[g]
+        count = manager.num_new_blocks(state, c, n, lookahead)
+        if count and count > len(manager.pool.free):
+            return None
+        if not count and not manager.is_state:
+            return NO_CHANGE  # a table that needs no block: nothing to lay out
+        new = manager.allocate(state, c, n, lookahead, count)
+        if not new:
+            return NO_CHANGE
+        delta = manager.delta(state, new, False)
+        return _new_tuple(StepDelta, ({} if delta is None else {g: delta}, {g: tuple(new)}, False))
 
     def commit(
         self,

@@ -253,6 +253,46 @@ class FreeQueue:
         self.remove_cached(BlockId(victim))
         return BlockId(victim), True
 
+    def pop_many(self, num: int) -> tuple[list[int], list[int]]:
+        """``num`` blocks in the order ``num`` calls of `pop` hand them out, as (fresh,
+        evicted): the caller must evict the second list's blocks. Only lru evicts in bulk
+        (its victims do not depend on the evictions before them); chain hands out fresh
+        blocks only, and the caller pops the rest one by one (``num`` is then larger than
+        the fresh blocks plus the second list)."""
+        fresh = self._fresh
+        if num == 1 and fresh:  # a decode step's one new block
+            self._end_burst()
+            return [fresh.pop()], []
+        k = min(num, len(fresh))
+        taken: list[int] = []
+        if k:
+            taken = fresh[len(fresh) - k :].tolist()
+            taken.reverse()  # pop order: the stack's top first
+            del fresh[len(fresh) - k :]
+            self._end_burst()
+        k = num - k
+        if not k or self._chain:
+            return taken, []
+        if k > self._num_cached:
+            raise CacheError(f"pop of {num} blocks from a free queue holding {len(self)}")
+        # lru: the k oldest of its one tier, unlinked in one walk
+        prev, nxt, tier_of = self._prev, self._next, self._tier
+        sentinel = self._num_blocks + PROBATION
+        evicted: list[int] = []
+        node = nxt[sentinel]
+        for _ in range(k):
+            evicted.append(node)
+            tier_of[node] = -1
+            after = nxt[node]
+            prev[node] = nxt[node] = _NONE
+            node = after
+        nxt[sentinel] = node
+        prev[node] = sentinel
+        self._tier_len[PROBATION] -= k
+        self._num_cached -= k
+        self._end_burst()
+        return taken, evicted
+
     def _victim(self) -> int:
         base = self._num_blocks
         if self._tier_len[DEAD]:

@@ -23,20 +23,20 @@ persistent tables. Misuse raises `CacheError` before anything changes.
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Sequence
+from typing import NoReturn
 
-from hybridkv.cache.block import BlockInfo
 from hybridkv.cache.coordinator import Coordinator
 from hybridkv.cache.delta import NO_CHANGE, StepDelta
-from hybridkv.cache.events import CacheEvent, CacheStats
+from hybridkv.cache.events import CacheEvent
 from hybridkv.cache.free_queue import DEFAULT_EVICTION_POLICY
 from hybridkv.cache.hashing import MAX_TOKEN_ID
-from hybridkv.cache.managers import Counters, StepSlots
+from hybridkv.cache.managers import Counters
 from hybridkv.cache.needs import step_needs, total_step_needs
 from hybridkv.cache.request import RequestRecord
-from hybridkv.cache.validate import check_count, check_same_lengths, token_array
-from hybridkv.errors import CacheError, InvariantError
+from hybridkv.cache.validate import append_tokens, check_count, check_same_lengths, token_array
+from hybridkv.cache.views import CacheViews
+from hybridkv.errors import CacheError
 from hybridkv.ids import BlockId
 from hybridkv.plan.types import CachePlan
 
@@ -46,7 +46,7 @@ CHECKPOINT_RULES = ("junction",)  # extra state checkpoint rules (see managers/s
 DEFAULT_CHECKPOINT_RULES = ("junction",)
 
 
-class CacheManager:
+class CacheManager(CacheViews):
     """Blocks, prefix cache and speculative reservations for every group of a plan.
 
     ``eagle``: the plan's draft layers are an EAGLE / MTP head (their KV at a position
@@ -93,8 +93,11 @@ class CacheManager:
             default=MAX_TOKEN_ID,
         )
         self._all_groups = range(len(self._managers))
+        self._unit = self.coordinator.hasher.unit_tokens
         self._requests: dict[str, RequestRecord] = {}
         self._hit_requests: set[str] = set()  # running requests that started from a hit
+        # only the chain policy reads hot releases (`BlockPool.releasing_hot`)
+        self._track_hot = eviction_policy == "chain"
         if checkpoint_rules is None:
             checkpoint_rules = DEFAULT_CHECKPOINT_RULES
         unknown = sorted(set(checkpoint_rules) - set(CHECKPOINT_RULES))
@@ -264,126 +267,7 @@ class CacheManager:
         self._release(r)
         self._num_preemptions += 1
 
-    # ================================================================== queries
-    def has_request(self, req_id: str) -> bool:
-        return req_id in self._requests
-
-    def num_computed_tokens(self, req_id: str) -> int:
-        return self._get(req_id).num_computed
-
-    @property
-    def hash_unit_tokens(self) -> int:
-        """Tokens per chain hash (the unit of `block_hashes`)."""
-        return self.coordinator.hasher.unit_tokens
-
-    def block_hashes(self, req_id: str, start: int = 0, stop: int | None = None) -> list[bytes]:
-        """Chain hashes ``[start, stop)`` of the request's full hash units of verified
-        tokens (unit i covers tokens ``[i*U, (i+1)*U)``, U = `hash_unit_tokens`). Equal
-        hashes mean equal prefixes and cache salt; a scheduler uses them to see which
-        requests would compute the same blocks. Read-only (hashes are memoised)."""
-        r = self._get(req_id)
-        self._ensure_hashes(r, len(r.tokens))
-        return r.hashes[start:stop]
-
-    def token_ids(self, req_id: str) -> list[int]:
-        """The request's verified tokens (a copy)."""
-        return list(self._get(req_id).tokens)
-
-    def block_table(self, req_id: str, group_id: int) -> list[BlockId]:
-        """Attention groups: block j covers tokens [j*B, (j+1)*B), null block for released
-        positions. State groups: the blocks held (running first); use `state_slots`."""
-        r = self._get(req_id)
-        self._check_group(group_id)
-        if not r.started:
-            return []
-        manager = self._managers[group_id]
-        state = r.states[group_id]
-        return manager.held(state) if manager.is_state else list(state.blocks)
-
-    def block_tables(self, req_id: str) -> dict[int, list[BlockId]]:
-        return {m.group_id: self.block_table(req_id, m.group_id) for m in self._managers}
-
-    def state_slots(self, req_id: str, group_id: int) -> StepSlots:
-        """Blocks a state group reads and writes in the allocated step (see `StepSlots`)."""
-        r = self._get(req_id)
-        self._check_group(group_id)
-        manager = self._managers[group_id]
-        if not manager.is_state:
-            raise CacheError(f"group {group_id} is {manager.group.kind}, not a state group")
-        if not r.pending:
-            raise CacheError(
-                f"state_slots of request {req_id!r}: no step allocated (call allocate first)"
-            )
-        return manager.slots(r.states[group_id], r.num_computed, r.pend_n, r.pend_lookahead)
-
-    def block_info(self, pool_id: int, block_id: BlockId) -> BlockInfo:
-        return self.coordinator.pools[pool_id].info(block_id)
-
-    def num_free_blocks(self, pool_id: int = 0) -> int:
-        return self.coordinator.pools[pool_id].num_free
-
-    def usage(self) -> float:
-        pools = self.coordinator.pools
-        usable = sum(p.num_usable for p in pools)
-        return 1.0 - sum(p.num_free for p in pools) / usable if usable else 0.0
-
-    def stats(self) -> CacheStats:
-        pools = self.coordinator.pools
-        return CacheStats(
-            usage=self.usage(),
-            usage_per_pool=tuple(p.usage() for p in pools),
-            num_requests=len(self._requests),
-            num_lookups=self._num_lookups,
-            num_lookup_tokens=self._num_lookup_tokens,
-            num_hit_tokens=self._num_hit_tokens,
-            num_blocks_stored=sum(p.num_stored for p in pools),
-            num_evictions=sum(p.num_evictions for p in pools),
-            num_checkpoints_stored=self._counters.checkpoints_stored,
-            num_checkpoints_used=self._counters.checkpoints_used,
-            num_preemptions=self._num_preemptions,
-            num_allocate_failures=self._num_alloc_failures,
-        )
-
-    def take_events(self) -> list[CacheEvent]:
-        events = self._events[:]
-        self._events.clear()
-        return events
-
-    def check_invariants(self) -> None:
-        """Pools (partition, ref counts, index, null block) and every request's state."""
-        refs: list[Counter[int]] = [Counter() for _ in self.coordinator.pools]
-        for r in self._requests.values():
-            r.check_limits(self._managers)
-            if r.num_computed > len(r.tokens):
-                raise InvariantError(
-                    f"request {r.req_id!r}: {r.num_computed} computed > {len(r.tokens)} tokens"
-                )
-            if not r.started:
-                if r.num_computed or r.pending:
-                    raise InvariantError(f"request {r.req_id!r} holds no blocks but is running")
-                continue
-            for manager, state in zip(self._managers, r.states, strict=True):
-                manager.check_state(state, r.num_computed)
-                refs[manager.pool.pool_id].update(manager.held(state))
-        for pool, expected in zip(self.coordinator.pools, refs, strict=True):
-            pool.check_invariants(expected)
-
     # ================================================================== internals
-    def _get(self, req_id: str) -> RequestRecord:
-        r = self._requests.get(req_id)
-        if r is None:
-            raise CacheError(f"unknown request {req_id!r} ({len(self._requests)} known)")
-        return r
-
-    def _check_group(self, group_id: int) -> None:
-        if not 0 <= group_id < len(self._managers):
-            raise CacheError(f"group {group_id} out of range 0..{len(self._managers) - 1}")
-
-    def _ensure_hashes(self, r: RequestRecord, num_tokens: int) -> None:
-        hasher = self.coordinator.hasher
-        if (len(r.hashes) + 1) * hasher.unit_tokens <= min(num_tokens, len(r.tokens)):
-            hasher.extend(r.hashes, r.root, r.tokens, num_tokens)
-
     def _allocate_slow(
         self, r: RequestRecord | None, req_id: str, n: int, lookahead: int
     ) -> StepDelta | None:
@@ -445,7 +329,8 @@ class CacheManager:
             r.pending_states = None
             if c:
                 self._counters.checkpoints_used += len(self._state_group_ids)
-                self._hit_requests.add(req_id)
+                if self._track_hot:
+                    self._hit_requests.add(req_id)
             self._junctions.pop(req_id, None)
         r.nulled = None
         r.pending = True
@@ -463,7 +348,37 @@ class CacheManager:
             raise CacheError(f"commit of request {req_id!r} without an allocated step")
         if type(a) is not int or a < 0:
             a = check_count(req_id, "num_accepted_tokens", a)
-        new_tokens = token_array(req_id, "new_token_ids", new_token_ids)
+        tokens = r.tokens
+        num_tokens = len(tokens)
+        if not append_tokens(tokens, new_token_ids):  # not a plain list of valid ids:
+            tokens.extend(token_array(req_id, "new_token_ids", new_token_ids))  # or raise
+        num_new = len(tokens) - num_tokens
+        c, n, lookahead = r.num_computed, r.pend_n, r.pend_lookahead
+        c2 = c + n + a
+        if a > lookahead or a > self._max_accept or c2 > num_tokens + num_new:
+            del tokens[num_tokens:]  # refused: nothing changed
+            self._refuse_commit(r, req_id, a, num_tokens, num_new)
+        if self.caching and (len(r.hashes) + 1) * self._unit <= c2:  # a unit to hash
+            self.coordinator.hasher.extend(r.hashes, r.root, tokens, c2)
+        groups = r.groups_to_commit(c2, self._is_state_group)
+        hot = req_id in self._hit_requests
+        if hot:
+            self._set_hot(True)
+        try:
+            r.nulled = self.coordinator.commit(
+                r.states, c, n, lookahead, a, r.hashes, tokens, groups, r.nulled
+            )
+        finally:
+            if hot:
+                self._set_hot(False)
+        r.num_computed = c2
+        r.pending = False
+        r.refresh_limits(self._managers, groups)
+
+    def _refuse_commit(
+        self, r: RequestRecord, req_id: str, a: int, num_tokens: int, num_new: int
+    ) -> NoReturn:
+        """Raise the CacheError that explains why the commit was refused."""
         if a > r.pend_lookahead:
             raise CacheError(
                 f"commit of request {req_id!r}: {a} accepted tokens but {r.pend_lookahead} "
@@ -474,30 +389,11 @@ class CacheManager:
                 f"commit of request {req_id!r}: {a} accepted drafts but the plan keeps "
                 f"{self._max_accept} speculative states per request"
             )
-        c, n, lookahead = r.num_computed, r.pend_n, r.pend_lookahead
-        c2 = c + n + a
-        if c2 > len(r.tokens) + len(new_tokens):
-            raise CacheError(
-                f"commit of request {req_id!r}: {c2} computed tokens would exceed "
-                f"{len(r.tokens)} + {len(new_tokens)} verified tokens"
-            )
-        r.tokens.extend(new_tokens)
-        if self.caching:
-            self._ensure_hashes(r, c2)
-        groups = r.groups_to_commit(c2, self._is_state_group)
-        hot = req_id in self._hit_requests
-        if hot:
-            self._set_hot(True)
-        try:
-            r.nulled = self.coordinator.commit(
-                r.states, c, n, lookahead, a, r.hashes, r.tokens, groups, r.nulled
-            )
-        finally:
-            if hot:
-                self._set_hot(False)
-        r.num_computed = c2
-        r.pending = False
-        r.refresh_limits(self._managers, groups)
+        c2 = r.num_computed + r.pend_n + a
+        raise CacheError(
+            f"commit of request {req_id!r}: {c2} computed tokens would exceed "
+            f"{num_tokens} + {num_new} verified tokens"
+        )
 
     def _release(self, r: RequestRecord) -> None:
         self._junctions.pop(r.req_id, None)

@@ -33,6 +33,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from hybridkv.cache.managers import FastLimits, GroupManager
+from hybridkv.cache.validate import append_tokens
 from hybridkv.errors import InvariantError
 
 # Internal encoding of "no bound" (a `FastLimits` field of None) in the cached minima,
@@ -102,22 +103,20 @@ class RequestRecord:
     def try_fast_allocate(self, n: int, lookahead: int) -> bool:
         """Record the step and return True if no group needs a block and no delta is
         owed; else change nothing (the slow path validates and explains)."""
-        if type(n) is not int or type(lookahead) is not int or self.nulled is not None:
-            return False
-        top = self.num_computed + n
-        if (
-            not self.pending
-            and top + lookahead <= self.fast_end
-            and top <= self.fast_verified
-            and lookahead <= self.fast_lookahead
-            and top <= len(self.tokens)
-            and n >= 0
-            and lookahead >= 0
-        ):
-            self.pending = True
-            self.pend_n = n
-            self.pend_lookahead = lookahead
-            return True
+        if type(n) is int is type(lookahead) and not self.pending and self.nulled is None:
+            top = self.num_computed + n
+            if (
+                top + lookahead <= self.fast_end
+                and top <= self.fast_verified
+                and lookahead <= self.fast_lookahead
+                and top <= len(self.tokens)
+                and n >= 0
+                and lookahead >= 0
+            ):
+                self.pending = True
+                self.pend_n = n
+                self.pend_lookahead = lookahead
+                return True
         return False
 
     def try_fast_commit(self, accepted: int, new_token_ids: Sequence[int]) -> bool:
@@ -133,11 +132,8 @@ class RequestRecord:
             and c2 <= len(self.tokens) + len(new_token_ids)
         ):
             return False
-        if new_token_ids:
-            for t in new_token_ids:
-                if type(t) is not int or not 0 <= t <= 0x7FFFFFFFFFFFFFFF:
-                    return False
-            self.tokens.extend(new_token_ids)
+        if new_token_ids and not append_tokens(self.tokens, new_token_ids):
+            return False  # the slow path names the bad token
         if accepted:
             for settle, states in self.settlers:
                 settle(states, accepted)
@@ -179,10 +175,11 @@ class RequestRecord:
         lookahead, commit = self.lookahead_limits, self.commit_limits
         for g in groups:
             x = limits[g] = managers[g].fast_limits(states[g], c)
-            ends[g] = _UNBOUNDED if x[0] is None else x[0]
-            verified[g] = _UNBOUNDED if x[1] is None else x[1]
-            lookahead[g] = _UNBOUNDED if x[2] is None else x[2]
-            commit[g] = _UNBOUNDED if x[3] is None else x[3]
+            end, ver, spec, below = x
+            ends[g] = _UNBOUNDED if end is None else end
+            verified[g] = _UNBOUNDED if ver is None else ver
+            lookahead[g] = _UNBOUNDED if spec is None else spec
+            commit[g] = _UNBOUNDED if below is None else below
         if len(limits) == 1:
             self.fast_end, self.fast_verified = ends[0], verified[0]
             self.fast_lookahead, self.commit_below = lookahead[0], commit[0]

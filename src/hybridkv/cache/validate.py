@@ -5,11 +5,15 @@ anything changes (check, then commit)."""
 from __future__ import annotations
 
 import operator
+import sys
 from array import array
 from collections.abc import Sequence
 
 from hybridkv.cache.hashing import MAX_TOKEN_ID
 from hybridkv.errors import CacheError
+
+# byte holding the sign bit of a 64-bit int in the machine's byte order
+_HIGH_BYTE = 7 if sys.byteorder == "little" else 0
 
 
 def check_count(req_id: str, name: str, value: object) -> int:
@@ -37,12 +41,19 @@ def token_array(req_id: str, name: str, tokens: object) -> array[int]:
         )
     if not isinstance(tokens, list | tuple | array):
         tokens = list(tokens)  # type: ignore[call-overload]  # iterate once
+    # Unsigned conversion at C speed refuses negative ids and non-integers; the top bit
+    # of each id's most significant byte then tells ids >= 2^63 apart, in one C pass over
+    # the bytes (min() over the array would box every id: 4x the cost).
     try:
-        packed = array("q", tokens)  # type: ignore[arg-type]  # C speed, checks types and range
+        raw = array("Q", tokens)  # type: ignore[arg-type]
     except (TypeError, OverflowError):
-        packed = None
-    if packed is not None and (not packed or min(packed) >= 0):
-        return packed
+        raw = None
+    if raw is not None:
+        data = raw.tobytes()
+        if data[_HIGH_BYTE::8].isascii():
+            packed = array("q")
+            packed.frombytes(data)
+            return packed
     for i, t in enumerate(tokens):  # type: ignore[arg-type]  # name the culprit
         if not hasattr(t, "__index__"):
             raise CacheError(
@@ -55,6 +66,25 @@ def token_array(req_id: str, name: str, tokens: object) -> array[int]:
                 "are non-negative 64-bit ints"
             )
     raise AssertionError("unreachable: array() refused a valid token list")
+
+
+def append_tokens(tokens: array[int], new: Sequence[int]) -> bool:
+    """Append ``new`` to ``tokens`` if every id is an int in [0, 2^63) and return True;
+    else leave ``tokens`` as it was and return False (`token_array` names the culprit).
+    The array refuses non-integers and ids >= 2^63 at C speed; min() the negative ones."""
+    if not isinstance(new, list | tuple):
+        return False  # arrays, generators, str / bytes: `token_array` decides
+    if not new:
+        return True
+    num = len(tokens)
+    try:
+        if min(new) < 0:
+            return False
+        tokens.extend(new)
+    except (TypeError, OverflowError):
+        del tokens[num:]  # extend may have appended the ids before the bad one
+        return False
+    return True
 
 
 def check_same_lengths(call: str, req_ids: Sequence[str], **others: Sequence[object]) -> None:

@@ -20,6 +20,8 @@ from hybridkv.spec.layers import ChunkedLocalSpec
 
 
 class ChunkedLocalManager(FullAttentionManager):
+    releases = True
+
     def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
         super().__init__(*args, **kwargs)
         assert isinstance(self.group.spec, ChunkedLocalSpec)

@@ -16,12 +16,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from hybridkv.cache.block import NULL_BLOCK
 from hybridkv.cache.delta import GroupDelta
 from hybridkv.cache.managers.base import FastLimits, GroupManager
 from hybridkv.errors import InvariantError
 from hybridkv.ids import BlockId
+
+_new_limits = tuple.__new__  # named tuples built without their Python-level __new__
 
 
 @dataclass
@@ -36,6 +39,10 @@ class TableBlocks:
 
 class FullAttentionManager(GroupManager):
     """Left-to-right hit scan that stops at the first miss."""
+
+    # Whether blocks ever leave the window (`next_release` not None): subclasses that
+    # release set it; full attention skips the window arithmetic on every commit.
+    releases: ClassVar[bool] = False
 
     def first_live_block(self, num_computed: int) -> int:
         return self.group.spec.first_live_block(num_computed, self.block_size)
@@ -59,15 +66,27 @@ class FullAttentionManager(GroupManager):
         B = self.block_size
         max_blocks = min(limit // B, len(hashes) * self.unit_tokens // B)
         num = 0
-        while num < max_blocks:
-            end = (num + 1) * B
-            block = found.get(end)
-            if block is None:
-                block = self.cached_block(hashes, tokens, end)
-                if block is None:
-                    break
-                found[end] = block
+        # Blocks an earlier pass saw first, then the index directly: one dict get per
+        # block (the common plan: one group, one pass, `found` empty).
+        while num < max_blocks and (num + 1) * B in found:
             num += 1
+        if num < max_blocks:
+            if self.key_ahead or self.ghosts:
+                while num < max_blocks:
+                    end = (num + 1) * B
+                    block = self.cached_block(hashes, tokens, end)
+                    if block is None:
+                        break
+                    found[end] = block
+                    num += 1
+            else:
+                get, step = self.index.get, B // self.unit_tokens
+                while num < max_blocks:
+                    block = get(hashes[(num + 1) * step - 1])
+                    if block is None:
+                        break
+                    num += 1
+                    found[num * B] = block
         return num * B
 
     def window_hit(
@@ -117,12 +136,13 @@ class FullAttentionManager(GroupManager):
     ) -> TableBlocks | None:
         B = self.block_size
         k = hit // B
-        lo = min(self.first_live_block(hit), k)
+        lo = min(self.first_live_block(hit), k) if self.releases else 0
         blocks = [NULL_BLOCK] * lo
-        for j in range(lo, k):
-            block = found.get((j + 1) * B) if found is not None else None
+        get = found.get if found is not None else None
+        for end in range((lo + 1) * B, (k + 1) * B, B):
+            block = get(end) if get is not None else None
             if block is None:
-                block = self.cached_block(hashes, tokens, (j + 1) * B)
+                block = self.cached_block(hashes, tokens, end)
                 if block is None:
                     return None  # evicted since the lookup
             blocks.append(block)
@@ -136,15 +156,17 @@ class FullAttentionManager(GroupManager):
     def allocate(
         self, state: TableBlocks, c: int, n: int, lookahead: int, num_new: int
     ) -> list[BlockId]:
-        take = self.pool.take
-        new = [take() for _ in range(num_new)]
-        state.blocks.extend(new)
+        new = self.pool.take_many(num_new)
+        state.blocks += new
         return new
 
     def delta(self, state: TableBlocks, new_blocks: list[BlockId], whole: bool) -> GroupDelta:
+        # GroupDelta(start, new_blocks, None), built the cheap way (`_new_limits`)
         if whole:
-            return GroupDelta(0, tuple(state.blocks))
-        return GroupDelta(len(state.blocks) - len(new_blocks), tuple(new_blocks))
+            return _new_limits(GroupDelta, (0, tuple(state.blocks), None))
+        return _new_limits(
+            GroupDelta, (len(state.blocks) - len(new_blocks), tuple(new_blocks), None)
+        )
 
     def commit(
         self,
@@ -158,15 +180,27 @@ class FullAttentionManager(GroupManager):
     ) -> tuple[int, int] | None:
         c2 = c + n + accepted
         B = self.block_size
-        num_full = self.cacheable_end(c2, len(tokens)) // B
+        num_full = (min(c2, len(tokens) - 1) if self.key_ahead else c2) // B  # cacheable_end
         if num_full > state.num_cached:
-            if self.caching:
+            if self.caching and not self.key_ahead:  # keys: chain hashes (`key`)
+                self.pool.cache_table(
+                    self.group_id,
+                    state.blocks,
+                    state.num_cached,
+                    num_full,
+                    hashes,
+                    B // self.unit_tokens,
+                    B,
+                )
+            elif self.caching:
                 blocks, block_hashes = state.blocks, self.pool.hashes
                 for j in range(state.num_cached, num_full):
                     block = blocks[j]
                     if block != NULL_BLOCK and block not in block_hashes:
                         self.try_cache(block, hashes, tokens, (j + 1) * B)
             state.num_cached = num_full
+        if not self.releases:
+            return None
         # Settled: no step is in flight and no draft can be rejected any more, so the
         # blocks no later token can attend to are released now.
         first = self.first_live_block(c2)
@@ -201,8 +235,9 @@ class FullAttentionManager(GroupManager):
         fill = (state.num_cached + 1) * B if self.caching else None
         release = self.next_release(state.first_live)
         commit_below = release if fill is None else fill if release is None else min(fill, release)
-        # positional: end_tokens, verified_tokens, lookahead_tokens, commit_below
-        return FastLimits(len(state.blocks) * B, None, None, commit_below)
+        # end_tokens, verified_tokens, lookahead_tokens, commit_below (tuple.__new__:
+        # a third of the named tuple's own constructor, on every slow step)
+        return _new_limits(FastLimits, (len(state.blocks) * B, None, None, commit_below))
 
     def check_state(self, state: TableBlocks, c: int) -> None:
         for j, block in enumerate(state.blocks):

@@ -59,6 +59,8 @@ from hybridkv.cache.managers.base import FastLimits, GroupManager, StepSlots
 from hybridkv.errors import InvariantError
 from hybridkv.ids import BlockId
 
+_new_limits = tuple.__new__
+
 
 @dataclass
 class StateBlocks:
@@ -88,6 +90,8 @@ class StateManager(GroupManager):
         # checkpoint): 2 + S in align and all modes, 1 + S in none mode. Checkpoints of
         # the step in flight come on top (all mode, junction rule; see `blocks_needed`).
         self.budget_blocks = self.group.blocks_at(self.block_size, 1, self.num_spec_states)
+        # the last `num_new_blocks` call: (state, c, n, lookahead, its layout)
+        self._memo: tuple[StateBlocks, int, int, int, tuple[int, int, list[int]]] | None = None
 
     def new_state(self) -> StateBlocks:
         return StateBlocks()
@@ -134,7 +138,8 @@ class StateManager(GroupManager):
         self, state: StateBlocks, c: int, n: int, lookahead: int
     ) -> tuple[int, int, list[int]]:
         """(needs a write block, spec slots, checkpoint positions, ascending)."""
-        need_write = 0 if self._running_private(state) else 1
+        running = state.running
+        need_write = 0 if running is not None and running not in self.pool.hashes else 1
         num_spec = min(lookahead, self.num_spec_states)
         positions: list[int] = []
         if self.checkpoints and n > 0:
@@ -155,15 +160,23 @@ class StateManager(GroupManager):
         return need_write, num_spec, positions
 
     def num_new_blocks(self, state: StateBlocks, c: int, n: int, lookahead: int) -> int:
-        need_write, num_spec, positions = self._layout(state, c, n, lookahead)
+        layout = self._layout(state, c, n, lookahead)
+        # `allocate` follows for the same step when the pool has room: it reuses this
+        # layout (nothing between the two calls can change it: the running block is
+        # referenced, so no eviction uncaches it)
+        self._memo = (state, c, n, lookahead, layout)
+        need_write, num_spec, positions = layout
         return max(0, need_write + num_spec + len(positions) - len(state.spares))
 
     def allocate(
         self, state: StateBlocks, c: int, n: int, lookahead: int, num_new: int
     ) -> list[BlockId]:
-        need_write, _, positions = self._layout(state, c, n, lookahead)
-        take = self.pool.take
-        new = [take() for _ in range(num_new)]
+        memo, self._memo = self._memo, None
+        if memo is not None and memo[0] is state and memo[1:4] == (c, n, lookahead):
+            need_write, _, positions = memo[4]
+        else:
+            need_write, _, positions = self._layout(state, c, n, lookahead)
+        new = self.pool.take_many(num_new) if num_new else []
         state.spares.extend(new)
         state.write = state.spares.pop(0) if need_write else state.running
         state.ckpts = [(pos, state.spares.pop()) for pos in positions]
@@ -291,11 +304,17 @@ class StateManager(GroupManager):
         boundary = (c // self.block_size + 1) * self.block_size if self.checkpoints else None
         spares = len(state.spares)
         in_place = state.write == state.running and not state.ckpts
-        return FastLimits(  # positional (cheaper): end, verified, lookahead, commit_below
-            None if self._running_private(state) else c,
-            boundary,
-            None if spares >= self.num_spec_states else spares,
-            (boundary if in_place else c) if c > 0 else 0,
+        running = state.running
+        private = running is not None and running not in self.pool.hashes  # _running_private
+        # end, verified, lookahead, commit_below (tuple.__new__: see `FullAttentionManager`)
+        return _new_limits(
+            FastLimits,
+            (
+                None if private else c,
+                boundary,
+                None if spares >= self.num_spec_states else spares,
+                (boundary if in_place else c) if c > 0 else 0,
+            ),
         )
 
     def check_state(self, state: StateBlocks, c: int) -> None:
