@@ -69,6 +69,7 @@ class DemoOptions:
     threads: int | None = None
     device: str = "cpu"
     spec_method: str = "draft"  # "draft": the demo draft model; "mtp": the demo MTP head
+    spec_topk: int = 1  # > 1: a token tree of num_spec_tokens nodes (MTP head only)
 
 
 def run_demo(options: DemoOptions, progress: bool = True) -> tuple[Any, dict[str, Any]]:
@@ -96,6 +97,7 @@ def run_demo(options: DemoOptions, progress: bool = True) -> tuple[Any, dict[str
         draft=DEMO_MTP if mtp else DEMO_DRAFT,
         spec_method=options.spec_method,
         num_spec_tokens=options.num_spec_tokens,
+        spec_topk=options.spec_topk,
         memory_bytes=DEMO_MEMORY_BYTES,
         max_model_len=DEMO_MAX_MODEL_LEN,
         max_num_seqs=max(8, options.num_requests),
@@ -187,6 +189,8 @@ def _report(llm: Any, results: list[Any], peak_usage: float, wall_s: float) -> d
         "spec": {
             "method": stats.spec_method,
             "num_spec_tokens": stats.num_spec_tokens,
+            # the token tree's node paths (ranks from the root), None for a chain
+            "tree": None if llm.tree is None else [list(p) for p in llm.tree.paths],
             "num_proposed_tokens": stats.num_proposed_tokens,
             "num_accepted_tokens": stats.num_accepted_tokens,
             "acceptance_rate": stats.acceptance_rate,
@@ -232,10 +236,11 @@ def print_report(llm: Any, report: dict[str, Any]) -> None:
         console.print(out["prompt"][-60:], style="dim", end="", highlight=False)
         console.print(out["text"], style="bold", highlight=False)
     spec, cache, mem = report["spec"], report["prefix_cache"], report["memory"]
+    shape = "" if spec["tree"] is None else f", a tree of {len(spec['tree'])} nodes"
     console.rule("summary")
     console.print(
         f"speculative decoding ({'MTP head' if spec['method'] == 'mtp' else 'draft model'}, "
-        f"K={spec['num_spec_tokens']}): mean accepted "
+        f"K={spec['num_spec_tokens']}{shape}): mean accepted "
         f"length {spec['mean_accepted_length']:.2f}, acceptance {spec['acceptance_rate']:.1%}, "
         f"{spec['tokens_per_step']:.2f} tokens per main-model step (whole batch)"
     )

@@ -84,3 +84,30 @@ def test_demo_refuses_an_unknown_spec_method():
     result = CliRunner().invoke(app, ["demo", "--spec-method", "ngram", "--json"])
     assert result.exit_code == 2
     assert "ngram" in json.loads(result.stdout)["error"]["message"]
+
+
+def test_demo_tree_drafts_from_the_mtp_head_are_exact():
+    """`--spec-topk 2 --num-spec 5`: a 5-node token tree per step from the demo MTP head,
+    verified in one main pass; the output still equals plain greedy."""
+    args = ["demo", "--num-requests", "3", "--max-new-tokens", "24", "--num-spec", "5"]
+    result = CliRunner().invoke(
+        app, [*args, "--threads", "1", "--spec-method", "mtp", "--spec-topk", "2", "--json"]
+    )
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    tree = report["spec"]["tree"]
+    assert report["spec"]["num_spec_tokens"] == 5 and len(tree) == 5
+    assert any(path[-1] == 1 for path in tree)  # a second choice somewhere: not a chain
+    assert report["spec"]["mean_accepted_length"] > 1.3
+
+    from hybridkv.demo import DEMO_MAIN, demo_prompts
+    from hybridkv.engine import LLM
+
+    plain = LLM(DEMO_MAIN, max_model_len=1024).generate(demo_prompts(3), 24)
+    assert [o["text"] for o in report["outputs"]] == [r.text for r in plain]
+
+
+def test_demo_refuses_a_tree_from_the_draft_model():
+    result = CliRunner().invoke(app, ["demo", "--spec-topk", "2", "--json"])
+    assert result.exit_code == 2
+    assert "tree" in json.loads(result.stdout)["error"]["message"].lower()

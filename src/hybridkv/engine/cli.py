@@ -233,6 +233,14 @@ def demo_command(
         str,
         typer.Option("--spec-method", help="draft (the demo draft model) or mtp (its MTP head)"),
     ] = "draft",
+    spec_topk: Annotated[
+        int,
+        typer.Option(
+            "--spec-topk",
+            help="with --spec-method mtp: draft a token tree of --num-spec nodes, up to k "
+            "children per node (docs/tree_drafts.md); 1: a chain",
+        ),
+    ] = 1,
     as_json: Annotated[bool, typer.Option("--json", help="machine-readable output")] = False,
 ) -> None:
     """The whole system on the built-in demo models: plan, serve a batch sharing a
@@ -241,7 +249,9 @@ def demo_command(
     def body() -> None:
         from hybridkv.demo import DemoOptions, print_report, run_demo
 
-        options = DemoOptions(num_requests, max_new_tokens, num_spec, threads, device, spec_method)
+        options = DemoOptions(
+            num_requests, max_new_tokens, num_spec, threads, device, spec_method, spec_topk
+        )
         llm, report = run_demo(options, progress=not as_json)
         if as_json:
             emit_json(report)
