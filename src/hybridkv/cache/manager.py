@@ -34,12 +34,14 @@ from hybridkv.cache.free_queue import DEFAULT_EVICTION_POLICY
 from hybridkv.cache.hashing import MAX_TOKEN_ID
 from hybridkv.cache.managers import Counters, StepSlots
 from hybridkv.cache.request import RequestRecord
+from hybridkv.cache.turn_end import enable_turn_end
 from hybridkv.cache.validate import check_count, check_same_lengths, token_array
 from hybridkv.errors import CacheError, InvariantError
 from hybridkv.ids import BlockId
 from hybridkv.plan.types import CachePlan
 
-CHECKPOINT_RULES = ("junction",)  # extra state checkpoint rules (see managers/state.py)
+# extra checkpoint rules: junction (managers/state.py), turn_end (cache/turn_end.py)
+CHECKPOINT_RULES = ("junction", "turn_end")
 # junction on by default: never below align without it, up to 1.6x hits under pressure
 # (bench/prefix_policies.py)
 DEFAULT_CHECKPOINT_RULES = ("junction",)
@@ -52,7 +54,9 @@ class CacheManager:
     depends on the next token; groups holding them key blocks one token ahead).
     ``eviction_policy``: ``lru`` or ``chain`` (see `hybridkv.cache.free_queue`).
     ``checkpoint_rules``: extra state checkpoints on top of the plan's state mode;
-    ``junction`` (see `hybridkv.cache.managers.state`); None: `DEFAULT_CHECKPOINT_RULES`.
+    ``junction`` (see `hybridkv.cache.managers.state`), ``turn_end`` (a released request
+    keeps its partial last block and its state at its last computed token, see
+    `hybridkv.cache.turn_end`); None: `DEFAULT_CHECKPOINT_RULES`.
     """
 
     def __init__(
@@ -107,6 +111,9 @@ class CacheManager:
             if manager.is_state:
                 manager.junction_rule = self._junction
         self._junctions: dict[str, int] = {}  # junction rule: attention match at lookup
+        self._turn_end = "turn_end" in self.checkpoint_rules and self.caching
+        if self._turn_end:
+            enable_turn_end(self.coordinator)
         self._num_lookups = self._num_lookup_tokens = self._num_hit_tokens = 0
         self._num_preemptions = self._num_alloc_failures = 0
 
@@ -468,6 +475,10 @@ class CacheManager:
 
     def _release(self, r: RequestRecord) -> None:
         self._junctions.pop(r.req_id, None)
+        if r.started and self._turn_end and not r.pending:
+            # settled: every group's data at num_computed is final (see cache.turn_end)
+            self._ensure_hashes(r, r.num_computed)
+            self.coordinator.keep_turn_ends(r.states, r.num_computed, r.hashes, r.tokens)
         if r.started:
             hot = r.req_id in self._hit_requests
             if hot:

@@ -56,6 +56,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from hybridkv.cache.managers.base import FastLimits, GroupManager, StepSlots
+from hybridkv.cache.turn_end import find_turn_end, store_turn_end
 from hybridkv.errors import InvariantError
 from hybridkv.ids import BlockId
 
@@ -103,7 +104,13 @@ class StateManager(GroupManager):
             return 0
         B = self.block_size
         pos = min(limit, len(hashes) * self.unit_tokens) // B * B
+        turn_end = self.turn_end
         while pos > 0:
+            if turn_end and pos < limit:  # a turn end in (pos, limit] beats pos
+                entry = find_turn_end(self, hashes, tokens, pos, limit)
+                if entry is not None:
+                    found[entry[0]] = entry[1]
+                    return entry[0]
             block = found.get(pos)
             if block is None:
                 block = self.cached_block(hashes, tokens, pos)
@@ -124,8 +131,29 @@ class StateManager(GroupManager):
             return StateBlocks()
         block = found.get(hit) if found is not None else None
         if block is None:
-            block = self.cached_block(hashes, tokens, hit)
+            B = self.block_size
+            if hit % B:
+                entry = find_turn_end(self, hashes, tokens, hit // B * B, hit, exact=True)
+                block = None if entry is None else entry[1]
+            else:
+                block = self.cached_block(hashes, tokens, hit)
         return None if block is None else StateBlocks(running=block)
+
+    def keep_turn_end(
+        self, state: StateBlocks, c: int, hashes: Sequence[bytes], tokens: Sequence[int]
+    ) -> None:
+        # The running block holds the state after exactly c tokens once a step settled;
+        # a checkpoint boundary is cached at commit already.
+        running = state.running
+        if (
+            not self.checkpoints
+            or running is None
+            or self.cacheable_end(c, len(tokens)) != c
+            or self.pool.is_cached(running)
+        ):
+            return
+        if store_turn_end(self, running, hashes, tokens, c):
+            self.counters.checkpoints_stored += 1
 
     def _running_private(self, state: StateBlocks) -> bool:
         return state.running is not None and not self.pool.is_cached(state.running)
