@@ -417,6 +417,17 @@ MACHINES = [
         num_spec_tokens=2,
         num_blocks=30,
     ),
+    # split: the attention match (blocks of 4) falls inside state intervals of 8, where
+    # junction checkpoints go under turn-end keys
+    _machine(
+        "TurnEndJunctionInsideIntervalSplit",
+        [F4, S8],
+        rules=("junction", "turn_end"),
+        eviction="chain",
+        num_spec_tokens=1,
+        layout="split",
+        num_blocks=16,
+    ),
     _machine(
         "TurnEndAllChainEagleSplit",
         [F4, SW, S8, ToyGroup("full", 4, model="draft")],

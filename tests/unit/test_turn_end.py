@@ -167,3 +167,19 @@ def test_rule_name_and_unknown_rules():
     )
     with pytest.raises(CacheError, match=r"\['turn-end'\] are unknown.*turn_end"):
         CacheManager(plan, checkpoint_rules=("turn-end",))
+
+
+def test_junction_with_turn_end_checkpoints_at_the_attention_match_inside_an_interval():
+    """split: attention blocks of 4, state interval 8. A computed 14 tokens; B shares
+    its first 12 then diverges: attention matches 12, the state only 8. With turn_end
+    the junction checkpoint goes at 12 itself (without: at 8), so C hits 12."""
+    shared = list(range(200, 212))
+    for rules, expected in ((("junction", "turn_end"), 12), (("junction",), 8)):
+        cm = _manager(rules, layout="split")
+        _run_turn(cm, "a", shared + [1, 2], [3])
+        b = shared + [50, 51, 52, 53, 54]
+        _run_turn(cm, "b", b, [4])
+        cm.add_request("c", shared + [60, 61])
+        assert cm.lookup("c") == expected
+        assert cm.allocate("c", 2 + 12 - expected) is not None
+        cm.check_invariants()

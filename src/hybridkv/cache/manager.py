@@ -398,7 +398,9 @@ class CacheManager:
                 match = self._junctions.get(req_id, 0)
                 for g in self._state_group_ids:
                     interval = self._managers[g].block_size
-                    junction = match // interval * interval
+                    # with turn_end keys a checkpoint may sit inside an interval: at
+                    # the attention match itself (cache/turn_end.py)
+                    junction = match if self._turn_end else match // interval * interval
                     states[g].junction = junction if junction > c else 0
         else:
             states = r.states

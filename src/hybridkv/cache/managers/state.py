@@ -17,6 +17,8 @@ Extra rule ``junction`` (any caching mode): when a request's prompt matches the 
 further than its state hit (attention blocks cached to J, state only to a checkpoint
 before J), the step that crosses the boundary at or below J also checkpoints there,
 so the next request sharing that prefix finds a state where the shared prefix ends.
+With the ``turn_end`` rule too, that checkpoint is at J itself (an attention block
+boundary, inside a state interval), cached under a turn-end key (`cache.turn_end`).
 
 Blocks a request holds in a state group (S = ``num_spec_states``)::
 
@@ -221,10 +223,11 @@ class StateManager(GroupManager):
         produced += state.ckpts
         new_running = produced[accepted][1]
         spares: list[BlockId] = []
+        junction = state.junction if self.turn_end else 0
         for pos, block in produced:
             if block == new_running:
                 continue
-            if pos <= c2 and self._store_checkpoint(block, pos, hashes, tokens):
+            if pos <= c2 and self._store_checkpoint(block, pos, hashes, tokens, pos == junction):
                 self.pool.release(block)  # stays in the cache as evictable
             else:
                 spares.append(block)
@@ -286,11 +289,21 @@ class StateManager(GroupManager):
         )
 
     def _store_checkpoint(
-        self, block: BlockId, pos: int, hashes: Sequence[bytes], tokens: Sequence[int]
+        self,
+        block: BlockId,
+        pos: int,
+        hashes: Sequence[bytes],
+        tokens: Sequence[int],
+        junction: bool = False,
     ) -> bool:
-        if not self.checkpoints or pos <= 0 or pos % self.block_size:
+        """Cache the state after ``pos`` tokens held in ``block``: at a boundary, or
+        (``junction``: the junction rule's checkpoint under turn_end) inside one."""
+        if not self.checkpoints or pos <= 0:
             return False
-        if not self.try_cache(block, hashes, tokens, pos):
+        if pos % self.block_size:
+            if not (junction and store_turn_end(self, block, hashes, tokens, pos)):
+                return False
+        elif not self.try_cache(block, hashes, tokens, pos):
             return False
         self.counters.checkpoints_stored += 1
         return True
@@ -337,8 +350,9 @@ class StateManager(GroupManager):
                 f"checkpoints in flight), budget {self.budget_blocks}"
             )
         positions = [pos for pos, _ in state.ckpts]
+        inside = state.junction if self.turn_end else None  # may sit inside an interval
         if positions != sorted(set(positions)) or any(
-            pos <= c or pos % self.block_size for pos in positions
+            pos <= c or (pos % self.block_size and pos != inside) for pos in positions
         ):
             raise InvariantError(
                 f"group {self.group_id}: checkpoint positions {positions} are not ascending "
