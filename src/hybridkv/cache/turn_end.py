@@ -11,6 +11,12 @@ multiple of a group's block size ``B``:
   ``a = c // B * B``) instead of freeing it;
 * state groups cache their running state (the state after exactly ``c`` tokens).
 
+Both are released at once into the eviction policy's first tier (``chain``: with the
+dead blocks; ``lru`` has one tier): an entry serves one continuation only (the
+session's next turn), and single-turn traffic leaves one per request that nobody
+comes back for. With memory to spare they stay; under pressure they go before any
+block that can serve a shared prefix, so the rule never costs the block hits.
+
 Key of such an entry (never equal to a chain hash: it is longer than a digest)::
 
     TAG | chain hash at a | tokens[a:c] (8 bytes each) | tokens[c] (groups keyed ahead)

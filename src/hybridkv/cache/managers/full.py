@@ -173,7 +173,10 @@ class FullAttentionManager(GroupManager):
             return
         block = state.blocks[j]
         if block != NULL_BLOCK and block not in self.pool.hashes:
-            store_turn_end(self, block, hashes, tokens, end)
+            if store_turn_end(self, block, hashes, tokens, end):
+                # released now, first to evict (`cache.turn_end`); release_all skips it
+                self.pool.release(block, dead=True)
+                state.blocks[j] = NULL_BLOCK
 
     def num_new_blocks(self, state: TableBlocks, c: int, n: int, lookahead: int) -> int:
         # Table positions [0, cdiv(c + n + L, B)): the spec's blocks_needed plus the

@@ -156,6 +156,11 @@ class StateManager(GroupManager):
             return
         if store_turn_end(self, running, hashes, tokens, c):
             self.counters.checkpoints_stored += 1
+            # released now, first to evict (`cache.turn_end`); release_all skips it
+            self.pool.release(running, dead=True)
+            if state.write == running:
+                state.write = None
+            state.running = None
 
     def _running_private(self, state: StateBlocks) -> bool:
         return state.running is not None and not self.pool.is_cached(state.running)
