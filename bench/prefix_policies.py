@@ -1,9 +1,10 @@
 """Prefix-reuse policies: hit rate against the token-exact reuse bound and vLLM's rule.
 
 Question: which state checkpoint policy (``--state-mode align|all`` + the ``junction``
-rule) and which eviction policy (``lru`` | ``chain``) reuse the most prefix, with and
-without speculative decoding, as memory shrinks? Every row replays one seeded workload
-through the real `CacheManager` (simulator, no model compute) and reports:
+and ``turn_end`` rules) and which eviction policy (``lru`` | ``chain``) reuse the most
+prefix, with and without speculative decoding, as memory shrinks? Every row replays one
+seeded workload through the real `CacheManager` (simulator, no model compute) and
+reports:
 
 * ``hit``: prefix hit rate (hit prompt tokens / prompt tokens, first admissions);
 * ``bound``: the token-exact reuse bound of the trace (`hybridkv.sim.reuse`), and
@@ -12,6 +13,9 @@ through the real `CacheManager` (simulator, no model compute) and reports:
   block-granular cache could reach with infinite memory);
 * ``vs vllm``: hit / the hit of vLLM's rule (our ``vllm`` layout, ``align``, ``lru``)
   on the same trace and memory, in the same run;
+* policy ``vLLM's manager``: vLLM's own `KVCacheManager` (its policies) driven by the
+  same scheduler over the same trace and pool (`_vllm_study.py`, in vLLM's venv; chat
+  and round robin, spec none and ngram; skipped when that venv is missing);
 * work counters: checkpoints stored, evictions, preemptions, simulator wall seconds.
 
 Families: ``chat`` (multi-turn sessions over shared system prompts), ``agentic`` (tool
@@ -22,12 +26,17 @@ sliding-window layers + 10 full ones, fp8, block 16, and on the same model all f
     python bench/prefix_policies.py              # short grid (about a minute on 2 cores)
     python bench/prefix_policies.py --full       # every family x policy x spec x memory
     python bench/prefix_policies.py --plots docs/prefix_policies   # PNGs (matplotlib)
+    python bench/prefix_policies.py --no-vllm    # without vLLM's own manager
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
+import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,6 +53,9 @@ from hybridkv.sim.reuse import reuse_bound_tokens
 from hybridkv.spec import AttentionSpec, DType, ModelSpec, SlidingWindowSpec
 
 GiB = 1 << 30
+HERE = Path(__file__).resolve().parent
+DEFAULT_VLLM_PYTHON = "/work/vllm-venv/bin/python"
+VLLM_OWN = "vLLM's manager"
 
 
 @dataclass(frozen=True)
@@ -53,21 +65,27 @@ class Policy:
     name: str
     layout: str = "auto"
     state_mode: str | None = None  # None: the planner's default
-    rules: tuple[str, ...] | None = None  # None: the manager's default (junction)
+    rules: tuple[str, ...] | None = None  # None: the manager's default (junction, turn_end)
     eviction: str | None = None  # None: the manager's default (chain)
 
 
 VLLM = Policy("vllm rule", layout="vllm", state_mode="align", rules=(), eviction="lru")
 DEFAULT = Policy("default")
+TURN_END = ("junction", "turn_end")
 POLICIES = [
     VLLM,
     DEFAULT,
     Policy("align+lru", state_mode="align", rules=(), eviction="lru"),
     Policy("all+lru", state_mode="all", rules=(), eviction="lru"),
     Policy("all+chain", state_mode="all", rules=(), eviction="chain"),
-    Policy("align+junction+lru", state_mode="align", rules=("junction",), eviction="lru"),
     Policy("align+junction+chain", state_mode="align", rules=("junction",), eviction="chain"),
+    Policy("align+turn_end+chain", state_mode="align", rules=("turn_end",), eviction="chain"),
+    Policy("align+junction+turn_end+lru", state_mode="align", rules=TURN_END, eviction="lru"),
+    Policy("all+junction+turn_end+chain", state_mode="all", rules=TURN_END, eviction="chain"),
 ]
+# spec methods whose rows vLLM's own manager replays (no drafter KV to place)
+VLLM_OWN_SPECS = ("none", "ngram")
+VLLM_OWN_FAMILIES = ("chat", "roundrobin")
 
 
 def pressure_models() -> dict[str, ModelSpec]:
@@ -165,7 +183,7 @@ def grid(full: bool) -> list[tuple[Any, ...]]:
             ("roundrobin", "swa60 (50 SWA + 10 full)", [4, 6, 8, 10, 12, 16], [None], POLICIES, {}),
             ("roundrobin", "dense60", [4, 8, 12, 16, 20, 24], [None], POLICIES, {}),
         ]
-    short_policies = [VLLM, DEFAULT, POLICIES[4], POLICIES[6]]
+    short_policies = [VLLM, DEFAULT, POLICIES[4], POLICIES[5], POLICIES[8]]
     return [
         ("chat", qwen, [24], specs_all, short_policies, {}),
         ("chat", qwen, [2, 4], [None], short_policies, {}),
@@ -176,23 +194,26 @@ def grid(full: bool) -> list[tuple[Any, ...]]:
     ]
 
 
+def study_trace(family: str, method: str | None, seed: int, full: bool) -> list:
+    """The seeded trace of one (family, spec method) of the grid (also rebuilt by
+    `_vllm_study.py` in vLLM's venv)."""
+    num = {"chat": 200 if full else 120, "agentic": 60 if full else 40, "fewshot": 200}
+    opts = workload_options(
+        family, num_requests=num.get(family), seed=seed, max_drafts=3 if method else 0
+    )
+    return generate_workload(family, opts)
+
+
 def run(full: bool, seed: int) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     pressure = pressure_models()
-    num = {"chat": 200 if full else 120, "agentic": 60 if full else 40, "fewshot": 200}
     for family, model_name, memories, methods, policies, _ in grid(full):
         main = pressure[model_name] if model_name in pressure else load_model_spec(model_name)
         extra: dict[str, Any] = {}
         if family == "roundrobin":
             extra = {"kv_dtype": DType.FP8_E4M3, "block_size": 16}
         for method in methods:
-            opts = workload_options(
-                family,
-                num_requests=num.get(family),
-                seed=seed,
-                max_drafts=3 if method else 0,
-            )
-            trace = generate_workload(family, opts)
+            trace = study_trace(family, method, seed, full)
             bound = reuse_bound_tokens(trace)
             for memory in memories:
                 for policy in policies:
@@ -204,6 +225,11 @@ def run(full: bool, seed: int) -> list[dict[str, Any]]:
                         print(f"skipped {family} {method} {memory} GiB {policy.name}: {err}")
                         continue
                     rows.append(row)
+    add_vs_vllm(rows)
+    return rows
+
+
+def add_vs_vllm(rows: list[dict[str, Any]]) -> None:
     for row in rows:
         base = next(
             (
@@ -215,7 +241,83 @@ def run(full: bool, seed: int) -> list[dict[str, Any]]:
             None,
         )
         row["vs_vllm"] = row["hit"] / base["hit"] if base and base["hit"] else None
-    return rows
+
+
+def run_vllm_own(
+    rows: list[dict[str, Any]], python: str, seed: int, full: bool
+) -> list[dict[str, Any]]:
+    """Rows of policy `VLLM_OWN`: vLLM's `KVCacheManager` on the chat and round-robin
+    rows' traces and pools (`_vllm_study.py`, one process for every job)."""
+    keys = sorted(
+        {
+            (r["family"], r["model"], r["spec"], r["memory_gib"])
+            for r in rows
+            if r["family"] in VLLM_OWN_FAMILIES and r["spec"] in VLLM_OWN_SPECS
+        }
+    )
+    models = {name.split()[0]: name for name in pressure_models()}
+    jobs = [
+        {
+            "key": list(key),
+            "family": key[0],
+            "model": models.get(key[1].split()[0], key[1]),
+            "spec": key[2],
+            "memory_gib": key[3],
+            "seed": seed,
+            "full": full,
+        }
+        for key in keys
+    ]
+    if not jobs:
+        return []
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as handle:
+        json.dump(jobs, handle)
+    src = str(Path(__import__("hybridkv").__file__).resolve().parent.parent)
+    env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "PYTHONPATH": src}
+    start = time.perf_counter()
+    try:
+        proc = subprocess.run(
+            [python, str(HERE / "_vllm_study.py"), handle.name],
+            capture_output=True,
+            text=True,
+            timeout=3600,
+            env=env,
+        )
+    finally:
+        os.unlink(handle.name)
+    out: list[dict[str, Any]] = []
+    for line in proc.stdout.splitlines():
+        if not line.startswith("{"):
+            continue
+        got = json.loads(line)
+        if "error" in got:
+            print(f"vLLM's manager failed on {got['key']}: {got['error']}", file=sys.stderr)
+            continue
+        family, model, spec, memory = got["key"]
+        key = (family, model, spec, memory)
+        like = next(r for r in rows if (r["family"], r["model"], r["spec"], r["memory_gib"]) == key)
+        bound = like["bound"]
+        out.append(
+            {
+                **{k: like[k] for k in ("family", "model", "spec", "memory_gib", "bound")},
+                "policy": VLLM_OWN,
+                "layout": "vllm",
+                "granularity": like["granularity"] if like["layout"] == "vllm" else 0,
+                "hit": got["hit"],
+                "of_bound": got["hit"] / bound if bound else 0.0,
+                "block_bound": like["block_bound"],
+                "of_block_bound": 0.0,
+                "checkpoints": 0,
+                "evictions": got["evictions"],
+                "preemptions": 0,
+                "finished": like["finished"],
+                "requests": like["requests"],
+                "wall_s": (time.perf_counter() - start) / len(jobs),
+            }
+        )
+    if proc.returncode != 0 and not out:
+        print(f"vLLM's manager did not run: {proc.stderr[-2000:]}", file=sys.stderr)
+    return out
 
 
 def render(rows: list[dict[str, Any]], title: str) -> None:
@@ -303,9 +405,14 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--plots", type=Path, default=None, help="folder for PNG plots")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--vllm-python", default=DEFAULT_VLLM_PYTHON)
+    parser.add_argument("--no-vllm", action="store_true", help="skip vLLM's own manager")
     args = parser.parse_args()
     start = time.perf_counter()
     rows = run(args.full, args.seed)
+    if not args.no_vllm and Path(args.vllm_python).exists():
+        rows += run_vllm_own(rows, args.vllm_python, args.seed, args.full)
+        add_vs_vllm(rows)
     if args.json:
         print(json.dumps(rows, indent=2))
     else:

@@ -184,9 +184,10 @@ class StateManager(GroupManager):
                     )
                     if held <= self.budget_blocks:
                         positions = [last]
-                j = state.junction
-                if self.junction_rule and c < j < c + n and j not in positions:
-                    positions = sorted([*positions, j])
+            # (inside an interval, under turn_end, a step may cross it and no boundary)
+            j = state.junction
+            if self.junction_rule and c < j < c + n and j not in positions:
+                positions = sorted([*positions, j])
         return need_write, num_spec, positions
 
     def num_new_blocks(self, state: StateBlocks, c: int, n: int, lookahead: int) -> int:
@@ -239,7 +240,7 @@ class StateManager(GroupManager):
         old = state.running
         if old is not None and old != state.write:
             self.pool.release(old)  # a read-only checkpoint this step started from
-        self._store_checkpoint(new_running, c2, hashes, tokens)
+        self._store_checkpoint(new_running, c2, hashes, tokens, c2 == junction)
         state.running = new_running
         state.write = new_running if not self.pool.is_cached(new_running) else None
         state.spares = spares + state.spares[num_spec:]
@@ -278,6 +279,8 @@ class StateManager(GroupManager):
             return False
         if not self.checkpoints:
             return True
+        if self.turn_end and c < state.junction <= c2:
+            return False  # a junction inside the interval, reached: cache it
         B = self.block_size
         return c2 < (c // B + 1) * B and (n > 0 or c % B != 0)
 
@@ -335,6 +338,8 @@ class StateManager(GroupManager):
         # Commit: `settle_fast` only swaps running and a spec slot, so the step must
         # have written in place, and stop before the boundary (which gets cached).
         boundary = (c // self.block_size + 1) * self.block_size if self.checkpoints else None
+        if boundary is not None and c < state.junction < boundary:
+            boundary = state.junction  # turn_end: a junction inside the interval
         spares = len(state.spares)
         in_place = state.write == state.running and not state.ckpts
         return FastLimits(  # positional (cheaper): end, verified, lookahead, commit_below
