@@ -42,9 +42,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rich.console import Console
-from rich.table import Table
-
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # `hybridkv bench` runs it by path
+from _prefix_report import VLLM_OWN, markdown, plot, render
 from hybridkv.errors import PlanError
 from hybridkv.models import load_model_spec
 from hybridkv.plan import PlanOptions, plan
@@ -55,7 +54,6 @@ from hybridkv.spec import AttentionSpec, DType, ModelSpec, SlidingWindowSpec
 GiB = 1 << 30
 HERE = Path(__file__).resolve().parent
 DEFAULT_VLLM_PYTHON = "/work/vllm-venv/bin/python"
-VLLM_OWN = "vLLM's manager"
 
 
 @dataclass(frozen=True)
@@ -320,85 +318,6 @@ def run_vllm_own(
     return out
 
 
-def render(rows: list[dict[str, Any]], title: str) -> None:
-    table = Table(title=title)
-    cols = (
-        "family",
-        "model",
-        "spec",
-        "GiB",
-        "policy",
-        "layout",
-        "gran",
-        "hit",
-        "bound",
-        "of bound",
-        "of block bound",
-        "vs vllm",
-        "ckpts",
-        "evictions",
-        "preempt",
-        "wall s",
-    )
-    for col in cols:
-        table.add_column(col)
-    for r in rows:
-        table.add_row(
-            r["family"],
-            r["model"],
-            r["spec"],
-            f"{r['memory_gib']:g}",
-            r["policy"],
-            r["layout"],
-            str(r["granularity"]),
-            f"{r['hit']:.3f}",
-            f"{r['bound']:.3f}",
-            f"{r['of_bound']:.1%}",
-            f"{r['of_block_bound']:.1%}",
-            "-" if r["vs_vllm"] is None else f"{r['vs_vllm']:.2f}x",
-            str(r["checkpoints"]),
-            str(r["evictions"]),
-            str(r["preemptions"]),
-            f"{r['wall_s']:.1f}",
-        )
-    Console(width=220).print(table)
-
-
-def plot(rows: list[dict[str, Any]], folder: Path) -> list[Path]:
-    """One PNG per (family, model, spec) with more than one memory size: hit rate vs
-    memory, a line per policy, the reuse bound dashed."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    folder.mkdir(parents=True, exist_ok=True)
-    written = []
-    keys = sorted({(r["family"], r["model"], r["spec"]) for r in rows})
-    for family, model, spec in keys:
-        sub = [r for r in rows if (r["family"], r["model"], r["spec"]) == (family, model, spec)]
-        memories = sorted({r["memory_gib"] for r in sub})
-        if len(memories) < 2:
-            continue
-        fig, ax = plt.subplots(figsize=(6, 4))
-        for policy in dict.fromkeys(r["policy"] for r in sub):
-            points = sorted((r["memory_gib"], r["hit"]) for r in sub if r["policy"] == policy)
-            ax.plot([m for m, _ in points], [h for _, h in points], marker="o", label=policy)
-        ax.axhline(sub[0]["bound"], linestyle="--", color="gray", label="reuse bound")
-        ax.set_xlabel("cache memory (GiB)")
-        ax.set_ylabel("prefix hit rate")
-        ax.set_ylim(0, 1)
-        ax.set_title(f"{family}: {model}, spec {spec}")
-        ax.legend(fontsize=7)
-        fig.tight_layout()
-        slug = f"{family}_{model.split()[0]}_{spec}".replace(".", "")
-        path = folder / f"{slug}.png"
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        written.append(path)
-    return written
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--full", action="store_true", help="the whole grid (minutes)")
@@ -407,12 +326,26 @@ def main() -> None:
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--vllm-python", default=DEFAULT_VLLM_PYTHON)
     parser.add_argument("--no-vllm", action="store_true", help="skip vLLM's own manager")
+    parser.add_argument("--markdown", type=Path, default=None, help="write results.md here")
+    parser.add_argument(
+        "--from-json", type=Path, default=None, help="render the rows of an earlier --json run"
+    )
     args = parser.parse_args()
     start = time.perf_counter()
-    rows = run(args.full, args.seed)
-    if not args.no_vllm and Path(args.vllm_python).exists():
-        rows += run_vllm_own(rows, args.vllm_python, args.seed, args.full)
-        add_vs_vllm(rows)
+    if args.from_json is not None:
+        rows = json.loads(args.from_json.read_text())
+    else:
+        rows = run(args.full, args.seed)
+        if not args.no_vllm and Path(args.vllm_python).exists():
+            rows += run_vllm_own(rows, args.vllm_python, args.seed, args.full)
+            add_vs_vllm(rows)
+    if args.markdown is not None:
+        wall_s = sum(r["wall_s"] for r in rows)
+        command = (
+            "python bench/prefix_policies.py --full --plots docs/prefix_policies "
+            "--markdown docs/prefix_policies/results.md"
+        )
+        args.markdown.write_text(markdown(rows, command, wall_s))
     if args.json:
         print(json.dumps(rows, indent=2))
     else:

@@ -176,10 +176,10 @@ def test_junction_with_turn_end_checkpoints_at_the_attention_match_inside_an_int
     shared = list(range(200, 212))
     for rules, expected in ((("junction", "turn_end"), 12), (("junction",), 8)):
         cm = _manager(rules, layout="split")
-        _run_turn(cm, "a", shared + [1, 2], [3])
-        b = shared + [50, 51, 52, 53, 54]
+        _run_turn(cm, "a", [*shared, 1, 2], [3])
+        b = [*shared, 50, 51, 52, 53, 54]
         _run_turn(cm, "b", b, [4])
-        cm.add_request("c", shared + [60, 61])
+        cm.add_request("c", [*shared, 60, 61])
         assert cm.lookup("c") == expected
         assert cm.allocate("c", 2 + 12 - expected) is not None
         cm.check_invariants()

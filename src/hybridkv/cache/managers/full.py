@@ -172,11 +172,14 @@ class FullAttentionManager(GroupManager):
         if not self.caching or end % self.block_size == 0 or j >= len(state.blocks):
             return
         block = state.blocks[j]
-        if block != NULL_BLOCK and block not in self.pool.hashes:
-            if store_turn_end(self, block, hashes, tokens, end):
-                # released now, first to evict (`cache.turn_end`); release_all skips it
-                self.pool.release(block, dead=True)
-                state.blocks[j] = NULL_BLOCK
+        if (
+            block != NULL_BLOCK
+            and block not in self.pool.hashes
+            and store_turn_end(self, block, hashes, tokens, end)
+        ):
+            # released now, first to evict (`cache.turn_end`); release_all skips it
+            self.pool.release(block, dead=True)
+            state.blocks[j] = NULL_BLOCK
 
     def num_new_blocks(self, state: TableBlocks, c: int, n: int, lookahead: int) -> int:
         # Table positions [0, cdiv(c + n + L, B)): the spec's blocks_needed plus the
