@@ -402,7 +402,9 @@ class CacheManager:
                     interval = self._managers[g].block_size
                     # with turn_end keys a checkpoint may sit inside an interval: at
                     # the attention match itself (cache/turn_end.py)
-                    junction = match if self._turn_end else match // interval * interval
+                    junction = match // interval * interval
+                    if self._turn_end and match > interval:  # a turn-end key needs an anchor
+                        junction = match
                     states[g].junction = junction if junction > c else 0
         else:
             states = r.states
