@@ -1,9 +1,10 @@
 """Prefix-reuse policies: hit rate against the token-exact reuse bound and vLLM's rule.
 
 Question: which state checkpoint policy (``--state-mode align|all`` + the ``junction``
-rule) and which eviction policy (``lru`` | ``chain``) reuse the most prefix, with and
-without speculative decoding, as memory shrinks? Every row replays one seeded workload
-through the real `CacheManager` (simulator, no model compute) and reports:
+and ``turn_end`` rules) and which eviction policy (``lru`` | ``chain``) reuse the most
+prefix, with and without speculative decoding, as memory shrinks? Every row replays one
+seeded workload through the real `CacheManager` (simulator, no model compute) and
+reports:
 
 * ``hit``: prefix hit rate (hit prompt tokens / prompt tokens, first admissions);
 * ``bound``: the token-exact reuse bound of the trace (`hybridkv.sim.reuse`), and
@@ -12,6 +13,9 @@ through the real `CacheManager` (simulator, no model compute) and reports:
   block-granular cache could reach with infinite memory);
 * ``vs vllm``: hit / the hit of vLLM's rule (our ``vllm`` layout, ``align``, ``lru``)
   on the same trace and memory, in the same run;
+* policy ``vLLM's manager``: vLLM's own `KVCacheManager` (its policies) driven by the
+  same scheduler over the same trace and pool (`_vllm_study.py`, in vLLM's venv; chat
+  and round robin, spec none and ngram; skipped when that venv is missing);
 * work counters: checkpoints stored, evictions, preemptions, simulator wall seconds.
 
 Families: ``chat`` (multi-turn sessions over shared system prompts), ``agentic`` (tool
@@ -22,20 +26,24 @@ sliding-window layers + 10 full ones, fp8, block 16, and on the same model all f
     python bench/prefix_policies.py              # short grid (about a minute on 2 cores)
     python bench/prefix_policies.py --full       # every family x policy x spec x memory
     python bench/prefix_policies.py --plots docs/prefix_policies   # PNGs (matplotlib)
+    python bench/prefix_policies.py --no-vllm    # without vLLM's own manager
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
+import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rich.console import Console
-from rich.table import Table
-
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # `hybridkv bench` runs it by path
+from _prefix_report import VLLM_OWN, markdown, plot, render
 from hybridkv.errors import PlanError
 from hybridkv.models import load_model_spec
 from hybridkv.plan import PlanOptions, plan
@@ -44,6 +52,8 @@ from hybridkv.sim.reuse import reuse_bound_tokens
 from hybridkv.spec import AttentionSpec, DType, ModelSpec, SlidingWindowSpec
 
 GiB = 1 << 30
+HERE = Path(__file__).resolve().parent
+DEFAULT_VLLM_PYTHON = "/work/vllm-venv/bin/python"
 
 
 @dataclass(frozen=True)
@@ -53,21 +63,27 @@ class Policy:
     name: str
     layout: str = "auto"
     state_mode: str | None = None  # None: the planner's default
-    rules: tuple[str, ...] | None = None  # None: the manager's default (junction)
+    rules: tuple[str, ...] | None = None  # None: the manager's default (junction, turn_end)
     eviction: str | None = None  # None: the manager's default (chain)
 
 
 VLLM = Policy("vllm rule", layout="vllm", state_mode="align", rules=(), eviction="lru")
 DEFAULT = Policy("default")
+TURN_END = ("junction", "turn_end")
 POLICIES = [
     VLLM,
     DEFAULT,
     Policy("align+lru", state_mode="align", rules=(), eviction="lru"),
     Policy("all+lru", state_mode="all", rules=(), eviction="lru"),
     Policy("all+chain", state_mode="all", rules=(), eviction="chain"),
-    Policy("align+junction+lru", state_mode="align", rules=("junction",), eviction="lru"),
     Policy("align+junction+chain", state_mode="align", rules=("junction",), eviction="chain"),
+    Policy("align+turn_end+chain", state_mode="align", rules=("turn_end",), eviction="chain"),
+    Policy("align+junction+turn_end+lru", state_mode="align", rules=TURN_END, eviction="lru"),
+    Policy("all+junction+turn_end+chain", state_mode="all", rules=TURN_END, eviction="chain"),
 ]
+# spec methods whose rows vLLM's own manager replays (no drafter KV to place)
+VLLM_OWN_SPECS = ("none", "ngram")
+VLLM_OWN_FAMILIES = ("chat", "roundrobin")
 
 
 def pressure_models() -> dict[str, ModelSpec]:
@@ -165,7 +181,7 @@ def grid(full: bool) -> list[tuple[Any, ...]]:
             ("roundrobin", "swa60 (50 SWA + 10 full)", [4, 6, 8, 10, 12, 16], [None], POLICIES, {}),
             ("roundrobin", "dense60", [4, 8, 12, 16, 20, 24], [None], POLICIES, {}),
         ]
-    short_policies = [VLLM, DEFAULT, POLICIES[4], POLICIES[6]]
+    short_policies = [VLLM, DEFAULT, POLICIES[4], POLICIES[5], POLICIES[8]]
     return [
         ("chat", qwen, [24], specs_all, short_policies, {}),
         ("chat", qwen, [2, 4], [None], short_policies, {}),
@@ -176,23 +192,26 @@ def grid(full: bool) -> list[tuple[Any, ...]]:
     ]
 
 
+def study_trace(family: str, method: str | None, seed: int, full: bool) -> list:
+    """The seeded trace of one (family, spec method) of the grid (also rebuilt by
+    `_vllm_study.py` in vLLM's venv)."""
+    num = {"chat": 200 if full else 120, "agentic": 60 if full else 40, "fewshot": 200}
+    opts = workload_options(
+        family, num_requests=num.get(family), seed=seed, max_drafts=3 if method else 0
+    )
+    return generate_workload(family, opts)
+
+
 def run(full: bool, seed: int) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     pressure = pressure_models()
-    num = {"chat": 200 if full else 120, "agentic": 60 if full else 40, "fewshot": 200}
     for family, model_name, memories, methods, policies, _ in grid(full):
         main = pressure[model_name] if model_name in pressure else load_model_spec(model_name)
         extra: dict[str, Any] = {}
         if family == "roundrobin":
             extra = {"kv_dtype": DType.FP8_E4M3, "block_size": 16}
         for method in methods:
-            opts = workload_options(
-                family,
-                num_requests=num.get(family),
-                seed=seed,
-                max_drafts=3 if method else 0,
-            )
-            trace = generate_workload(family, opts)
+            trace = study_trace(family, method, seed, full)
             bound = reuse_bound_tokens(trace)
             for memory in memories:
                 for policy in policies:
@@ -204,6 +223,11 @@ def run(full: bool, seed: int) -> list[dict[str, Any]]:
                         print(f"skipped {family} {method} {memory} GiB {policy.name}: {err}")
                         continue
                     rows.append(row)
+    add_vs_vllm(rows)
+    return rows
+
+
+def add_vs_vllm(rows: list[dict[str, Any]]) -> None:
     for row in rows:
         base = next(
             (
@@ -215,86 +239,83 @@ def run(full: bool, seed: int) -> list[dict[str, Any]]:
             None,
         )
         row["vs_vllm"] = row["hit"] / base["hit"] if base and base["hit"] else None
-    return rows
 
 
-def render(rows: list[dict[str, Any]], title: str) -> None:
-    table = Table(title=title)
-    cols = (
-        "family",
-        "model",
-        "spec",
-        "GiB",
-        "policy",
-        "layout",
-        "gran",
-        "hit",
-        "bound",
-        "of bound",
-        "of block bound",
-        "vs vllm",
-        "ckpts",
-        "evictions",
-        "preempt",
-        "wall s",
+def run_vllm_own(
+    rows: list[dict[str, Any]], python: str, seed: int, full: bool
+) -> list[dict[str, Any]]:
+    """Rows of policy `VLLM_OWN`: vLLM's `KVCacheManager` on the chat and round-robin
+    rows' traces and pools (`_vllm_study.py`, one process for every job)."""
+    keys = sorted(
+        {
+            (r["family"], r["model"], r["spec"], r["memory_gib"])
+            for r in rows
+            if r["family"] in VLLM_OWN_FAMILIES and r["spec"] in VLLM_OWN_SPECS
+        }
     )
-    for col in cols:
-        table.add_column(col)
-    for r in rows:
-        table.add_row(
-            r["family"],
-            r["model"],
-            r["spec"],
-            f"{r['memory_gib']:g}",
-            r["policy"],
-            r["layout"],
-            str(r["granularity"]),
-            f"{r['hit']:.3f}",
-            f"{r['bound']:.3f}",
-            f"{r['of_bound']:.1%}",
-            f"{r['of_block_bound']:.1%}",
-            "-" if r["vs_vllm"] is None else f"{r['vs_vllm']:.2f}x",
-            str(r["checkpoints"]),
-            str(r["evictions"]),
-            str(r["preemptions"]),
-            f"{r['wall_s']:.1f}",
+    models = {name.split()[0]: name for name in pressure_models()}
+    jobs = [
+        {
+            "key": list(key),
+            "family": key[0],
+            "model": models.get(key[1].split()[0], key[1]),
+            "spec": key[2],
+            "memory_gib": key[3],
+            "seed": seed,
+            "full": full,
+        }
+        for key in keys
+    ]
+    if not jobs:
+        return []
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as handle:
+        json.dump(jobs, handle)
+    src = str(Path(__import__("hybridkv").__file__).resolve().parent.parent)
+    env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "PYTHONPATH": src}
+    start = time.perf_counter()
+    try:
+        proc = subprocess.run(
+            [python, str(HERE / "_vllm_study.py"), handle.name],
+            capture_output=True,
+            text=True,
+            timeout=3600,
+            env=env,
         )
-    Console(width=220).print(table)
-
-
-def plot(rows: list[dict[str, Any]], folder: Path) -> list[Path]:
-    """One PNG per (family, model, spec) with more than one memory size: hit rate vs
-    memory, a line per policy, the reuse bound dashed."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    folder.mkdir(parents=True, exist_ok=True)
-    written = []
-    keys = sorted({(r["family"], r["model"], r["spec"]) for r in rows})
-    for family, model, spec in keys:
-        sub = [r for r in rows if (r["family"], r["model"], r["spec"]) == (family, model, spec)]
-        memories = sorted({r["memory_gib"] for r in sub})
-        if len(memories) < 2:
+    finally:
+        os.unlink(handle.name)
+    out: list[dict[str, Any]] = []
+    for line in proc.stdout.splitlines():
+        if not line.startswith("{"):
             continue
-        fig, ax = plt.subplots(figsize=(6, 4))
-        for policy in dict.fromkeys(r["policy"] for r in sub):
-            points = sorted((r["memory_gib"], r["hit"]) for r in sub if r["policy"] == policy)
-            ax.plot([m for m, _ in points], [h for _, h in points], marker="o", label=policy)
-        ax.axhline(sub[0]["bound"], linestyle="--", color="gray", label="reuse bound")
-        ax.set_xlabel("cache memory (GiB)")
-        ax.set_ylabel("prefix hit rate")
-        ax.set_ylim(0, 1)
-        ax.set_title(f"{family}: {model}, spec {spec}")
-        ax.legend(fontsize=7)
-        fig.tight_layout()
-        slug = f"{family}_{model.split()[0]}_{spec}".replace(".", "")
-        path = folder / f"{slug}.png"
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        written.append(path)
-    return written
+        got = json.loads(line)
+        if "error" in got:
+            print(f"vLLM's manager failed on {got['key']}: {got['error']}", file=sys.stderr)
+            continue
+        family, model, spec, memory = got["key"]
+        key = (family, model, spec, memory)
+        like = next(r for r in rows if (r["family"], r["model"], r["spec"], r["memory_gib"]) == key)
+        bound = like["bound"]
+        out.append(
+            {
+                **{k: like[k] for k in ("family", "model", "spec", "memory_gib", "bound")},
+                "policy": VLLM_OWN,
+                "layout": "vllm",
+                "granularity": like["granularity"] if like["layout"] == "vllm" else 0,
+                "hit": got["hit"],
+                "of_bound": got["hit"] / bound if bound else 0.0,
+                "block_bound": like["block_bound"],
+                "of_block_bound": 0.0,
+                "checkpoints": 0,
+                "evictions": got["evictions"],
+                "preemptions": 0,
+                "finished": like["finished"],
+                "requests": like["requests"],
+                "wall_s": (time.perf_counter() - start) / len(jobs),
+            }
+        )
+    if proc.returncode != 0 and not out:
+        print(f"vLLM's manager did not run: {proc.stderr[-2000:]}", file=sys.stderr)
+    return out
 
 
 def main() -> None:
@@ -303,9 +324,28 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--plots", type=Path, default=None, help="folder for PNG plots")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--vllm-python", default=DEFAULT_VLLM_PYTHON)
+    parser.add_argument("--no-vllm", action="store_true", help="skip vLLM's own manager")
+    parser.add_argument("--markdown", type=Path, default=None, help="write results.md here")
+    parser.add_argument(
+        "--from-json", type=Path, default=None, help="render the rows of an earlier --json run"
+    )
     args = parser.parse_args()
     start = time.perf_counter()
-    rows = run(args.full, args.seed)
+    if args.from_json is not None:
+        rows = json.loads(args.from_json.read_text())
+    else:
+        rows = run(args.full, args.seed)
+        if not args.no_vllm and Path(args.vllm_python).exists():
+            rows += run_vllm_own(rows, args.vllm_python, args.seed, args.full)
+            add_vs_vllm(rows)
+    if args.markdown is not None:
+        wall_s = sum(r["wall_s"] for r in rows)
+        command = (
+            "python bench/prefix_policies.py --full --plots docs/prefix_policies "
+            "--markdown docs/prefix_policies/results.md"
+        )
+        args.markdown.write_text(markdown(rows, command, wall_s))
     if args.json:
         print(json.dumps(rows, indent=2))
     else:

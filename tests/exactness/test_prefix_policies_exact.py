@@ -18,6 +18,7 @@ transformers = pytest.importorskip("transformers")
 
 from exactness_harness import hf_greedy  # noqa: E402
 from llm_support import BUILDERS, VOCAB  # noqa: E402
+from test_mtp_head import K, check_against_reference, mtp_case, record_drafts  # noqa: E402, F401
 
 from hybridkv.engine import LLM  # noqa: E402
 
@@ -77,4 +78,81 @@ def test_multi_turn_sessions_are_token_exact_under_every_policy(
                 assert hit == 0
             contexts[s] += r.token_ids
             previous[s] = len(contexts[s])
+    llm.manager.check_invariants()
+
+
+@pytest.mark.parametrize("spec", [None, "ngram"])
+@pytest.mark.parametrize(
+    ("state_mode", "rules"), [("all", ("turn_end",)), ("align", ("junction", "turn_end"))]
+)
+@pytest.mark.parametrize("name", ["qwen3_5", "nemotron_h"])
+def test_turn_end_resumes_each_turn_at_the_previous_last_token(
+    llm_case, name, state_mode, rules, spec
+):
+    """With the ``turn_end`` rule each turn hits the previous turn's whole context but
+    its last sampled token (never computed): the partial last block and the state
+    after exactly that many tokens are restored, and the tokens are transformers'."""
+    case = llm_case(name)
+    hf = _hf(name, case.folder)
+    llm = LLM(
+        case.folder,
+        chunk_size=16,
+        state_mode=state_mode,
+        checkpoint_rules=rules,
+        spec_method=spec,
+        num_spec_tokens=3 if spec else 0,
+    )
+    granularity = llm.plan.hit_granularity_tokens
+    contexts = [list(messages[0]) for messages in _sessions()]
+    previous = [0, 0]
+    off_boundary = 0
+    for turn in range(NUM_TURNS):
+        if turn:
+            for s, messages in enumerate(_sessions()):
+                contexts[s] += messages[turn]
+        results = llm.generate([list(c) for c in contexts], NUM_NEW)
+        assert [r.token_ids for r in results] == hf_greedy(hf, contexts, NUM_NEW)
+        for s, r in enumerate(results):
+            hit = r.stats.prefix_hit_tokens
+            if turn:
+                assert hit == previous[s] - 1, (turn, s, hit, previous[s])
+                off_boundary += hit % granularity != 0
+            contexts[s] += r.token_ids
+            previous[s] = len(contexts[s])
+        llm.manager.check_invariants()
+    assert off_boundary  # some hits resumed inside a block (else this tests nothing new)
+
+
+def test_turn_end_under_mtp_reuses_the_heads_kv_in_the_partial_block(mtp_case):  # noqa: F811
+    """MTP: the head's attention group keys its turn-end entry one token ahead; each turn
+    still resumes at the previous turn's last computed token, the drafts equal the
+    reference head's and the tokens transformers'."""
+    folder, hf, ref = mtp_case("qwen3_next", True)
+    llm = LLM(
+        folder,
+        spec_method="mtp",
+        num_spec_tokens=K,
+        chunk_size=16,
+        state_mode="align",
+        checkpoint_rules=("junction", "turn_end"),
+    )
+    granularity = llm.plan.hit_granularity_tokens
+    seen = record_drafts(llm)
+    contexts = [list(messages[0]) for messages in _sessions()]
+    previous = [0, 0]
+    off_boundary = 0
+    for turn in range(NUM_TURNS):
+        if turn:
+            for s, messages in enumerate(_sessions()):
+                contexts[s] += messages[turn]
+        results = llm.generate([list(c) for c in contexts], NUM_NEW)
+        assert [r.token_ids for r in results] == hf_greedy(hf, contexts, NUM_NEW)
+        for s, r in enumerate(results):
+            if turn:
+                assert r.stats.prefix_hit_tokens == previous[s] - 1, (turn, s, previous[s])
+                off_boundary += r.stats.prefix_hit_tokens % granularity != 0
+            contexts[s] += r.token_ids
+            previous[s] = len(contexts[s])
+    check_against_reference(ref, seen)
+    assert off_boundary
     llm.manager.check_invariants()

@@ -15,7 +15,7 @@
 
 from __future__ import annotations
 
-from hypothesis import given, settings
+from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from hybridkv.cache import NULL_BLOCK, CacheManager
@@ -105,6 +105,62 @@ def test_state_blocks_held_at_each_chunk_equal_the_formula(interval, k, mode, ch
         cm.commit("r", 0, [] if i + 1 < len(chunks) else [7])
         cm.check_invariants()
         c += n
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    interval=st.sampled_from([4, 8, 12]),
+    k=st.integers(0, 3),
+    mode=st.sampled_from(["align", "all"]),
+    rules=st.sampled_from([("junction",), ("junction", "turn_end")]),
+    shared=st.integers(5, 40),
+    first=st.integers(0, 12),
+    chunks=st.lists(st.integers(1, 30), min_size=1, max_size=5),
+)
+def test_junction_steps_hold_exactly_the_formula(interval, k, mode, rules, shared, first, chunks):
+    """A request that starts from a hit and prefills across its junction checkpoint (the
+    transient block of the junction rule, at a boundary or, with turn_end, inside an
+    interval): each state group holds exactly ``blocks_at(c, n, k, junction)``."""
+    groups = [ToyGroup("full", 4), ToyGroup("state", interval)]
+    p = toy_plan(groups, num_spec_tokens=k, state_mode=mode, num_blocks=400)
+    cm = CacheManager(p, checkpoint_rules=rules)
+    a = list(range(1, shared + first + 2))
+    cm.add_request("a", a)
+    cm.lookup("a")
+    if first:  # a first chunk that leaves an earlier checkpoint than the shared end
+        cm.allocate("a", first)
+        cm.commit("a", 0, [])
+    cm.allocate("a", len(a) - first)
+    cm.commit("a", 0, [999])
+    cm.free("a")
+    b = a[:shared] + [5000 + i for i in range(sum(chunks))]
+    cm.add_request("b", b)
+    c = hit = cm.lookup("b")
+    crossed = 0
+    junctions: dict[int, int] = {}  # group -> the junction set at admission
+    for n in chunks:
+        n = min(n, len(b) - c)
+        if n <= 0:
+            break
+        assert cm.allocate("b", n, k) is not None
+        record = cm._requests["b"]
+        for g in p.groups:
+            if g.is_state:
+                junction = junctions.setdefault(g.group_id, record.states[g.group_id].junction)
+                crossed += c < junction < c + n
+                # a cached state: a hit, a boundary, or a junction the last chunk ended on
+                # (turn-end keys need an anchor: not inside the first interval)
+                cached = (
+                    (c == hit > 0)
+                    or (c > 0 and c % interval == 0)
+                    or (c == junction and junction >= interval)
+                )
+                expected = g.blocks_at(c, n, k, junction, cached)
+                assert _held(cm, "b", g.group_id) == expected, (c, n, junction, cached)
+        cm.commit("b", 0, [] if c + n < len(b) else [7])
+        cm.check_invariants()
+        c += n
+    event("junction crossed" if crossed else "no junction crossed")
 
 
 ATTN = AttentionSpec(num_kv_heads=2, head_dim=64)

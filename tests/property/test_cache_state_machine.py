@@ -107,6 +107,8 @@ class CacheMachine(RuleBasedStateMachine):
         )
         assert hit <= best, f"hit {hit} but only {best} tokens were ever computed"
         event("hit > 0" if hit else "hit == 0")
+        if hit % 4:
+            event("hit inside a block (turn end)")
 
     @rule(req=requests, data=st.data())
     def step(self, req, data):
@@ -406,6 +408,43 @@ MACHINES = [
         num_spec_tokens=3,
         layout="split",
         num_blocks=16,
+    ),
+    # turn-end entries: partial last blocks taken over by the next hit, state at the end
+    _machine(
+        "TurnEndJunctionSlidingStateShared",
+        [F4, SW, S8],
+        rules=("junction", "turn_end"),
+        num_spec_tokens=2,
+        num_blocks=30,
+    ),
+    # split: the attention match (blocks of 4) falls inside state intervals of 8, where
+    # junction checkpoints go under turn-end keys
+    _machine(
+        "TurnEndJunctionInsideIntervalSplit",
+        [F4, S8],
+        rules=("junction", "turn_end"),
+        eviction="chain",
+        num_spec_tokens=1,
+        layout="split",
+        num_blocks=16,
+    ),
+    _machine(
+        "TurnEndAllChainEagleSplit",
+        [F4, SW, S8, ToyGroup("full", 4, model="draft")],
+        eagle=True,
+        eviction="chain",
+        state_mode="all",
+        rules=("turn_end",),
+        num_spec_tokens=3,
+        layout="split",
+        num_blocks=18,
+    ),
+    _machine(
+        "TurnEndChunkedMlaStateDraft",
+        [ToyGroup("chunked", 4, 8), ToyGroup("mla", 4), ToyGroup("state", 12)],
+        rules=("turn_end",),
+        num_spec_tokens=2,
+        num_blocks=30,
     ),
     _machine(
         "FullSlidingStateNoneShared",

@@ -150,7 +150,8 @@ def test_shrinking_lookahead_is_a_no_op():
 def test_failed_allocate_changes_nothing_and_hits_are_touched_first():
     """Check, then commit: a too-large allocate returns None with nothing changed; a
     successful one takes hit blocks out of the free queue before taking new blocks."""
-    cm = CacheManager(toy_plan([FULL4], num_blocks=6))  # 5 usable blocks
+    # block-granular (no turn-end entry for the partial block 3)
+    cm = CacheManager(toy_plan([FULL4], num_blocks=6), checkpoint_rules=())  # 5 usable
     cm.add_request("a", list(range(1, 10)))
     cm.lookup("a")
     _prefill(cm, "a", 9)  # blocks 1, 2 cached, 3 private

@@ -297,7 +297,7 @@ def test_unknown_eviction_policy_or_checkpoint_rule_is_a_cache_error():
         CacheManager(plan_, eviction_policy="mru")
     with pytest.raises(CacheError, match=r"checkpoint rules \['turn-end'\] are unknown"):
         CacheManager(plan_, checkpoint_rules=("junction", "turn-end"))
-    assert CacheManager(plan_).checkpoint_rules == ("junction",)  # the default
+    assert CacheManager(plan_).checkpoint_rules == ("junction", "turn_end")  # the default
 
 
 @pytest.mark.parametrize("policy", ["chain", "lru"])

@@ -27,6 +27,7 @@ from collections.abc import Iterable, Sequence
 from hybridkv.cache.block import NULL_BLOCK, BlockInfo
 from hybridkv.cache.events import BLOCK_REMOVED, BLOCK_STORED, CacheEvent
 from hybridkv.cache.free_queue import PROBATION, PROTECTED, FreeQueue
+from hybridkv.cache.turn_end import PartialIndex
 from hybridkv.errors import InvariantError
 from hybridkv.ids import BlockId
 from hybridkv.plan.types import PoolPlan
@@ -63,6 +64,11 @@ class BlockPool:
         self.events = events
         self.num_evictions = 0
         self.num_stored = 0
+        # turn_end rule: entries keyed by a partial last block (`cache.turn_end`); a hit
+        # takes such a block over (`uncache`), counted apart from evictions
+        self.partial: PartialIndex | None = None
+        self.partial_groups: set[int] = set()  # token-indexed groups (entries stay free)
+        self.num_takeovers = 0
 
     # ------------------------------------------------------------------ queries
     @property
@@ -262,10 +268,31 @@ class BlockPool:
                 events.append(CacheEvent(BLOCK_STORED, group_id, block, key, (j + 1) * block_size))
         self.num_stored += stored
 
+    def uncache(self, block_id: BlockId) -> None:
+        """Take a referenced cached block out of its index: a turn-end partial block
+        taken over by the request that hit it (it writes the block past the entry's
+        end, so the entry must go). Counted in ``num_takeovers``."""
+        assert self.ref_counts[block_id] > 0 and block_id in self.hashes
+        block_hash = self.hashes.pop(block_id)
+        group = self.hash_group[block_id]
+        del self.index[group][block_hash]
+        if self.partial is not None:
+            self.partial.discard(group, block_hash)
+        self.hash_group[block_id] = -1
+        self.was_hit[block_id] = 0
+        self.free.forget(block_id)
+        self.num_takeovers += 1
+        if self.events is not None:
+            self.events.append(
+                CacheEvent(BLOCK_REMOVED, group, block_id, block_hash, self.hash_end[block_id])
+            )
+
     def _evict(self, block_id: BlockId) -> None:
         block_hash = self.hashes.pop(block_id)
         group = self.hash_group[block_id]
         del self.index[group][block_hash]
+        if self.partial is not None:
+            self.partial.discard(group, block_hash)
         self.hash_group[block_id] = -1
         self.was_hit[block_id] = 0
         if self.free.chain:  # only chain keeps reuse distances
@@ -324,3 +351,5 @@ class BlockPool:
         num_hashed = len(self.hashes)
         if num_hashed != num_indexed:
             fail(f"{num_hashed} blocks carry hashes but the indexes hold {num_indexed}")
+        if self.partial is not None:
+            self.partial.check(self, self.partial_groups)

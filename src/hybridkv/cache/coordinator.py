@@ -68,6 +68,7 @@ class Coordinator:
         self.hasher = BlockHasher(hash_algo, hash_unit_tokens(plan))
         self.caching = caching
         self.eagle = eagle
+        self.turn_end = False  # turn_end rule (`cache.turn_end`): set by `CacheManager`
         self.pools = [
             BlockPool(pool, events, eviction_policy=eviction_policy) for pool in plan.pools
         ]
@@ -93,9 +94,9 @@ class Coordinator:
         self._one_pool = len(self.pools) == 1
 
     def num_evictions(self) -> int:
-        """Blocks evicted so far in every pool (a lookup's ``found`` stays valid while
-        this does not change)."""
-        return sum(pool.num_evictions for pool in self.pools)
+        """Blocks evicted or taken over (turn-end partial blocks) so far in every pool: a
+        lookup's ``found`` stays valid while this does not change."""
+        return sum(pool.num_evictions + pool.num_takeovers for pool in self.pools)
 
     def find_hit(
         self,
@@ -185,6 +186,9 @@ class Coordinator:
         if touch:
             for manager, blocks in zip(managers, held, strict=True):
                 manager.pool.touch_many(blocks)
+            if self.turn_end:
+                for manager, state in zip(managers, states, strict=True):
+                    manager.adopt(state)
         deltas: dict[int, GroupDelta] = {}
         taken: dict[int, tuple[BlockId, ...]] = {}
         for g, count in zip(todo, counts, strict=True):
@@ -255,6 +259,14 @@ class Coordinator:
                 old = nulled.get(g)
                 nulled[g] = span if old is None else (min(old[0], span[0]), max(old[1], span[1]))
         return nulled
+
+    def keep_turn_ends(
+        self, states: list[Any], c: int, hashes: Sequence[bytes], tokens: Sequence[int]
+    ) -> None:
+        """turn_end rule: every group caches what holds its data at ``c`` (the request's
+        settled computed tokens) before `release_all` (see `cache.turn_end`)."""
+        for manager, state in zip(self.managers, states, strict=True):
+            manager.keep_turn_end(state, c, hashes, tokens)
 
     def release_all(self, states: list[Any]) -> None:
         # Groups in reverse so that, in a shared pool, the first group's blocks are

@@ -32,18 +32,21 @@ from hybridkv.cache.events import CacheEvent
 from hybridkv.cache.free_queue import DEFAULT_EVICTION_POLICY
 from hybridkv.cache.hashing import MAX_TOKEN_ID
 from hybridkv.cache.managers import Counters
-from hybridkv.cache.needs import step_needs, total_step_needs
 from hybridkv.cache.request import RequestRecord
+from hybridkv.cache.turn_end import enable_turn_end
 from hybridkv.cache.validate import append_tokens, check_count, check_same_lengths, token_array
 from hybridkv.cache.views import CacheViews
 from hybridkv.errors import CacheError
 from hybridkv.ids import BlockId
 from hybridkv.plan.types import CachePlan
 
-CHECKPOINT_RULES = ("junction",)  # extra state checkpoint rules (see managers/state.py)
-# junction on by default: never below align without it, up to 1.6x hits under pressure
-# (bench/prefix_policies.py)
-DEFAULT_CHECKPOINT_RULES = ("junction",)
+# extra checkpoint rules: junction (managers/state.py), turn_end (cache/turn_end.py)
+CHECKPOINT_RULES = ("junction", "turn_end")
+# Both on by default (bench/prefix_policies.py, docs/prefix_policies/results.md):
+# junction is never below align and up to 1.6x hits under pressure; turn_end takes
+# multi-turn sessions from ~91% to ~97% of the reuse bound with memory to spare, and
+# its entries are evicted first, so under pressure it costs at most ~1% of hits.
+DEFAULT_CHECKPOINT_RULES = ("junction", "turn_end")
 
 
 class CacheManager(CacheViews):
@@ -53,7 +56,9 @@ class CacheManager(CacheViews):
     depends on the next token; groups holding them key blocks one token ahead).
     ``eviction_policy``: ``lru`` or ``chain`` (see `hybridkv.cache.free_queue`).
     ``checkpoint_rules``: extra state checkpoints on top of the plan's state mode;
-    ``junction`` (see `hybridkv.cache.managers.state`); None: `DEFAULT_CHECKPOINT_RULES`.
+    ``junction`` (see `hybridkv.cache.managers.state`), ``turn_end`` (a released request
+    keeps its partial last block and its state at its last computed token, see
+    `hybridkv.cache.turn_end`); None: `DEFAULT_CHECKPOINT_RULES`.
     """
 
     def __init__(
@@ -111,6 +116,9 @@ class CacheManager(CacheViews):
             if manager.is_state:
                 manager.junction_rule = self._junction
         self._junctions: dict[str, int] = {}  # junction rule: attention match at lookup
+        self._turn_end = "turn_end" in self.checkpoint_rules and self.caching
+        if self._turn_end:
+            enable_turn_end(self.coordinator)
         self._num_lookups = self._num_lookup_tokens = self._num_hit_tokens = 0
         self._num_preemptions = self._num_alloc_failures = 0
 
@@ -223,38 +231,6 @@ class CacheManager(CacheViews):
             if r is None or not r.try_fast_commit(accepted, new):
                 slow(r, req_id, accepted, new)
 
-    def blocks_needed(
-        self, req_id: str, num_new_tokens: int, num_lookahead_tokens: int = 0
-    ) -> list[int]:
-        """Per pool, the blocks `allocate(req_id, n, L)` would take now, changing nothing;
-        for a running request between steps (see `cache.needs`)."""
-        return step_needs(
-            self._get(req_id),
-            self._managers,
-            len(self.coordinator.pools),
-            num_new_tokens,
-            num_lookahead_tokens,
-        )
-
-    def blocks_needed_batch(
-        self,
-        req_ids: Sequence[str],
-        num_new_tokens: Sequence[int],
-        num_lookahead_tokens: Sequence[int],
-    ) -> list[int]:
-        """`blocks_needed` summed over ``req_ids``, per pool (one call per step)."""
-        check_same_lengths(
-            "blocks_needed_batch",
-            req_ids,
-            num_new_tokens=num_new_tokens,
-            num_lookahead_tokens=num_lookahead_tokens,
-        )
-        records = [self._get(r) for r in req_ids]
-        pools = len(self.coordinator.pools)
-        return total_step_needs(
-            records, self._managers, pools, num_new_tokens, num_lookahead_tokens
-        )
-
     def free(self, req_id: str) -> None:
         """Release everything; cached blocks stay in the cache as evictable."""
         r = self._get(req_id)
@@ -308,7 +284,11 @@ class CacheManager(CacheViews):
                 match = self._junctions.get(req_id, 0)
                 for g in self._state_group_ids:
                     interval = self._managers[g].block_size
+                    # with turn_end keys a checkpoint may sit inside an interval: at
+                    # the attention match itself (cache/turn_end.py)
                     junction = match // interval * interval
+                    if self._turn_end and match > interval:  # a turn-end key needs an anchor
+                        junction = match
                     states[g].junction = junction if junction > c else 0
         else:
             states = r.states
@@ -397,6 +377,10 @@ class CacheManager(CacheViews):
 
     def _release(self, r: RequestRecord) -> None:
         self._junctions.pop(r.req_id, None)
+        if r.started and self._turn_end and not r.pending:
+            # settled: every group's data at num_computed is final (see cache.turn_end)
+            self._ensure_hashes(r, r.num_computed)
+            self.coordinator.keep_turn_ends(r.states, r.num_computed, r.hashes, r.tokens)
         if r.started:
             hot = r.req_id in self._hit_requests
             if hot:

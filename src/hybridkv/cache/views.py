@@ -8,12 +8,15 @@ each file stays readable; the public API is `CacheManager`'s, unchanged.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
 
 from hybridkv.cache.block import BlockInfo
 from hybridkv.cache.coordinator import Coordinator
 from hybridkv.cache.events import CacheEvent, CacheStats
 from hybridkv.cache.managers import Counters, GroupManager, StepSlots
+from hybridkv.cache.needs import step_needs, total_step_needs
 from hybridkv.cache.request import RequestRecord
+from hybridkv.cache.validate import check_same_lengths
 from hybridkv.errors import CacheError, InvariantError
 from hybridkv.ids import BlockId
 
@@ -150,3 +153,35 @@ class CacheViews:
         hasher = self.coordinator.hasher
         if (len(r.hashes) + 1) * hasher.unit_tokens <= min(num_tokens, len(r.tokens)):
             hasher.extend(r.hashes, r.root, r.tokens, num_tokens)
+
+    def blocks_needed(
+        self, req_id: str, num_new_tokens: int, num_lookahead_tokens: int = 0
+    ) -> list[int]:
+        """Per pool, the blocks `allocate(req_id, n, L)` would take now, changing nothing;
+        for a running request between steps (see `cache.needs`)."""
+        return step_needs(
+            self._get(req_id),
+            self._managers,
+            len(self.coordinator.pools),
+            num_new_tokens,
+            num_lookahead_tokens,
+        )
+
+    def blocks_needed_batch(
+        self,
+        req_ids: Sequence[str],
+        num_new_tokens: Sequence[int],
+        num_lookahead_tokens: Sequence[int],
+    ) -> list[int]:
+        """`blocks_needed` summed over ``req_ids``, per pool (one call per step)."""
+        check_same_lengths(
+            "blocks_needed_batch",
+            req_ids,
+            num_new_tokens=num_new_tokens,
+            num_lookahead_tokens=num_lookahead_tokens,
+        )
+        records = [self._get(r) for r in req_ids]
+        pools = len(self.coordinator.pools)
+        return total_step_needs(
+            records, self._managers, pools, num_new_tokens, num_lookahead_tokens
+        )

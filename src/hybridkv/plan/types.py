@@ -129,8 +129,16 @@ class GroupPlan:
         """True for recurrent-state groups (slots per request, no per-token pages)."""
         return self.kind == STATE
 
-    def blocks_at(self, num_computed_tokens: int, num_new_tokens: int, num_lookahead: int) -> int:
-        """Blocks one request holds here during a step (`LayerSpec.blocks_needed`)."""
+    def blocks_at(
+        self,
+        num_computed_tokens: int,
+        num_new_tokens: int,
+        num_lookahead: int,
+        junction_tokens: int = 0,
+        reads_checkpoint: bool | None = None,
+    ) -> int:
+        """Blocks one request holds here during a step (`LayerSpec.blocks_needed`;
+        ``junction_tokens``, ``reads_checkpoint``: state groups, see `StateSpec`)."""
         return self.spec.blocks_needed(
             block_size=self.block_size,
             num_computed_tokens=num_computed_tokens,
@@ -138,6 +146,8 @@ class GroupPlan:
             num_lookahead_tokens=num_lookahead,
             num_spec_states=self.num_spec_states,
             state_mode=self.state_mode,
+            junction_tokens=junction_tokens,
+            reads_checkpoint=reads_checkpoint,
         )
 
     def blocks_period(self) -> tuple[int, int] | None:

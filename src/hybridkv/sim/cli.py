@@ -208,7 +208,8 @@ def simulate_command(
         list[str] | None,
         typer.Option(
             "--checkpoint-rule",
-            help="extra state checkpoints: junction (repeatable; default: junction; 'none': off)",
+            help="extra checkpoint rules: junction, turn_end (repeatable; default: both; "
+            "'none': off)",
         ),
     ] = None,
     as_json: o.Json = False,

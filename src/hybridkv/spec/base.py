@@ -69,9 +69,12 @@ class LayerSpec:
         num_lookahead_tokens: int = 0,
         num_spec_states: int = 0,
         state_mode: str = "none",
+        junction_tokens: int = 0,
+        reads_checkpoint: bool | None = None,
     ) -> int:
         """Blocks one request holds in a group of this spec during one step: ``c =
-        num_computed_tokens`` computed, ``n`` new and ``L`` lookahead slots reserved.
+        num_computed_tokens`` computed, ``n`` new and ``L`` lookahead slots reserved
+        (``junction_tokens``, ``reads_checkpoint``: state kinds only, see there).
 
         Token-indexed kinds hold table positions ``[first_live_block(c), cdiv(c+n+L, B))``::
 

@@ -70,6 +70,8 @@ class StateSpec(LayerSpec):
         num_lookahead_tokens: int = 0,
         num_spec_states: int = 0,
         state_mode: str = "none",
+        junction_tokens: int = 0,
+        reads_checkpoint: bool | None = None,
     ) -> int:
         """State blocks one request may hold during a step (``block_size`` = checkpoint
         interval B in ``align`` and ``all`` modes): the running state, one slot per kept
@@ -83,18 +85,38 @@ class StateSpec(LayerSpec):
             after 16 tokens is cached, read only: the step writes a new block)
             all, B 8, S 0: c 16, n 20 -> 4 (cached running, write, checkpoints 24, 32)
 
-        Not counted: the ``junction`` checkpoint rule's one extra transient block in the
-        single step where a request that started from a hit crosses its junction.
+        ``junction_tokens`` J (the ``junction`` rule's checkpoint of a request that started
+        from a hit, 0: none) adds one transient block in the step with ``c < J < c + n``
+        unless that position is checkpointed anyway: in ``all`` mode a boundary, in
+        ``align`` mode the last boundary of a step that keeps it (no boundary read)::
+
+            align, B 8, S 0: c 16 (a hit), n 20, J 24 -> 3 (cached running, write, J)
+
+        Decode steps (n = 1) never cross one, so the planner's peak is unchanged.
+
+        ``reads_checkpoint``: the step starts from a cached (read-only) state; None: at a
+        boundary ``c > 0``. Under the ``turn_end`` rule a cached state may sit inside an
+        interval too (a turn-end hit, a junction a chunk ended on): then say True.
         """
         base = 1 + num_spec_states
         if state_mode not in ("align", "all"):
             return base
         c, n = num_computed_tokens, num_new_tokens
-        boundary_read = 1 if c > 0 and c % block_size == 0 else 0
+        if reads_checkpoint is None:
+            reads_checkpoint = c > 0 and c % block_size == 0
+        boundary_read = 1 if reads_checkpoint else 0
         inside = max(0, (c + n - 1) // block_size - c // block_size)  # boundaries in (c, c+n)
+        junction = 0
+        if c < junction_tokens < c + n:
+            on_boundary = junction_tokens % block_size == 0
+            if state_mode == "all":
+                junction = 0 if on_boundary else 1
+            else:
+                last = (c + n - 1) // block_size * block_size
+                junction = 0 if not boundary_read and junction_tokens == last else 1
         if state_mode == "all":
-            return base + boundary_read + inside
-        return base + (1 if boundary_read or inside else 0)
+            return base + boundary_read + inside + junction
+        return base + (1 if boundary_read or inside else 0) + junction
 
     def blocks_period(self, block_size: int) -> tuple[int, int] | None:
         return (0, block_size)

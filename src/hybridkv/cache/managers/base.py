@@ -112,6 +112,7 @@ class GroupManager:
         # computed for another next token, and no block has to be dropped.
         self.key_ahead = key_ahead
         self.junction_rule = False  # state groups: set by `CacheManager` checkpoint_rules
+        self.turn_end = False  # turn_end rule (`cache.turn_end`): set by `CacheManager`
         assert group.block_size % unit_tokens == 0
 
     # -- hashing helpers -----------------------------------------------------------
@@ -221,6 +222,16 @@ class GroupManager:
 
     def release_all(self, state: Any) -> None:
         raise NotImplementedError
+
+    def keep_turn_end(
+        self, state: Any, c: int, hashes: Sequence[bytes], tokens: Sequence[int]
+    ) -> None:
+        """turn_end rule, just before `release_all` of a request settled at ``c``
+        computed tokens: cache what holds the data at ``c`` (see `cache.turn_end`)."""
+
+    def adopt(self, state: Any) -> None:
+        """After an admission touched the hit blocks: take over the turn-end blocks the
+        request will write (`BlockPool.uncache`)."""
 
     def held(self, state: Any) -> list[BlockId]:
         """Every non-null block the request references in this group (with repeats)."""

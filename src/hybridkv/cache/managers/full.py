@@ -21,6 +21,7 @@ from typing import ClassVar
 from hybridkv.cache.block import NULL_BLOCK
 from hybridkv.cache.delta import GroupDelta
 from hybridkv.cache.managers.base import FastLimits, GroupManager
+from hybridkv.cache.turn_end import find_turn_end, store_turn_end
 from hybridkv.errors import InvariantError
 from hybridkv.ids import BlockId
 
@@ -87,7 +88,25 @@ class FullAttentionManager(GroupManager):
                         break
                     num += 1
                     found[num * B] = block
+        if self.turn_end and num * B < limit:
+            return self._turn_end_hit(hashes, tokens, num * B, limit, found)
         return num * B
+
+    def _turn_end_hit(
+        self,
+        hashes: Sequence[bytes],
+        tokens: Sequence[int],
+        anchor: int,
+        limit: int,
+        found: dict[int, BlockId],
+    ) -> int:
+        """``anchor`` (a block hit), extended into the next block by a turn-end entry
+        ending at or below ``limit`` when one matches (see `cache.turn_end`)."""
+        entry = find_turn_end(self, hashes, tokens, anchor, limit)
+        if entry is None:
+            return anchor
+        found[entry[0]] = entry[1]
+        return entry[0]
 
     def window_hit(
         self,
@@ -123,6 +142,8 @@ class FullAttentionManager(GroupManager):
                     miss = j
                     break
             if miss is None:
+                if self.turn_end and k * B < limit:
+                    return self._turn_end_hit(hashes, tokens, k * B, limit, found)
                 return k * B
             k = min(k - 1, miss)
         return 0
@@ -146,7 +167,39 @@ class FullAttentionManager(GroupManager):
                 if block is None:
                     return None  # evicted since the lookup
             blocks.append(block)
+        if hit % B:  # a turn-end hit: the partial block after the k full ones
+            block = found.get(hit) if found is not None else None
+            if block is None:
+                entry = find_turn_end(self, hashes, tokens, k * B, hit, exact=True)
+                if entry is None:
+                    return None
+                block = entry[1]
+            blocks.append(block)
         return TableBlocks(blocks=blocks, num_cached=k, first_live=lo)
+
+    def adopt(self, state: TableBlocks) -> None:
+        # the block after the cached ones is a turn-end partial block when it is cached:
+        # this request writes it past the entry's end, so it leaves the index
+        k = state.num_cached
+        if self.turn_end and k < len(state.blocks) and state.blocks[k] in self.pool.hashes:
+            self.pool.uncache(state.blocks[k])
+
+    def keep_turn_end(
+        self, state: TableBlocks, c: int, hashes: Sequence[bytes], tokens: Sequence[int]
+    ) -> None:
+        end = self.cacheable_end(c, len(tokens))
+        j = end // self.block_size
+        if not self.caching or end % self.block_size == 0 or j >= len(state.blocks):
+            return
+        block = state.blocks[j]
+        if (
+            block != NULL_BLOCK
+            and block not in self.pool.hashes
+            and store_turn_end(self, block, hashes, tokens, end)
+        ):
+            # released now, first to evict (`cache.turn_end`); release_all skips it
+            self.pool.release(block, dead=True)
+            state.blocks[j] = NULL_BLOCK
 
     def num_new_blocks(self, state: TableBlocks, c: int, n: int, lookahead: int) -> int:
         # Table positions [0, cdiv(c + n + L, B)): the spec's blocks_needed plus the

@@ -17,6 +17,8 @@ Extra rule ``junction`` (any caching mode): when a request's prompt matches the 
 further than its state hit (attention blocks cached to J, state only to a checkpoint
 before J), the step that crosses the boundary at or below J also checkpoints there,
 so the next request sharing that prefix finds a state where the shared prefix ends.
+With the ``turn_end`` rule too, that checkpoint is at J itself (an attention block
+boundary, inside a state interval), cached under a turn-end key (`cache.turn_end`).
 
 Blocks a request holds in a state group (S = ``num_spec_states``)::
 
@@ -56,6 +58,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from hybridkv.cache.managers.base import FastLimits, GroupManager, StepSlots
+from hybridkv.cache.turn_end import find_turn_end, store_turn_end
 from hybridkv.errors import InvariantError
 from hybridkv.ids import BlockId
 
@@ -107,7 +110,13 @@ class StateManager(GroupManager):
             return 0
         B = self.block_size
         pos = min(limit, len(hashes) * self.unit_tokens) // B * B
+        turn_end = self.turn_end
         while pos > 0:
+            if turn_end and pos < limit:  # a turn end in (pos, limit] beats pos
+                entry = find_turn_end(self, hashes, tokens, pos, limit)
+                if entry is not None:
+                    found[entry[0]] = entry[1]
+                    return entry[0]
             block = found.get(pos)
             if block is None:
                 block = self.cached_block(hashes, tokens, pos)
@@ -128,8 +137,34 @@ class StateManager(GroupManager):
             return StateBlocks()
         block = found.get(hit) if found is not None else None
         if block is None:
-            block = self.cached_block(hashes, tokens, hit)
+            B = self.block_size
+            if hit % B:
+                entry = find_turn_end(self, hashes, tokens, hit // B * B, hit, exact=True)
+                block = None if entry is None else entry[1]
+            else:
+                block = self.cached_block(hashes, tokens, hit)
         return None if block is None else StateBlocks(running=block)
+
+    def keep_turn_end(
+        self, state: StateBlocks, c: int, hashes: Sequence[bytes], tokens: Sequence[int]
+    ) -> None:
+        # The running block holds the state after exactly c tokens once a step settled;
+        # a checkpoint boundary is cached at commit already.
+        running = state.running
+        if (
+            not self.checkpoints
+            or running is None
+            or self.cacheable_end(c, len(tokens)) != c
+            or self.pool.is_cached(running)
+        ):
+            return
+        if store_turn_end(self, running, hashes, tokens, c):
+            self.counters.checkpoints_stored += 1
+            # released now, first to evict (`cache.turn_end`); release_all skips it
+            self.pool.release(running, dead=True)
+            if state.write == running:
+                state.write = None
+            state.running = None
 
     def _running_private(self, state: StateBlocks) -> bool:
         return state.running is not None and not self.pool.is_cached(state.running)
@@ -154,9 +189,10 @@ class StateManager(GroupManager):
                     )
                     if held <= self.budget_blocks:
                         positions = [last]
-                j = state.junction
-                if self.junction_rule and c < j < c + n and j not in positions:
-                    positions = sorted([*positions, j])
+            # (inside an interval, under turn_end, a step may cross it and no boundary)
+            j = state.junction
+            if self.junction_rule and c < j < c + n and j not in positions:
+                positions = sorted([*positions, j])
         return need_write, num_spec, positions
 
     def num_new_blocks(self, state: StateBlocks, c: int, n: int, lookahead: int) -> int:
@@ -206,17 +242,18 @@ class StateManager(GroupManager):
         produced += state.ckpts
         new_running = produced[accepted][1]
         spares: list[BlockId] = []
+        junction = state.junction if self.turn_end else 0
         for pos, block in produced:
             if block == new_running:
                 continue
-            if pos <= c2 and self._store_checkpoint(block, pos, hashes, tokens):
+            if pos <= c2 and self._store_checkpoint(block, pos, hashes, tokens, pos == junction):
                 self.pool.release(block)  # stays in the cache as evictable
             else:
                 spares.append(block)
         old = state.running
         if old is not None and old != state.write:
             self.pool.release(old)  # a read-only checkpoint this step started from
-        self._store_checkpoint(new_running, c2, hashes, tokens)
+        self._store_checkpoint(new_running, c2, hashes, tokens, c2 == junction)
         state.running = new_running
         state.write = new_running if not self.pool.is_cached(new_running) else None
         state.spares = spares + state.spares[num_spec:]
@@ -255,6 +292,8 @@ class StateManager(GroupManager):
             return False
         if not self.checkpoints:
             return True
+        if self.turn_end and c < state.junction <= c2:
+            return False  # a junction inside the interval, reached: cache it
         B = self.block_size
         return c2 < (c // B + 1) * B and (n > 0 or c % B != 0)
 
@@ -271,11 +310,21 @@ class StateManager(GroupManager):
         )
 
     def _store_checkpoint(
-        self, block: BlockId, pos: int, hashes: Sequence[bytes], tokens: Sequence[int]
+        self,
+        block: BlockId,
+        pos: int,
+        hashes: Sequence[bytes],
+        tokens: Sequence[int],
+        junction: bool = False,
     ) -> bool:
-        if not self.checkpoints or pos <= 0 or pos % self.block_size:
+        """Cache the state after ``pos`` tokens held in ``block``: at a boundary, or
+        (``junction``: the junction rule's checkpoint under turn_end) inside one."""
+        if not self.checkpoints or pos <= 0:
             return False
-        if not self.try_cache(block, hashes, tokens, pos):
+        if pos % self.block_size:
+            if not (junction and store_turn_end(self, block, hashes, tokens, pos)):
+                return False
+        elif not self.try_cache(block, hashes, tokens, pos):
             return False
         self.counters.checkpoints_stored += 1
         return True
@@ -302,6 +351,8 @@ class StateManager(GroupManager):
         # Commit: `settle_fast` only swaps running and a spec slot, so the step must
         # have written in place, and stop before the boundary (which gets cached).
         boundary = (c // self.block_size + 1) * self.block_size if self.checkpoints else None
+        if boundary is not None and c < state.junction < boundary:
+            boundary = state.junction  # turn_end: a junction inside the interval
         spares = len(state.spares)
         in_place = state.write == state.running and not state.ckpts
         running = state.running
@@ -328,8 +379,9 @@ class StateManager(GroupManager):
                 f"checkpoints in flight), budget {self.budget_blocks}"
             )
         positions = [pos for pos, _ in state.ckpts]
+        inside = state.junction if self.turn_end else None  # may sit inside an interval
         if positions != sorted(set(positions)) or any(
-            pos <= c or pos % self.block_size for pos in positions
+            pos <= c or (pos % self.block_size and pos != inside) for pos in positions
         ):
             raise InvariantError(
                 f"group {self.group_id}: checkpoint positions {positions} are not ascending "

@@ -1,0 +1,212 @@
+"""Turn-end checkpoints (checkpoint rule ``turn_end``): a request that releases its
+blocks keeps the end of what it computed, so the next turn resumes at its last token.
+
+A multi-turn session's next prompt extends the previous prompt + output, which ends
+mid-block; block-granular caching stops the hit at the last full block (or state
+checkpoint), up to ``B - 1`` tokens (hundreds with hybrid page sizes) short. With this
+rule, when a request is freed (or preempted) after ``c`` computed tokens, ``c`` not a
+multiple of a group's block size ``B``:
+
+* token-indexed groups cache their *partial* last block (positions ``[a, c)``,
+  ``a = c // B * B``) instead of freeing it;
+* state groups cache their running state (the state after exactly ``c`` tokens).
+
+Both are released at once into the eviction policy's first tier (``chain``: with the
+dead blocks; ``lru`` has one tier): an entry serves one continuation only (the
+session's next turn), and single-turn traffic leaves one per request that nobody
+comes back for. With memory to spare they stay; under pressure they go before any
+block that can serve a shared prefix, so the rule never costs the block hits.
+
+Key of such an entry (never equal to a chain hash: it is longer than a digest)::
+
+    TAG | chain hash at a | tokens[a:c] (8 bytes each) | tokens[c] (groups keyed ahead)
+
+    B = 8, c = 21: a = 16; full blocks [0,8) [8,16) cached as usual; the partial block
+    holds 16..20, keyed by (hash at 16, tokens 16..20); the state after 21 likewise.
+    next prompt: tokens[:21] + message -> hit 21 (was 16)
+
+The key holds the tokens themselves, so a hit is an exact token match of the prefix
+(the chain hash at ``a`` names everything before it). A lookup at anchor ``a`` tries
+each entry kept there (few: one per turn that ended in that block) and keeps the longest
+whose tokens prefix the new request's.
+
+Sharing: a partial attention block's slots past ``c`` are not the new request's, so a
+hit *takes the block over* (`BlockPool.uncache` after the touch: it leaves the index and
+becomes the request's private block, written from ``c`` on). Entries of token-indexed
+groups are therefore always free blocks (ref count 0), which `PartialIndex.check`
+verifies; a second request that looked the same entry up sees the takeover in
+`Coordinator.num_evictions` and looks up again. A state entry is read only (like any
+checkpoint) and stays cached. Copy-on-write of a partial block still in use is not
+implemented: entries are made only when their request lets go of the block.
+
+Limits: an end inside the first block (``a == 0``) is not kept (the chain's root is
+not a hash the managers see); the end of a *prompt* while its request decodes on is not
+kept (that would need a copy of the block being written).
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from hybridkv.errors import InvariantError
+from hybridkv.ids import BlockId
+
+if TYPE_CHECKING:
+    from hybridkv.cache.block_pool import BlockPool
+    from hybridkv.cache.coordinator import Coordinator
+    from hybridkv.cache.managers.base import GroupManager
+
+TURN_END = "turn_end"
+_TAG = b"hybridkv-turn-end|"
+
+
+class PartialIndex:
+    """The turn-end entries of one pool, by anchor: ``(group, chain hash at a)`` ->
+    ``{key: end_tokens}``. The keys themselves live in the pool's group index like any
+    block hash (so eviction and the index checks treat them alike); this table only
+    lets a lookup enumerate the entries anchored at one block boundary."""
+
+    def __init__(self) -> None:
+        self.by_anchor: dict[tuple[int, bytes], dict[bytes, int]] = {}
+        self.anchor_of: dict[tuple[int, bytes], bytes] = {}  # (group, key) -> anchor
+
+    def __len__(self) -> int:
+        return len(self.anchor_of)
+
+    def add(self, group_id: int, anchor: bytes, key: bytes, end_tokens: int) -> None:
+        self.by_anchor.setdefault((group_id, anchor), {})[key] = end_tokens
+        self.anchor_of[(group_id, key)] = anchor
+
+    def discard(self, group_id: int, key: bytes) -> None:
+        """Forget ``key`` if it is a turn-end entry (called for every evicted block)."""
+        anchor = self.anchor_of.pop((group_id, key), None)
+        if anchor is None:
+            return
+        entries = self.by_anchor[(group_id, anchor)]
+        del entries[key]
+        if not entries:
+            del self.by_anchor[(group_id, anchor)]
+
+    def entries(self, group_id: int, anchor: bytes) -> dict[bytes, int] | None:
+        return self.by_anchor.get((group_id, anchor))
+
+    def check(self, pool: BlockPool, token_groups: set[int]) -> None:
+        """Every entry is indexed by the pool under its key, ends past its anchor and
+        inside one block; entries of token-indexed groups are free blocks."""
+        count = 0
+        for (group, anchor), entries in self.by_anchor.items():
+            if not entries:
+                raise InvariantError(f"pool {pool.pool_id}: empty turn-end anchor in group {group}")
+            for key, end in entries.items():
+                count += 1
+                block = pool.index[group].get(key)
+                if block is None or pool.hash_end[block] != end:
+                    raise InvariantError(
+                        f"pool {pool.pool_id} group {group}: turn-end entry ending at {end} is "
+                        f"not indexed (block {block})"
+                    )
+                if self.anchor_of.get((group, key)) != anchor or not key.startswith(_TAG + anchor):
+                    raise InvariantError(
+                        f"pool {pool.pool_id} group {group}: turn-end entry ending at {end} "
+                        "has a stale anchor"
+                    )
+                if group in token_groups and pool.ref_counts[block] != 0:
+                    raise InvariantError(
+                        f"pool {pool.pool_id} group {group}: partial block {block} (turn end "
+                        f"{end}) is cached with {pool.ref_counts[block]} references; a hit "
+                        "must take it over"
+                    )
+        if count != len(self.anchor_of):
+            raise InvariantError(
+                f"pool {pool.pool_id}: {count} turn-end entries by anchor, "
+                f"{len(self.anchor_of)} by key"
+            )
+
+
+def _key(
+    manager: GroupManager, anchor: bytes, tokens: Sequence[int], start: int, end: int
+) -> bytes:
+    span = tokens[start:end]
+    payload = (span if isinstance(span, array) else array("q", span)).tobytes()
+    key = _TAG + anchor + payload
+    if manager.key_ahead:
+        key += int(tokens[end]).to_bytes(8, "little", signed=True)
+    return key
+
+
+def _anchor_hash(manager: GroupManager, hashes: Sequence[bytes], anchor: int) -> bytes | None:
+    """Chain hash at the block boundary ``anchor`` (None: not hashed, or ``anchor == 0``)."""
+    unit = manager.unit_tokens
+    if anchor <= 0 or anchor // unit > len(hashes):
+        return None
+    return hashes[anchor // unit - 1]
+
+
+def find_turn_end(
+    manager: GroupManager,
+    hashes: Sequence[bytes],
+    tokens: Sequence[int],
+    anchor: int,
+    limit: int,
+    exact: bool = False,
+) -> tuple[int, BlockId] | None:
+    """Longest turn-end entry of ``manager``'s group anchored at boundary ``anchor``
+    whose tokens prefix ``tokens[anchor:]`` and that ends at or below ``limit``
+    (``exact``: ends exactly at ``limit``); (end, block) or None."""
+    partial = manager.pool.partial
+    if partial is None:
+        return None
+    anchor_hash = _anchor_hash(manager, hashes, anchor)
+    if anchor_hash is None:
+        return None
+    entries = partial.entries(manager.group_id, anchor_hash)
+    if not entries:
+        return None
+    best: tuple[int, BlockId] | None = None
+    for key, end in entries.items():
+        if end > limit or (exact and end != limit) or (best is not None and end <= best[0]):
+            continue
+        if end >= len(tokens):  # a hit leaves >= 1 token (and keyed ahead reads it)
+            continue
+        if key == _key(manager, anchor_hash, tokens, anchor, end):
+            best = (end, manager.index[key])
+    return best
+
+
+def store_turn_end(
+    manager: GroupManager,
+    block: BlockId,
+    hashes: Sequence[bytes],
+    tokens: Sequence[int],
+    end: int,
+) -> bool:
+    """Cache ``block`` (referenced, uncached, holding positions up to ``end``) as the
+    turn-end entry at ``end``; False (nothing changed) when ``end`` is a block boundary,
+    inside the first block, not followed by a verified token in a group keyed ahead, or
+    already kept by another block."""
+    partial = manager.pool.partial
+    size = manager.block_size
+    if partial is None or end % size == 0 or end >= len(tokens) + (0 if manager.key_ahead else 1):
+        return False
+    anchor = end // size * size
+    anchor_hash = _anchor_hash(manager, hashes, anchor)
+    if anchor_hash is None:
+        return False
+    key = _key(manager, anchor_hash, tokens, anchor, end)
+    if not manager.pool.cache(block, manager.group_id, key, end):
+        return False
+    partial.add(manager.group_id, anchor_hash, key, end)
+    return True
+
+
+def enable_turn_end(coordinator: Coordinator) -> None:
+    """Switch the turn_end rule on for every pool and group of ``coordinator``."""
+    coordinator.turn_end = True
+    for pool in coordinator.pools:
+        pool.partial = PartialIndex()
+    for manager in coordinator.managers:
+        manager.turn_end = True
+        if not manager.is_state:
+            manager.pool.partial_groups.add(manager.group_id)
