@@ -75,6 +75,32 @@ def delta_rule_recurrent(
     return out, stacked[capture_index, rows]
 
 
+def delta_rule_decode_(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+) -> torch.Tensor:
+    """One token per row, the state updated in place in the *stored* layout ``[R, H, dv,
+    dk]`` (float32, contiguous, owned by the caller: a gathered copy). Same steps as
+    `delta_rule_recurrent` (decay, predict, write, read out), but no transposed copies,
+    no new state tensors and no per-point pick: a decode step touches each state a few
+    times instead of a dozen. ``q, k [R, 1, H, dk]``, ``v [R, 1, H, dv]``, ``g, beta [R,
+    1, H]``, already `prepare`d. Returns ``o [R, 1, H, dv]``."""
+    rows, _, heads, dk = q.shape
+    dv = v.shape[-1]
+    n = rows * heads
+    s = state.view(n, dv, dk)
+    s.mul_(g.reshape(n, 1, 1).exp())
+    k_col = k.reshape(n, dk, 1)
+    predicted = torch.bmm(s, k_col)  # [n, dv, 1]: S^T k in the transposed layout
+    delta = (v.reshape(n, dv, 1) - predicted) * beta.reshape(n, 1, 1)
+    s.baddbmm_(delta, k_col.transpose(1, 2))  # S += k delta^T, stored as delta k^T
+    return torch.bmm(s, q.reshape(n, dk, 1)).view(rows, 1, heads, dv)
+
+
 def delta_rule_chunked(
     q: torch.Tensor,
     k: torch.Tensor,

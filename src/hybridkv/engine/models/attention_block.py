@@ -174,8 +174,13 @@ class Attention:
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rope is not None:
-            q = self.rope.apply(q, batch.positions)
-            k = self.rope.apply(k, batch.positions)
+            rope = self.rope
+            # cos/sin of the step's positions: built by the first layer, shared by the rest
+            table = batch.memoized(
+                ("rope", id(rope), q.dtype), lambda: rope.cos_sin(batch.positions, q.dtype)
+            )
+            q = rope.apply(q, batch.positions, table)
+            k = rope.apply(k, batch.positions, table)
         out = paged_attention(
             q,
             k,
