@@ -115,9 +115,10 @@ def delta_rule_chunked(
     """The chunked form (module docstring); point p is the state after ``ks[p]`` tokens
     of row ``rows[p]``. Inputs already `prepare`d."""
     _, length, heads, _ = q.shape
-    # [R, H, L, d] so that matmuls run per (row, head)
-    q, k, v = (x.transpose(1, 2) for x in (q, k, v))
-    g, beta = g.transpose(1, 2), beta.transpose(1, 2)
+    # [R, H, L, d] so that matmuls run per (row, head); contiguous once here, so every
+    # chunk's slice is a strided view the batched matmuls take without a copy
+    q, k, v = (x.transpose(1, 2).contiguous() for x in (q, k, v))
+    g, beta = g.transpose(1, 2).contiguous(), beta.transpose(1, 2).contiguous()
     state = state.float()
     out = torch.empty_like(v)
     captured = state.new_empty(len(ks), heads, state.shape[-2], state.shape[-1])

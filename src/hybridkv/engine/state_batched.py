@@ -25,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from hybridkv.engine.context import ForwardBatch
 from hybridkv.engine.varlen import Padded, split_by_length
@@ -127,7 +128,18 @@ def causal_conv_grid(
     if rows < kernel - 1:
         raise EngineError(f"conv state has {rows} columns but the kernel needs {kernel - 1}")
     history = torch.cat([state.to(x.dtype), x.transpose(1, 2)], dim=-1)  # [R, C, rows + L]
-    windows = history[:, :, rows - (kernel - 1) :].unfold(-1, kernel, 1)  # [R, C, L, kernel]
+    inputs = history[:, :, rows - (kernel - 1) :]
+    if x.shape[1] > SHORT_MAX_TOKENS:
+        # Prefill: the library's depthwise conv (as the per-request reference runs it);
+        # the unfold form below would materialise an [R, C, L, kernel] product.
+        out = F.conv1d(
+            inputs,
+            weight.to(x.dtype)[:, None, :],
+            None if bias is None else bias.to(x.dtype),
+            groups=weight.shape[0],
+        )
+        return out.transpose(1, 2), history
+    windows = inputs.unfold(-1, kernel, 1)  # [R, C, L, kernel]
     out = (windows * weight.to(x.dtype)[None, :, None, :]).sum(-1)
     if bias is not None:
         out = out + bias.to(x.dtype)[None, :, None]
