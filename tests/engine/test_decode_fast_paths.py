@@ -79,7 +79,10 @@ def test_decode_kernel_matches_recurrence(seed):
     """`delta_rule_decode_` (stored layout, in place) against the per-request oracle."""
     gen = torch.Generator().manual_seed(seed)
     rows, heads, dk, dv = 5, 3, 6, 4
-    q, k = torch.randn(rows, 1, heads, dk, generator=gen), torch.randn(rows, 1, heads, dk, generator=gen)
+    q, k = (
+        torch.randn(rows, 1, heads, dk, generator=gen),
+        torch.randn(rows, 1, heads, dk, generator=gen),
+    )
     v = torch.randn(rows, 1, heads, dv, generator=gen)
     g = -torch.rand(rows, 1, heads, generator=gen)
     beta = torch.rand(rows, 1, heads, generator=gen)

@@ -152,9 +152,9 @@ def write_conv(buffer: torch.Tensor, part: StatePart, history: torch.Tensor) -> 
     if part.uniform_k is not None:  # one k for all points: a slice, not a gather
         k = part.uniform_k
         window = history[:, :, k : k + rows]
-        buffer[part.point_slots] = (
-            window if part.rows_identity else window[part.point_rows]
-        ).to(buffer.dtype)
+        buffer[part.point_slots] = (window if part.rows_identity else window[part.point_rows]).to(
+            buffer.dtype
+        )
         return
     cols = part.point_k[:, None] + torch.arange(rows, device=history.device)[None, :]
     picked = history.transpose(1, 2)[part.point_rows[:, None], cols]  # [P, rows, C]
