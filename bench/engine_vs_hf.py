@@ -14,8 +14,10 @@ builds a fresh `LLM` (untimed) so no run hits a previous run's prefix cache.
     hybridkv bench engine_vs_hf -- --reps 3
 
 Printed per case: median wall seconds and range per side, the ratio (transformers time /
-engine time: > 1 means the engine is faster), output tokens per second, engine steps
-and prefix-hit tokens (work counters), and whether the tokens match exactly.
+engine time: > 1 means the engine is faster), the same ratio of process CPU seconds
+(steadier than wall time on a shared machine: time spent waiting for a core is not
+counted), output tokens per second, engine steps and prefix-hit tokens (work counters),
+and whether the tokens match exactly.
 """
 
 from __future__ import annotations
@@ -100,6 +102,7 @@ def run_hf(model: torch.nn.Module, prompts: Sequence[Sequence[int]]) -> list[lis
 class EngineRun:
     tokens: list[list[int]]
     seconds: float
+    cpu_seconds: float
     steps: int
     hit_tokens: int
 
@@ -112,22 +115,24 @@ def run_engine(folder: Path, prompts: Sequence[Sequence[int]], max_batched: int)
         max_num_batched_tokens=max_batched,
         max_model_len=PROMPT_TOKENS + NEW_TOKENS,
     )
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     results = llm.generate(prompts, max_new_tokens=NEW_TOKENS, ignore_eos=True)
-    seconds = time.perf_counter() - start
+    seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
     stats = llm.stats()
     return EngineRun(
         [r.token_ids for r in results],
         seconds,
+        cpu_seconds,
         stats.num_steps,
         max(stats.prefix_hit_tokens.values(), default=0),
     )
 
 
-def timed(fn: Callable[[], list[list[int]]]) -> tuple[list[list[int]], float]:
-    start = time.perf_counter()
+def timed(fn: Callable[[], list[list[int]]]) -> tuple[list[list[int]], float, float]:
+    """``fn()``, its wall seconds and its process CPU seconds (all threads)."""
+    start, cpu_start = time.perf_counter(), time.process_time()
     out = fn()
-    return out, time.perf_counter() - start
+    return out, time.perf_counter() - start, time.process_time() - cpu_start
 
 
 def spread(xs: Sequence[float]) -> str:
@@ -158,6 +163,7 @@ def main() -> None:
         "engine s",
         "transformers s",
         "ratio (hf/engine)",
+        "cpu ratio",
         "engine tok/s",
         "steps",
         "prefix hit tok",
@@ -171,22 +177,27 @@ def main() -> None:
             prompts = make_prompts(case)
             engine_s: list[float] = []
             hf_s: list[float] = []
+            hf_cpu: list[float] = []
             runs: list[EngineRun] = []
             hf_tokens: list[list[int]] = []
             for _ in range(args.reps):
                 run = run_engine(folder, prompts, args.max_batched_tokens)
                 runs.append(run)
                 engine_s.append(run.seconds)
-                hf_tokens, seconds = timed(lambda p=prompts: run_hf(hf, p))  # type: ignore[misc]
+                hf_tokens, seconds, cpu = timed(lambda p=prompts: run_hf(hf, p))  # type: ignore[misc]
                 hf_s.append(seconds)
+                hf_cpu.append(cpu)
             same = sum(r == h for r, h in zip(runs[-1].tokens, hf_tokens, strict=True))
             exact = "yes" if same == len(prompts) else f"NO ({same}/{len(prompts)} rows)"
             ratio = statistics.median(hf_s) / statistics.median(engine_s)
+            engine_cpu = [r.cpu_seconds for r in runs]
+            cpu_ratio = statistics.median(hf_cpu) / statistics.median(engine_cpu)
             table.add_row(
                 case,
                 spread(engine_s),
                 spread(hf_s),
                 f"{ratio:.2f}x",
+                f"{cpu_ratio:.2f}x",
                 f"{len(prompts) * NEW_TOKENS / statistics.median(engine_s):.0f}",
                 str(runs[-1].steps),
                 str(runs[-1].hit_tokens),
@@ -194,7 +205,8 @@ def main() -> None:
             )
             console.print(
                 f"{case}: engine {spread(engine_s)} s, transformers {spread(hf_s)} s, "
-                f"{ratio:.2f}x, exact {exact}"
+                f"{ratio:.2f}x; cpu engine {spread(engine_cpu)} s, transformers "
+                f"{spread(hf_cpu)} s, {cpu_ratio:.2f}x; exact {exact}"
             )
     console.print(table)
 

@@ -75,6 +75,31 @@ def delta_rule_recurrent(
     return out, stacked[capture_index, rows]
 
 
+def delta_rule_decode_(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+) -> torch.Tensor:
+    """One token per row, the state updated in place in the *stored* layout ``[R, H, dv,
+    dk]`` (float32, owned by the caller: a gathered copy). The per-request oracle's
+    steps (decay, predict, write, read out) on a transposed view, so no transposed
+    copies, no new state tensors and no per-point pick. Broadcast multiply-and-sum, not
+    ``bmm``: a batched matrix-vector product runs several times slower on CPU than the
+    elementwise form (measured: 0.4 vs 1.4 ms per layer at 32 rows x 8 heads x 64 x 64).
+    ``q, k [R, 1, H, dk]``, ``v [R, 1, H, dv]``, ``g, beta [R, 1, H]``, already
+    `prepare`d. Returns ``o [R, 1, H, dv]``."""
+    s = state.transpose(-1, -2)  # [R, H, dk, dv] view of the stored [R, H, dv, dk]
+    k_col, q_col = k[:, 0, :, :, None], q[:, 0, :, :, None]  # [R, H, dk, 1]
+    s.mul_(g[:, 0].exp()[..., None, None])
+    predicted = (s * k_col).sum(dim=-2)  # S^T k: [R, H, dv]
+    delta = (v[:, 0] - predicted) * beta[:, 0, :, None]
+    s.addcmul_(k_col, delta[:, :, None, :])  # S += k delta^T
+    return (s * q_col).sum(dim=-2)[:, None]
+
+
 def delta_rule_chunked(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -89,9 +114,10 @@ def delta_rule_chunked(
     """The chunked form (module docstring); point p is the state after ``ks[p]`` tokens
     of row ``rows[p]``. Inputs already `prepare`d."""
     _, length, heads, _ = q.shape
-    # [R, H, L, d] so that matmuls run per (row, head)
-    q, k, v = (x.transpose(1, 2) for x in (q, k, v))
-    g, beta = g.transpose(1, 2), beta.transpose(1, 2)
+    # [R, H, L, d] so that matmuls run per (row, head); contiguous once here, so every
+    # chunk's slice is a strided view the batched matmuls take without a copy
+    q, k, v = (x.transpose(1, 2).contiguous() for x in (q, k, v))
+    g, beta = g.transpose(1, 2).contiguous(), beta.transpose(1, 2).contiguous()
     state = state.float()
     out = torch.empty_like(v)
     captured = state.new_empty(len(ks), heads, state.shape[-2], state.shape[-1])

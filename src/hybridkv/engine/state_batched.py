@@ -25,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from hybridkv.engine.context import ForwardBatch
 from hybridkv.engine.varlen import Padded, split_by_length
@@ -48,6 +49,10 @@ class StatePart:
     point_k_host: tuple[int, ...]
     point_rows_host: tuple[int, ...]
     all_initial: bool  # every row reads a slot (decode): no zero rows to select
+    # Every point is "after k tokens" for one k (decode: k = 1), and point p is row p:
+    # the states to store are then one slice of the grid, no per-point pick.
+    uniform_k: int | None = None
+    rows_identity: bool = False
 
 
 def state_parts(batch: ForwardBatch, group: str) -> list[StatePart]:
@@ -96,6 +101,8 @@ def _build_parts(batch: ForwardBatch, group: str) -> list[StatePart]:
                 point_k_host=tuple(ks),
                 point_rows_host=tuple(rows),
                 all_initial=all(has_initial[r] for r in reqs),
+                uniform_k=ks[0] if ks and len(set(ks)) == 1 else None,
+                rows_identity=rows == list(range(len(reqs))),
             )
         )
     return parts
@@ -125,7 +132,18 @@ def causal_conv_grid(
     if rows < kernel - 1:
         raise EngineError(f"conv state has {rows} columns but the kernel needs {kernel - 1}")
     history = torch.cat([state.to(x.dtype), x.transpose(1, 2)], dim=-1)  # [R, C, rows + L]
-    windows = history[:, :, rows - (kernel - 1) :].unfold(-1, kernel, 1)  # [R, C, L, kernel]
+    inputs = history[:, :, rows - (kernel - 1) :]
+    if x.shape[1] > SHORT_MAX_TOKENS:
+        # Prefill: the library's depthwise conv (as the per-request reference runs it);
+        # the unfold form below would materialise an [R, C, L, kernel] product.
+        out = F.conv1d(
+            inputs,
+            weight.to(x.dtype)[:, None, :],
+            None if bias is None else bias.to(x.dtype),
+            groups=weight.shape[0],
+        )
+        return out.transpose(1, 2), history
+    windows = inputs.unfold(-1, kernel, 1)  # [R, C, L, kernel]
     out = (windows * weight.to(x.dtype)[None, :, None, :]).sum(-1)
     if bias is not None:
         out = out + bias.to(x.dtype)[None, :, None]
@@ -135,6 +153,13 @@ def causal_conv_grid(
 def write_conv(buffer: torch.Tensor, part: StatePart, history: torch.Tensor) -> None:
     """Store ``history[row, :, k : k + rows]`` at every write point of ``part``."""
     rows = buffer.shape[-1]
+    if part.uniform_k is not None:  # one k for all points: a slice, not a gather
+        k = part.uniform_k
+        window = history[:, :, k : k + rows]
+        buffer[part.point_slots] = (window if part.rows_identity else window[part.point_rows]).to(
+            buffer.dtype
+        )
+        return
     cols = part.point_k[:, None] + torch.arange(rows, device=history.device)[None, :]
     picked = history.transpose(1, 2)[part.point_rows[:, None], cols]  # [P, rows, C]
     buffer[part.point_slots] = picked.transpose(1, 2).to(buffer.dtype)
@@ -143,6 +168,16 @@ def write_conv(buffer: torch.Tensor, part: StatePart, history: torch.Tensor) -> 
 def write_ssm(buffer: torch.Tensor, part: StatePart, states: torch.Tensor) -> None:
     """Store ``states [P, ...]`` (one per write point, in point order)."""
     buffer[part.point_slots] = states.to(buffer.dtype)
+
+
+def write_ssm_rows(buffer: torch.Tensor, part: StatePart, states: torch.Tensor) -> None:
+    """Store ``states [R, ...]`` (one per row: the state after ``part.uniform_k`` tokens)
+    at every write point; only for parts whose points all share that k."""
+    if part.uniform_k is None:
+        raise EngineError("write_ssm_rows needs write points that all share one k")
+    buffer[part.point_slots] = (states if part.rows_identity else states[part.point_rows]).to(
+        buffer.dtype
+    )
 
 
 def capture_steps(part: StatePart) -> tuple[list[int], torch.Tensor]:

@@ -175,9 +175,14 @@ class Attention:
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rope is not None:
+            rope = self.rope
             positions = rope_positions(batch)  # a tree's nodes: num_computed + depth
-            q = self.rope.apply(q, positions)
-            k = self.rope.apply(k, positions)
+            # cos/sin of the step's positions: built by the first layer, shared by the rest
+            table = batch.memoized(
+                ("rope", id(rope), q.dtype), lambda: rope.cos_sin(positions, q.dtype)
+            )
+            q = rope.apply(q, positions, table)
+            k = rope.apply(k, positions, table)
         out = paged_attention(
             q,
             k,

@@ -30,6 +30,7 @@ from hybridkv.engine.state_batched import (
     state_parts,
     write_conv,
     write_ssm,
+    write_ssm_rows,
 )
 from hybridkv.engine.state_ops import (
     causal_conv1d_history,
@@ -215,9 +216,17 @@ class GatedDeltaNet:
                 grid.pad(mixed), gather_state(cache.conv, part), self.conv_weight, None
             )
             q, k, v = self._split_heads(F.silu(conv_out))
+            q, k, v, g_grid, beta_grid = delta_rule.prepare(q, k, v, grid.pad(g), grid.pad(beta))
+            if grid.max_len == 1 and part.uniform_k == 1:  # decode: in place, stored layout
+                stored = gather_state(cache.ssm, part).float().contiguous()
+                grid.unpad_into(
+                    core, delta_rule.delta_rule_decode_(q, k, v, g_grid, beta_grid, stored)
+                )
+                write_conv(cache.conv, part, history)
+                write_ssm_rows(cache.ssm, part, stored)
+                continue
             # The ssm buffer is [Hv, dv, dk]; the rule works on [Hv, dk, dv].
             state = gather_state(cache.ssm, part).transpose(-1, -2)
-            q, k, v, g_grid, beta_grid = delta_rule.prepare(q, k, v, grid.pad(g), grid.pad(beta))
             if grid.max_len <= SHORT_MAX_TOKENS:
                 at, index = capture_steps(part)
                 out, states = delta_rule.delta_rule_recurrent(

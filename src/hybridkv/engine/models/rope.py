@@ -34,9 +34,16 @@ class Rope:
         sin = emb.sin() * self.attention_scaling
         return cos.to(dtype), sin.to(dtype)
 
-    def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Rotate ``x [T, heads, head_dim]``; channels past ``rotary_dim`` pass through."""
-        cos, sin = self.cos_sin(positions, x.dtype)
+    def apply(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        table: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """Rotate ``x [T, heads, head_dim]``; channels past ``rotary_dim`` pass through.
+        ``table``: ``cos_sin(positions, x.dtype)`` when the caller has it already (every
+        attention layer of a step shares one)."""
+        cos, sin = self.cos_sin(positions, x.dtype) if table is None else table
         cos, sin = cos[:, None, :], sin[:, None, :]
         rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
         half = self.rotary_dim // 2

@@ -1,0 +1,96 @@
+"""The decode fast paths of the batched state kernels against the per-request oracle.
+
+A pure decode step (every row one new token, every write point "after 1 token") takes
+`delta_rule.delta_rule_decode_` (state updated in place in its stored layout) and the
+slice form of `write_conv` / `write_ssm_rows`; a step whose points all share one k takes
+the slice form of `write_conv` too. These tests build exactly such steps (in place,
+to another slot, plus a checkpoint copy, rows in shuffled slots, some rows starting
+from zeros) and compare outputs and every slot with the reference loop.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from hybridkv.engine import delta_rule  # noqa: E402
+from hybridkv.engine.context import StateCache, StateSlots, make_batch  # noqa: E402
+from hybridkv.engine.state_batched import state_parts  # noqa: E402
+from hybridkv.engine.state_ops import gated_delta_rule_capture  # noqa: E402
+from tests.exactness.test_batched_kernels import gdn_layer  # noqa: E402
+
+
+def decode_case(seed: int, *, fresh_rows: bool, new_tokens: int = 1):
+    """Rows of ``new_tokens`` new tokens each; every point is after all of them."""
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(500 + seed)
+    num_rows = rng.randrange(1, 9)
+    num_slots = 1 + 3 * num_rows
+    slots = list(range(1, num_slots))
+    rng.shuffle(slots)
+    layer = gdn_layer(torch.Generator().manual_seed(seed))
+    conv = torch.full((num_slots, layer.shape.conv_dim, 3 + 1), float("nan"))
+    ssm = torch.full((num_slots, 4, 4, 8), float("nan"))
+    reads, writes, computed = [], [], []
+    for _ in range(num_rows):
+        mine = [slots.pop() for _ in range(3)]
+        fresh = fresh_rows and rng.random() < 0.4
+        read = None if fresh else mine[0]
+        if read is not None:
+            conv[read] = torch.randn(conv.shape[1:], generator=gen)
+            ssm[read] = torch.randn(ssm.shape[1:], generator=gen) * 0.3
+        target = mine[0] if (read is not None and rng.random() < 0.5) else mine[1]
+        points = [(new_tokens, target)]
+        if rng.random() < 0.5:  # a checkpoint at the same boundary
+            points.append((new_tokens, mine[2]))
+        reads.append(read)
+        writes.append(points)
+        computed.append(0 if fresh else rng.randrange(1, 50))
+    batch = make_batch(
+        [([1] * new_tokens, c) for c in computed],
+        state_slots={"s": StateSlots.from_points(reads, writes)},
+    )
+    x = torch.randn(num_rows * new_tokens, layer.shape.hidden_size, generator=gen)
+    return layer, batch, x, conv, ssm
+
+
+@pytest.mark.parametrize("seed", range(12))
+@pytest.mark.parametrize("fresh_rows", [False, True])
+@pytest.mark.parametrize("new_tokens", [1, 3])
+def test_uniform_point_steps_match_reference(seed, fresh_rows, new_tokens):
+    layer, batch, x, conv, ssm = decode_case(seed, fresh_rows=fresh_rows, new_tokens=new_tokens)
+    (part,) = state_parts(batch, "s")
+    assert part.uniform_k == new_tokens  # the fast paths are the ones under test
+    ref = StateCache(conv.clone(), ssm.clone(), "s")
+    got_cache = StateCache(conv, ssm, "s")
+    got = layer.forward(x, batch, got_cache, batched=True)
+    want = layer.forward(x, batch, ref, batched=False)
+    assert not got.isnan().any()
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(got_cache.conv, ref.conv, equal_nan=True)
+    torch.testing.assert_close(got_cache.ssm, ref.ssm, equal_nan=True, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_decode_kernel_matches_recurrence(seed):
+    """`delta_rule_decode_` (stored layout, in place) against the per-request oracle."""
+    gen = torch.Generator().manual_seed(seed)
+    rows, heads, dk, dv = 5, 3, 6, 4
+    q, k = (
+        torch.randn(rows, 1, heads, dk, generator=gen),
+        torch.randn(rows, 1, heads, dk, generator=gen),
+    )
+    v = torch.randn(rows, 1, heads, dv, generator=gen)
+    g = -torch.rand(rows, 1, heads, generator=gen)
+    beta = torch.rand(rows, 1, heads, generator=gen)
+    state = torch.randn(rows, heads, dk, dv, generator=gen)  # the rule's [dk, dv] layout
+    qp, kp, vp, gp, bp = delta_rule.prepare(q, k, v, g, beta)
+    stored = state.transpose(-1, -2).contiguous()
+    out = delta_rule.delta_rule_decode_(qp, kp, vp, gp, bp, stored)
+    for r in range(rows):
+        want, states = gated_delta_rule_capture(q[r], k[r], v[r], g[r], beta[r], state[r], [1])
+        torch.testing.assert_close(out[r], want, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(stored[r].transpose(-1, -2), states[1], rtol=1e-5, atol=1e-6)
