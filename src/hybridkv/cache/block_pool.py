@@ -189,27 +189,9 @@ class BlockPool:
             if freed:
                 self.free.push_chain_many(freed, tiers)
             return
-        fresh: list[int] = []
-        cached: list[int] = []
-        add_fresh, add_cached = fresh.append, cached.append
-        for block in block_ids:
-            if not block:  # NULL_BLOCK (0), as above
-                continue
-            count = refs[block] - 1
-            if count > 0:  # still shared
-                refs[block] = count
-            elif count == 0:
-                refs[block] = 0
-                if block in hashes:
-                    add_cached(block)
-                else:
-                    add_fresh(block)
-            else:
-                raise InvariantError(f"pool {self.pool_id}: block {block} released while free")
-        if fresh:
-            self.free.push_fresh_many(fresh)
-        if cached:
-            self.free.push_cached_many(cached)
+        bad = self.free.release_lru(refs, hashes, block_ids)
+        if bad is not None:
+            raise InvariantError(f"pool {self.pool_id}: block {bad} released while free")
 
     def cache(
         self,

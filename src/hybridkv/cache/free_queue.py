@@ -51,6 +51,7 @@ released again.
 from __future__ import annotations
 
 from array import array
+from collections.abc import Iterable
 
 from hybridkv.errors import CacheError, InvariantError
 from hybridkv.ids import BlockId
@@ -199,6 +200,48 @@ class FreeQueue:
         prev[sentinel] = last
         self._tier_len[PROBATION] += len(block_ids)
         self._num_cached += len(block_ids)
+
+    def release_lru(
+        self, refs: array[int], hashes: dict[int, bytes], block_ids: Iterable[int]
+    ) -> int | None:
+        """lru: drop one reference of each block (null blocks skipped) and push those
+        that reach 0, in order: cached ones onto the newest end, the others onto the
+        fresh stack -- `BlockPool.release_many` in one pass that links cached blocks as
+        it meets them (no second loop). Returns a block released while free (the loop
+        stops there, links closed; the caller raises), else None."""
+        prev, nxt, tier_of = self._prev, self._next, self._tier
+        sentinel = self._num_blocks + PROBATION
+        last = prev[sentinel]
+        fresh: list[int] = []
+        bad = None
+        num = 0
+        for block in block_ids:
+            if not block:  # NULL_BLOCK (0): a plain truth test in the hot loop
+                continue
+            count = refs[block] - 1
+            if count:
+                if count < 0:
+                    bad = block
+                    break
+                refs[block] = count  # still shared
+            else:
+                refs[block] = 0
+                if block in hashes:
+                    tier_of[block] = PROBATION
+                    nxt[last] = block
+                    prev[block] = last
+                    last = block
+                    num += 1
+                else:
+                    fresh.append(block)
+        if num:
+            nxt[last] = sentinel
+            prev[sentinel] = last
+            self._tier_len[PROBATION] += num
+            self._num_cached += num
+        if fresh:
+            self.push_fresh_many(fresh)
+        return bad
 
     def push_chain_many(self, block_ids: list[int], tiers: list[int]) -> None:
         """chain: for each block in order, `push_fresh` (tier < 0) or `push_cached` into

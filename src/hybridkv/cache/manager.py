@@ -234,7 +234,7 @@ class CacheManager(CacheViews):
     def free(self, req_id: str) -> None:
         """Release everything; cached blocks stay in the cache as evictable."""
         r = self._get(req_id)
-        self._release(r)
+        self._release(r, reset=False)  # the record is dropped: no need to reset it
         del self._requests[req_id]
 
     def preempt(self, req_id: str) -> None:
@@ -375,7 +375,9 @@ class CacheManager(CacheViews):
             f"{num_tokens} + {num_new} verified tokens"
         )
 
-    def _release(self, r: RequestRecord) -> None:
+    def _release(self, r: RequestRecord, reset: bool = True) -> None:
+        """Release every block ``r`` holds; ``reset``: also forget its computed tokens,
+        step and limits (a preempted request stays; a freed one is dropped)."""
         self._junctions.pop(r.req_id, None)
         if r.started and self._turn_end and not r.pending:
             # settled: every group's data at num_computed is final (see cache.turn_end)
@@ -391,6 +393,8 @@ class CacheManager(CacheViews):
             finally:
                 if hot:
                     self._set_hot(False)
+        if not reset:
+            return
         r.states = []
         r.settlers = []
         r.started = False

@@ -68,11 +68,14 @@ def token_array(req_id: str, name: str, tokens: object) -> array[int]:
     raise AssertionError("unreachable: array() refused a valid token list")
 
 
+_SEQUENCES = (list, tuple)
+
+
 def append_tokens(tokens: array[int], new: Sequence[int]) -> bool:
     """Append ``new`` to ``tokens`` if every id is an int in [0, 2^63) and return True;
     else leave ``tokens`` as it was and return False (`token_array` names the culprit).
     The array refuses non-integers and ids >= 2^63 at C speed; min() the negative ones."""
-    if not isinstance(new, list | tuple):
+    if not isinstance(new, _SEQUENCES):  # a prebuilt tuple: `list | tuple` builds a union per call
         return False  # arrays, generators, str / bytes: `token_array` decides
     if not new:
         return True

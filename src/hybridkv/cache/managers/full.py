@@ -286,7 +286,8 @@ class FullAttentionManager(GroupManager):
         # the next position where a block leaves the window (to release it).
         B = self.block_size
         fill = (state.num_cached + 1) * B if self.caching else None
-        release = self.next_release(state.first_live)
+        # full attention never releases: skip the call (10 groups per slow hybrid step)
+        release = self.next_release(state.first_live) if self.releases else None
         commit_below = release if fill is None else fill if release is None else min(fill, release)
         # end_tokens, verified_tokens, lookahead_tokens, commit_below (tuple.__new__:
         # a third of the named tuple's own constructor, on every slow step)

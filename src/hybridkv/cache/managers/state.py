@@ -27,6 +27,7 @@ Blocks a request holds in a state group (S = ``num_spec_states``)::
               (updated in place) unless that block is a cached checkpoint, which is never
               written -> then a private block
     spec[i]   state after draft i + 1, i.e. after c + n + i + 1 tokens (i < min(L, S))
+              (slots are sticky: the first step whose drafts need more takes all S)
     ckpts     (position, block) pairs: the state after boundaries strictly inside
               (c, c + n): align keeps the last one when the budget of 2 + S blocks
               leaves room, all keeps every one, junction adds its boundary
@@ -202,7 +203,20 @@ class StateManager(GroupManager):
         # referenced, so no eviction uncaches it)
         self._memo = (state, c, n, lookahead, layout)
         need_write, num_spec, positions = layout
-        return max(0, need_write + num_spec + len(positions) - len(state.spares))
+        new = need_write + num_spec + len(positions) - len(state.spares)
+        if new <= 0:
+            return 0
+        if num_spec:
+            # Sticky spares: a step whose drafts need more slots than held takes all S
+            # at once (as many as the budget leaves), so a request grows its spec slots
+            # once instead of at every new largest draft count. The spec's formula
+            # (`StateSpec.blocks_needed`: 1 + S, kept once taken) and the
+            # planner already count S slots per request; spares only shrink on free,
+            # preempt, or when a checkpoint caches one.
+            room = self.budget_blocks - (state.running is not None) - need_write
+            spec_slots = max(num_spec, min(self.num_spec_states, room))
+            new = need_write + spec_slots + len(positions) - len(state.spares)
+        return new
 
     def allocate(
         self, state: StateBlocks, c: int, n: int, lookahead: int, num_new: int
