@@ -48,6 +48,7 @@ from hybridkv.errors import PlanError
 from hybridkv.models import load_model_spec
 from hybridkv.plan import PlanOptions, plan
 from hybridkv.sim import generate_workload, simulate, workload_options
+from hybridkv.sim.belady import belady_manager
 from hybridkv.sim.reuse import reuse_bound_tokens
 from hybridkv.spec import AttentionSpec, DType, ModelSpec, SlidingWindowSpec
 
@@ -64,9 +65,10 @@ class Policy:
     layout: str = "auto"
     state_mode: str | None = None  # None: the planner's default
     rules: tuple[str, ...] | None = None  # None: the manager's default (junction, turn_end)
-    eviction: str | None = None  # None: the manager's default (chain)
+    eviction: str | None = None  # None: the manager's default (chain); "belady": sim only
 
 
+BELADY = "belady"  # Belady's MIN (`hybridkv.sim.belady`): offline, simulator only
 VLLM = Policy("vllm rule", layout="vllm", state_mode="align", rules=(), eviction="lru")
 DEFAULT = Policy("default")
 TURN_END = ("junction", "turn_end")
@@ -81,6 +83,7 @@ POLICIES = [
     Policy("align+junction+turn_end+lru", state_mode="align", rules=TURN_END, eviction="lru"),
     Policy("all+junction+turn_end+chain", state_mode="all", rules=TURN_END, eviction="chain"),
 ]
+BELADY_POLICY = Policy("default rules+belady (offline)", eviction=BELADY)
 # spec methods whose rows vLLM's own manager replays (no drafter KV to place)
 VLLM_OWN_SPECS = ("none", "ngram")
 VLLM_OWN_FAMILIES = ("chat", "roundrobin")
@@ -138,9 +141,13 @@ def run_one(
     )
     the_plan = plan(main, _draft(main, method), options)
     start = time.perf_counter()
-    result = simulate(
-        trace, the_plan, eviction_policy=policy.eviction, checkpoint_rules=policy.rules
-    )
+    if policy.eviction == BELADY:  # offline reference: reads the trace's future
+        manager = belady_manager(the_plan, trace, checkpoint_rules=policy.rules)
+        result = simulate(trace, the_plan, manager=manager)
+    else:
+        result = simulate(
+            trace, the_plan, eviction_policy=policy.eviction, checkpoint_rules=policy.rules
+        )
     wall_s = time.perf_counter() - start
     total = sum(len(r.prompt) for r in trace)
     bound = sum(bound_tokens) / total
