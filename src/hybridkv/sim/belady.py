@@ -94,9 +94,9 @@ class FutureUses:
             t = times[pos]
             if started[t]:
                 continue
-            if reach == UNBOUNDED or end_tokens > hits[t] - reach:
-                if end_tokens <= hits[t]:
-                    return t
+            within = reach == UNBOUNDED or end_tokens > hits[t] - reach
+            if within and end_tokens <= hits[t]:
+                return t
         return NEVER
 
     def start(self, req_id: str) -> None:
