@@ -400,6 +400,7 @@ def main() -> None:
     start = time.perf_counter()
     if args.belady is not None:
         rows = run_belady(args.seed)
+        add_vs_vllm(rows)  # no `vllm rule` rows here: None
         command = f"python bench/prefix_policies.py --belady {args.belady}"
         replace_section(args.belady, belady_markdown(rows, command))
         render(rows, "offline reference: Belady's MIN")

@@ -21,5 +21,7 @@ def test_second_diverging_request_records_the_entry_the_third_hits() -> None:
     # on a block boundary there is nothing to gain
     aligned = [_req(0, 48, 64), _req(1, 48, 64), _req(2, 48, 64)]
     assert junction_partial_gain(aligned, {"r1": 48, "r2": 48}, 16) == (0, 0)
+    # a hit short of the block below the entry (evicted blocks) gains nothing either
+    assert junction_partial_gain(trace, {"r1": 32, "r2": 16}, 16) == (0, 0)
     # a request that already hits past the entry gains nothing
     assert junction_partial_gain(trace, {"r1": 32, "r2": 40}, 16) == (0, 0)

@@ -14,8 +14,10 @@ the cache and engine do not do yet.
 
 `junction_partial_gain` replays the arrival order: the entries recorded so far (one per
 request whose ``d_i`` falls mid-block), and for each request the longest entry its
-prompt reaches; the gain is how far that entry goes past the request's measured hit.
-Infinite memory for the entries (an upper estimate of what the rule adds).
+prompt reaches; the gain is how far that entry goes past the request's measured hit,
+counted only when the hit reached the block boundary below the entry (the entry adds a
+block's tail; it cannot bring back evicted blocks before it). Entries take no memory
+here, so this is an upper estimate of what the rule adds.
 """
 
 from __future__ import annotations
@@ -47,7 +49,11 @@ def junction_partial_gain(
                 continue
             if np.array_equal(tokens[:d], prompt[:d]):
                 reach = d
-        extra = reach - hit_tokens.get(req.id, 0)
+        hit = hit_tokens.get(req.id, 0)
+        # the entry only adds its mid-block tail, and only to a hit that reached the
+        # block boundary below it (a shorter hit lost blocks the entry cannot replace)
+        floor = reach // block_tokens * block_tokens if block_tokens > 0 else reach
+        extra = reach - hit if hit >= floor else 0
         if extra > 0:
             gain += extra
             gainers += 1
