@@ -402,8 +402,13 @@ def main() -> None:
         rows = run_belady(args.seed)
         add_vs_vllm(rows)  # no `vllm rule` rows here: None
         command = f"python bench/prefix_policies.py --belady {args.belady}"
+        if args.plots is not None:
+            command += f" --plots {args.plots}"
         replace_section(args.belady, belady_markdown(rows, command))
         render(rows, "offline reference: Belady's MIN")
+        if args.plots is not None:  # a folder of its own: the --full PNGs stay as they are
+            for path in plot(rows, args.plots):
+                print(f"wrote {path}")
         print(f"total {time.perf_counter() - start:.1f} s")
         return
     if args.from_json is not None:
