@@ -159,3 +159,69 @@ def markdown(rows: list[dict[str, Any]], command: str, wall_s: float) -> str:
                 + " |"
             )
     return "\n".join(out) + "\n"
+
+
+BELADY_BEGIN = "<!-- belady section: bench/prefix_policies.py --belady -->"
+BELADY_END = "<!-- end of belady section -->"
+
+
+def belady_markdown(rows: list[dict[str, Any]], command: str) -> str:
+    """The offline-reference section: hit rate of `default`, the best online chat policy
+    and Belady's MIN per memory size; chat rows add the junction partial estimate."""
+    by = {(r["family"], r["model"], r["spec"], r["memory_gib"], r["policy"]): r for r in rows}
+    policies = list(dict.fromkeys(r["policy"] for r in rows))
+    online = [p for p in policies if "belady" not in p]
+    wall_s = sum(r["wall_s"] for r in rows)
+    out = [
+        BELADY_BEGIN,
+        "## Offline reference: Belady's MIN",
+        "",
+        f"Produced by `{command}` ({wall_s:.0f} s of simulation). Belady's MIN "
+        "(`hybridkv.sim.belady`, simulator only: it reads the trace's future) evicts the "
+        "cached block whose next use is furthest away, chains tail first; it is optimal "
+        "for one cache of equal pages, a reference (not a bound) when a hit needs state "
+        "checkpoints and attention blocks at once (chat on qwen3.5-9b). `+junction "
+        "partial` = the same online policy's hit plus the estimate of "
+        "`hybridkv.sim.junction_estimate` (an entry at every mid-block divergence point; "
+        "needs copy-on-write in the engine, not built).",
+        "",
+        "| family | model | spec | GiB | bound | "
+        + " | ".join(online)
+        + " | Belady (offline) | "
+        + " | ".join(f"{p} +junction partial" for p in online)
+        + " |",
+        "|---" * (5 + 2 * len(online) + 1) + "|",
+    ]
+    keys = list(dict.fromkeys((r["family"], r["model"], r["spec"], r["memory_gib"]) for r in rows))
+    for key in keys:
+        first = next(
+            r for r in rows if (r["family"], r["model"], r["spec"], r["memory_gib"]) == key
+        )
+        cells = [key[0], key[1].split()[0], key[2], f"{key[3]:g}", f"{first['bound']:.3f}"]
+        for p in online:
+            r = by.get((*key, p))
+            cells.append(f"{r['hit']:.3f}" if r else "-")
+        belady = next((by[(*key, p)] for p in policies if "belady" in p and (*key, p) in by), None)
+        cells.append(f"{belady['hit']:.3f}" if belady else "-")
+        for p in online:
+            r = by.get((*key, p))
+            if r is None or r["family"] != "chat":
+                cells.append("-")
+                continue
+            estimate = r["hit"] + r["junction_gain"]
+            cells.append(f"{estimate:.3f} ({estimate / r['bound']:.1%})")
+        out.append("| " + " | ".join(cells) + " |")
+    out.append(BELADY_END)
+    return "\n".join(out) + "\n"
+
+
+def replace_section(path: Path, section: str) -> None:
+    """Put ``section`` in place of the marked one in ``path`` (appended if none)."""
+    text = path.read_text() if path.exists() else ""
+    if BELADY_BEGIN in text and BELADY_END in text:
+        head, rest = text.split(BELADY_BEGIN, 1)
+        tail = rest.split(BELADY_END, 1)[1].lstrip("\n")
+        text = head + section + tail
+    else:
+        text = text.rstrip("\n") + "\n\n" + section
+    path.write_text(text)

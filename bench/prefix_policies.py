@@ -43,12 +43,15 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # `hybridkv bench` runs it by path
-from _prefix_report import VLLM_OWN, markdown, plot, render
+from _prefix_report import VLLM_OWN, belady_markdown, markdown, plot, render, replace_section
 from hybridkv.errors import PlanError
 from hybridkv.models import load_model_spec
 from hybridkv.plan import PlanOptions, plan
 from hybridkv.sim import generate_workload, simulate, workload_options
+from hybridkv.sim.belady import belady_manager
+from hybridkv.sim.junction_estimate import junction_partial_gain, record_first_hits
 from hybridkv.sim.reuse import reuse_bound_tokens
+from hybridkv.sim.simulator import build_manager
 from hybridkv.spec import AttentionSpec, DType, ModelSpec, SlidingWindowSpec
 
 GiB = 1 << 30
@@ -64,9 +67,10 @@ class Policy:
     layout: str = "auto"
     state_mode: str | None = None  # None: the planner's default
     rules: tuple[str, ...] | None = None  # None: the manager's default (junction, turn_end)
-    eviction: str | None = None  # None: the manager's default (chain)
+    eviction: str | None = None  # None: the manager's default (chain); "belady": sim only
 
 
+BELADY = "belady"  # Belady's MIN (`hybridkv.sim.belady`): offline, simulator only
 VLLM = Policy("vllm rule", layout="vllm", state_mode="align", rules=(), eviction="lru")
 DEFAULT = Policy("default")
 TURN_END = ("junction", "turn_end")
@@ -81,6 +85,7 @@ POLICIES = [
     Policy("align+junction+turn_end+lru", state_mode="align", rules=TURN_END, eviction="lru"),
     Policy("all+junction+turn_end+chain", state_mode="all", rules=TURN_END, eviction="chain"),
 ]
+BELADY_POLICY = Policy("default rules+belady (offline)", eviction=BELADY)
 # spec methods whose rows vLLM's own manager replays (no drafter KV to place)
 VLLM_OWN_SPECS = ("none", "ngram")
 VLLM_OWN_FAMILIES = ("chat", "roundrobin")
@@ -124,6 +129,7 @@ def run_one(
     *,
     kv_dtype: DType | None = None,
     block_size: int | None = None,
+    junction_estimate: bool = False,
 ) -> dict[str, Any]:
     k = 3 if method else 0
     options = PlanOptions(
@@ -138,15 +144,24 @@ def run_one(
     )
     the_plan = plan(main, _draft(main, method), options)
     start = time.perf_counter()
-    result = simulate(
-        trace, the_plan, eviction_policy=policy.eviction, checkpoint_rules=policy.rules
-    )
+    if policy.eviction == BELADY:  # offline reference: reads the trace's future
+        manager = belady_manager(the_plan, trace, checkpoint_rules=policy.rules)
+    else:
+        manager = build_manager(
+            the_plan, eviction_policy=policy.eviction, checkpoint_rules=policy.rules
+        )
+    first_hits = record_first_hits(manager) if junction_estimate else {}
+    result = simulate(trace, the_plan, manager=manager)
     wall_s = time.perf_counter() - start
     total = sum(len(r.prompt) for r in trace)
     bound = sum(bound_tokens) / total
     step = max(the_plan.hit_granularity_tokens, 1)
     block_bound = sum(b // step * step for b in bound_tokens) / total
+    gain = 0
+    if junction_estimate:
+        gain, _ = junction_partial_gain(trace, first_hits, the_plan.hit_granularity_tokens)
     return {
+        "junction_gain": gain / total,
         "family": family,
         "model": model_name,
         "spec": method or "none",
@@ -224,6 +239,51 @@ def run(full: bool, seed: int) -> list[dict[str, Any]]:
                         continue
                     rows.append(row)
     add_vs_vllm(rows)
+    return rows
+
+
+def belady_grid() -> list[tuple[str, str, list[float], str | None]]:
+    """(family, model, memory GiB list, spec) of the offline-reference section: the
+    full grid's sweeps for round robin and chat (none, draft)."""
+    qwen = "qwen3.5-9b"
+    return [
+        ("roundrobin", "swa60 (50 SWA + 10 full)", [4, 6, 8, 10, 12, 16], None),
+        ("roundrobin", "dense60", [4, 8, 12, 16, 20, 24], None),
+        ("chat", qwen, [2, 3, 4, 8, 24], None),
+        ("chat", qwen, [6, 8, 24], "draft"),
+    ]
+
+
+def run_belady(seed: int) -> list[dict[str, Any]]:
+    """Rows of `default`, ``align+junction+turn_end+lru`` and Belady's MIN on
+    `belady_grid`; chat rows carry the junction partial estimate (`junction_gain`)."""
+    rows: list[dict[str, Any]] = []
+    pressure = pressure_models()
+    for family, model_name, memories, method in belady_grid():
+        main = pressure[model_name] if model_name in pressure else load_model_spec(model_name)
+        extra: dict[str, Any] = {}
+        if family == "roundrobin":
+            extra = {"kv_dtype": DType.FP8_E4M3, "block_size": 16}
+        trace = study_trace(family, method, seed, True)
+        bound = reuse_bound_tokens(trace)
+        for memory in memories:
+            for policy in (DEFAULT, POLICIES[7], BELADY_POLICY):
+                estimate = family == "chat" and policy.eviction != BELADY
+                rows.append(
+                    run_one(
+                        family,
+                        model_name,
+                        main,
+                        trace,
+                        bound,
+                        method,
+                        memory,
+                        policy,
+                        junction_estimate=estimate,
+                        **extra,
+                    )
+                )
+                print(f"{family} {model_name} {method} {memory} {policy.name}", flush=True)
     return rows
 
 
@@ -330,8 +390,27 @@ def main() -> None:
     parser.add_argument(
         "--from-json", type=Path, default=None, help="render the rows of an earlier --json run"
     )
+    parser.add_argument(
+        "--belady",
+        type=Path,
+        default=None,
+        help="run only the offline-reference section (Belady's MIN) into this results.md",
+    )
     args = parser.parse_args()
     start = time.perf_counter()
+    if args.belady is not None:
+        rows = run_belady(args.seed)
+        add_vs_vllm(rows)  # no `vllm rule` rows here: None
+        command = f"python bench/prefix_policies.py --belady {args.belady}"
+        if args.plots is not None:
+            command += f" --plots {args.plots}"
+        replace_section(args.belady, belady_markdown(rows, command))
+        render(rows, "offline reference: Belady's MIN")
+        if args.plots is not None:  # a folder of its own: the --full PNGs stay as they are
+            for path in plot(rows, args.plots):
+                print(f"wrote {path}")
+        print(f"total {time.perf_counter() - start:.1f} s")
+        return
     if args.from_json is not None:
         rows = json.loads(args.from_json.read_text())
     else:
