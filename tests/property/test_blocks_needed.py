@@ -225,3 +225,17 @@ def _all_fit_in_step(p, num_requests: int, target: int, k: int) -> bool:
             cm.commit(req, 0, [1000 * i + 2 + c])
     cm.check_invariants()
     return True
+
+
+def test_pool_peak_is_exact_when_the_joint_period_outlasts_the_request():
+    """Chunked groups whose joint period (lcm 1320 tokens) is longer than the request:
+    the pool's peak is the scanned per-step sum (11 blocks at c = 12), not the sum of
+    each group's own peak (12). Found by Hypothesis."""
+    groups = [
+        ToyGroup("full", 4, 0, "main"),
+        ToyGroup("chunked", 8, 5, "main"),
+        ToyGroup("chunked", 4, 13, "main"),
+        ToyGroup("chunked", 12, 11, "main"),
+    ]
+    p = toy_plan(groups, num_spec_tokens=0, state_mode="align", num_blocks=400)
+    assert peak_blocks(p.groups, 13, 1, 0) == 11

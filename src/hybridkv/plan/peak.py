@@ -21,7 +21,8 @@ the periods), so its maximum lies in the piece's last ``P`` positions::
         window grows   | window periodic (B)
                   [last P]                    [last P]  <- only these are evaluated
 
-When ``P`` exceeds `MAX_SCAN`, each group's own peak is summed instead (an upper bound).
+When ``P`` exceeds `MAX_SCAN` and the piece is longer than `MAX_SCAN` too, each group's
+own peak is summed instead (an upper bound); a shorter piece is scanned whole.
 
 Groups with equal `peak_key` (same spec, block size, spec states and state mode: a
 model's layers cut into equal groups) have equal counts at every ``c``, so each distinct
@@ -103,7 +104,9 @@ def _scan(units: list[tuple[StepBlocks, int]], num_tokens: int, n: int, lookahea
         for p in periods:
             if p is not None and p[0] <= start:
                 period = lcm(period, p[1])
-        if period > MAX_SCAN:
+        if period > MAX_SCAN and end - start >= MAX_SCAN:
+            # too long to scan step by step: the sum of each group's own peak (an upper
+            # bound); a segment shorter than the joint period is scanned whole (exact)
             return sum(m * _own_peak(g, num_tokens, n, lookahead) for g, m in units)
         for c in range(max(start, end - period + 1), end + 1):
             best = max(best, sum(m * g.blocks_at(c, n, lookahead) for g, m in units))

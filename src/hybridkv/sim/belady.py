@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import heapq
 from bisect import bisect_left
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from hybridkv.cache.free_queue import PROBATION, FreeQueue
@@ -153,6 +153,19 @@ class BeladyQueue(FreeQueue):
         super().push_cached_many(block_ids)
         for block in block_ids:
             self._enter(block)
+
+    def release_lru(
+        self, refs: Any, hashes: dict[int, bytes], block_ids: Iterable[int]
+    ) -> int | None:
+        # the base links cached blocks in one pass without `push_cached`: key them here
+        blocks = list(block_ids)
+        bad = super().release_lru(refs, hashes, blocks)
+        for block in blocks:
+            if block == bad:
+                break
+            if block and refs[block] == 0 and block in hashes:
+                self._enter(block)
+        return bad
 
     def remove_cached(self, block_id: BlockId) -> None:
         super().remove_cached(block_id)
