@@ -255,21 +255,18 @@ class BlockPool:
         taken over by the request that hit it (it writes the block past the entry's
         end, so the entry must go). Counted in ``num_takeovers``."""
         assert self.ref_counts[block_id] > 0 and block_id in self.hashes
-        block_hash = self.hashes.pop(block_id)
-        group = self.hash_group[block_id]
-        del self.index[group][block_hash]
-        if self.partial is not None:
-            self.partial.discard(group, block_hash)
-        self.hash_group[block_id] = -1
-        self.was_hit[block_id] = 0
-        self.free.forget(block_id)
+        group, block_hash = self._unindex(block_id)
+        if not self.free.chain:  # `_unindex` forgets reuse distances under chain only
+            self.free.forget(block_id)
         self.num_takeovers += 1
         if self.events is not None:
             self.events.append(
                 CacheEvent(BLOCK_REMOVED, group, block_id, block_hash, self.hash_end[block_id])
             )
 
-    def _evict(self, block_id: BlockId) -> None:
+    def _unindex(self, block_id: BlockId) -> tuple[int, bytes]:
+        """Drop a cached block from its group's index (and the turn-end entries);
+        returns (group, hash). Shared by eviction and turn-end takeover."""
         block_hash = self.hashes.pop(block_id)
         group = self.hash_group[block_id]
         del self.index[group][block_hash]
@@ -279,6 +276,10 @@ class BlockPool:
         self.was_hit[block_id] = 0
         if self.free.chain:  # only chain keeps reuse distances
             self.free.forget(block_id)
+        return group, block_hash
+
+    def _evict(self, block_id: BlockId) -> None:
+        group, block_hash = self._unindex(block_id)
         if self.ghosts is not None:
             self.ghosts[(group, block_hash)] = self.free.last_victim_newest
             if len(self.ghosts) > self.num_blocks:
