@@ -90,6 +90,9 @@ class Coordinator:
                     key_ahead=eagle and any(ref.model == "draft" for ref in group.layers),
                 )
             )
+        for manager in self.managers:  # loop eviction stays off there (`FreeQueue.windowed`)
+            if getattr(manager, "releases", False):  # sliding-window kinds
+                manager.pool.free.windowed = True
         self._all_groups = range(len(self.managers))
         self._one_pool = len(self.pools) == 1
 
