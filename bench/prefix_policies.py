@@ -27,6 +27,7 @@ sliding-window layers + 10 full ones, fp8, block 16, and on the same model all f
     python bench/prefix_policies.py --full       # every family x policy x spec x memory
     python bench/prefix_policies.py --plots docs/prefix_policies   # PNGs (matplotlib)
     python bench/prefix_policies.py --no-vllm    # without vLLM's own manager
+    python bench/prefix_policies.py --full --only roundrobin:dense60 --no-vllm  # one sweep
 """
 
 from __future__ import annotations
@@ -217,10 +218,21 @@ def study_trace(family: str, method: str | None, seed: int, full: bool) -> list:
     return generate_workload(family, opts)
 
 
-def run(full: bool, seed: int) -> list[dict[str, Any]]:
+def selected(family: str, model_name: str, only: str | None) -> bool:
+    """``only``: ``FAMILY`` or ``FAMILY:MODEL`` (model by its first word, e.g.
+    ``roundrobin:dense60``); None selects every row."""
+    if only is None:
+        return True
+    want_family, _, want_model = only.partition(":")
+    return family == want_family and want_model in ("", model_name.split()[0])
+
+
+def run(full: bool, seed: int, only: str | None = None) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     pressure = pressure_models()
     for family, model_name, memories, methods, policies, _ in grid(full):
+        if not selected(family, model_name, only):
+            continue
         main = pressure[model_name] if model_name in pressure else load_model_spec(model_name)
         extra: dict[str, Any] = {}
         if family == "roundrobin":
@@ -386,6 +398,12 @@ def main() -> None:
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--vllm-python", default=DEFAULT_VLLM_PYTHON)
     parser.add_argument("--no-vllm", action="store_true", help="skip vLLM's own manager")
+    parser.add_argument(
+        "--only",
+        default=None,
+        metavar="FAMILY[:MODEL]",
+        help="only these grid rows, e.g. roundrobin:dense60 or chat (for iterating)",
+    )
     parser.add_argument("--markdown", type=Path, default=None, help="write results.md here")
     parser.add_argument(
         "--from-json", type=Path, default=None, help="render the rows of an earlier --json run"
@@ -414,7 +432,7 @@ def main() -> None:
     if args.from_json is not None:
         rows = json.loads(args.from_json.read_text())
     else:
-        rows = run(args.full, args.seed)
+        rows = run(args.full, args.seed, args.only)
         if not args.no_vllm and Path(args.vllm_python).exists():
             rows += run_vllm_own(rows, args.vllm_python, args.seed, args.full)
             add_vs_vllm(rows)

@@ -9,7 +9,10 @@ in blocks grows with the sessions and tells a loop from a finished conversation 
 The detector keeps moving means of the distance and of its square (weight
 ``LOOP_WEIGHT`` per sample, one per release and hit pair) and calls the traffic a
 loop when, after ``LOOP_MIN_HITS`` samples, the coefficient of variation is below
-``LOOP_CV``. Measured at the end of `bench/prefix_policies.py` runs: CV_PLACEHOLDER
+``LOOP_CV``. Measured at the end of `bench/prefix_policies.py` runs (seed 0): round
+robin 0.00 (dense60, 16 GiB) and 0.01 (swa60, 6 GiB); chat 0.56 (4 GiB) and 0.46
+(24 GiB, on for 18 of 521 samples; hit rate unchanged);
+agentic 0.79 (4 GiB); few-shot 1.05 (2 GiB, on for 1 of 174 samples).
 """
 
 from __future__ import annotations
