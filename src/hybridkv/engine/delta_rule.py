@@ -26,11 +26,33 @@ Shapes: ``q, k [R, L, H, dk]`` (l2-normalised already expanded to the value head
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 
 from hybridkv.engine.state_ops import l2norm
 
 CHUNK_TOKENS = 64
+
+
+@contextmanager
+def one_thread() -> Iterator[None]:
+    """Run the enclosed ops on one intra-op thread. The batched triangular solve is one
+    small BLAS call per matrix, each a parallel region of its own: with two threads it
+    took 30-1100 ms for ``[256, 64, 64]`` (64-column right side) when another process
+    held a core, every call waiting for the descheduled thread, against a steady
+    40-70 ms on one thread on the same loaded machine (measured side by side, 7 runs
+    each); on an idle machine two threads gain little (4.3 ms)."""
+    threads = torch.get_num_threads()
+    if threads == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def prepare(
@@ -139,12 +161,13 @@ def delta_rule_chunked(
         system = system + torch.eye(size, dtype=q.dtype, device=q.device)
         rhs = bc[..., None] * (vc - cum.exp()[..., None] * (kc @ state))
         # Flattened to [R * H, C, C]: the batched solve is several times faster in 3-d.
-        u = torch.linalg.solve_triangular(
-            system.reshape(-1, size, size),
-            rhs.reshape(-1, size, rhs.shape[-1]),
-            upper=False,
-            unitriangular=True,
-        ).view(rhs.shape)
+        with one_thread():
+            u = torch.linalg.solve_triangular(
+                system.reshape(-1, size, size),
+                rhs.reshape(-1, size, rhs.shape[-1]),
+                upper=False,
+                unitriangular=True,
+            ).view(rhs.shape)
         out[:, :, start:end] = (
             cum.exp()[..., None] * (qc @ state) + (decay * (qc @ kc.transpose(-1, -2))) @ u
         )

@@ -268,5 +268,10 @@ class GatedDeltaNet:
         """RMSNorm over each head (plain weight, no +1), then times silu(gate)."""
         xf = x.float()
         normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        out = self.norm_weight * normed.to(x.dtype)
+        out = normed.to(x.dtype)
+        if out.dtype == torch.float32 and self.norm_weight.dtype == torch.float32:
+            # float32: `out` is `normed`, a fresh buffer; multiplying in place gives the
+            # out-of-place products' values without two more [T, Hv, dv] buffers.
+            return out.mul_(self.norm_weight).mul_(F.silu(gate))
+        out = self.norm_weight * out
         return (out * F.silu(gate.float())).to(x.dtype)
