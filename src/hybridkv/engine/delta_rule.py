@@ -63,6 +63,23 @@ def prepare(
     return q, l2norm(k.float()), v.float(), g.float(), beta.float()
 
 
+def prepare_grouped(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    ratio: int,
+) -> tuple[torch.Tensor, ...]:
+    """`prepare` for q, k still in key heads ``[..., Hk, dk]``: each head vector is
+    normalised once, then repeated ``ratio`` times to the value heads. The norm is per
+    vector, so the values are exactly `prepare`'s on repeated heads, for 1 / ratio of
+    the normalising work."""
+    q = (l2norm(q.float()) * q.shape[-1] ** -0.5).repeat_interleave(ratio, dim=-2)
+    k = l2norm(k.float()).repeat_interleave(ratio, dim=-2)
+    return q, k, v.float(), g.float(), beta.float()
+
+
 def delta_rule_recurrent(
     q: torch.Tensor,
     k: torch.Tensor,
