@@ -123,13 +123,13 @@ def delta_rule_decode_(
     state: torch.Tensor,
 ) -> torch.Tensor:
     """One token per row, the state updated in place in the *stored* layout ``[R, H, dv,
-    dk]`` (float32, owned by the caller: a gathered copy). The per-request oracle's
-    steps (decay, predict, write, read out) on a transposed view, so no transposed
-    copies, no new state tensors and no per-point pick. Broadcast multiply-and-sum, not
-    ``bmm``: a batched matrix-vector product runs several times slower on CPU than the
-    elementwise form (measured: 0.4 vs 1.4 ms per layer at 32 rows x 8 heads x 64 x 64).
-    ``q, k [R, 1, H, dk]``, ``v [R, 1, H, dv]``, ``g, beta [R, 1, H]``, already
-    `prepare`d. Returns ``o [R, 1, H, dv]``."""
+    dk]`` (float32: a gathered copy, or the rows' slots of the buffer as a view). The
+    per-request oracle's steps (decay, predict, write, read out) on a transposed view,
+    so no transposed copies, no new state tensors and no per-point pick. Broadcast
+    multiply-and-sum, not ``bmm``: a batched matrix-vector product runs several times
+    slower on CPU than the elementwise form (measured: 0.4 vs 1.4 ms per layer at 32
+    rows x 8 heads x 64 x 64). ``q, k [R, 1, H, dk]``, ``v [R, 1, H, dv]``, ``g, beta
+    [R, 1, H]``, already `prepare`d. Returns ``o [R, 1, H, dv]``."""
     s = state.transpose(-1, -2)  # [R, H, dk, dv] view of the stored [R, H, dv, dk]
     k_col, q_col = k[:, 0, :, :, None], q[:, 0, :, :, None]  # [R, H, dk, 1]
     s.mul_(g[:, 0].exp()[..., None, None])

@@ -27,6 +27,7 @@ from hybridkv.engine.state_batched import (
     capture_steps,
     causal_conv_grid,
     gather_state,
+    slot_rows,
     state_parts,
     write_conv,
     write_ssm,
@@ -221,6 +222,15 @@ class GatedDeltaNet:
                 q, k, v, grid.pad(g), grid.pad(beta), ratio
             )
             if grid.max_len == 1 and part.uniform_k == 1:  # decode: in place, stored layout
+                view = slot_rows(cache.ssm, part)
+                if view is not None and view.dtype == torch.float32:
+                    # Each row reads and writes back its own slot: update the buffer
+                    # itself through a strided view (no gather, no scatter).
+                    grid.unpad_into(
+                        core, delta_rule.delta_rule_decode_(q, k, v, g_grid, beta_grid, view)
+                    )
+                    write_conv(cache.conv, part, history)
+                    continue
                 stored = gather_state(cache.ssm, part).float().contiguous()
                 grid.unpad_into(
                     core, delta_rule.delta_rule_decode_(q, k, v, g_grid, beta_grid, stored)
