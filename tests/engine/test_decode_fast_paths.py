@@ -94,3 +94,58 @@ def test_decode_kernel_matches_recurrence(seed):
         want, states = gated_delta_rule_capture(q[r], k[r], v[r], g[r], beta[r], state[r], [1])
         torch.testing.assert_close(out[r], want, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(stored[r].transpose(-1, -2), states[1], rtol=1e-5, atol=1e-6)
+
+
+def strided_case(seed: int, start: int, step: int, num_rows: int):
+    """Decode rows that each read and write back slot ``start + row * step``."""
+    gen = torch.Generator().manual_seed(900 + seed)
+    layer = gdn_layer(torch.Generator().manual_seed(seed))
+    num_slots = start + step * num_rows + 2
+    conv = torch.full((num_slots, layer.shape.conv_dim, 3 + 1), float("nan"))
+    ssm = torch.full((num_slots, 4, 4, 8), float("nan"))
+    slots = [start + r * step for r in range(num_rows)]
+    for slot in slots:
+        conv[slot] = torch.randn(conv.shape[1:], generator=gen)
+        ssm[slot] = torch.randn(ssm.shape[1:], generator=gen) * 0.3
+    batch = make_batch(
+        [([1], 5 + r) for r in range(num_rows)],
+        state_slots={"s": StateSlots.from_points(slots, [[(1, s)] for s in slots])},
+    )
+    x = torch.randn(num_rows, layer.shape.hidden_size, generator=gen)
+    return layer, batch, x, conv, ssm
+
+
+@pytest.mark.parametrize(("start", "step", "num_rows"), [(1, 1, 4), (2, 3, 5), (7, 2, 1)])
+def test_strided_in_place_decode_matches_reference(start, step, num_rows):
+    """Slots in an arithmetic progression: the kernel updates the buffer through a view;
+    every slot (NaN ones included) must equal the reference loop's."""
+    layer, batch, x, conv, ssm = strided_case(start + step, start, step, num_rows)
+    (part,) = state_parts(batch, "s")
+    # the view path is the one under test (one row: step 1 by convention)
+    assert part.slot_range == (start, step if num_rows > 1 else 1)
+    ref = StateCache(conv.clone(), ssm.clone(), "s")
+    got_cache = StateCache(conv, ssm, "s")
+    got = layer.forward(x, batch, got_cache, batched=True)
+    want = layer.forward(x, batch, ref, batched=False)
+    assert not got.isnan().any()
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(got_cache.conv, ref.conv, equal_nan=True)
+    torch.testing.assert_close(got_cache.ssm, ref.ssm, equal_nan=True, rtol=1e-4, atol=1e-5)
+
+
+def test_slot_range_only_for_read_equals_write_progressions():
+    def part_for(reads, writes):
+        batch = make_batch(
+            [([1], 5) for _ in reads],
+            state_slots={"s": StateSlots.from_points(reads, writes)},
+        )
+        (part,) = state_parts(batch, "s")
+        return part.slot_range
+
+    assert part_for([4, 6, 8], [[(1, 4)], [(1, 6)], [(1, 8)]]) == (4, 2)
+    assert part_for([3], [[(1, 3)]]) == (3, 1)
+    assert part_for([4, 6, 9], [[(1, 4)], [(1, 6)], [(1, 9)]]) is None  # not a progression
+    assert part_for([8, 6, 4], [[(1, 8)], [(1, 6)], [(1, 4)]]) is None  # step < 1
+    assert part_for([4, 6], [[(1, 4)], [(1, 7)]]) is None  # a row writes another slot
+    assert part_for([4, 6], [[(1, 4), (1, 9)], [(1, 6)]]) is None  # a checkpoint copy
+    assert part_for([None, 6], [[(1, 4)], [(1, 6)]]) is None  # a row starts from zeros

@@ -26,11 +26,33 @@ Shapes: ``q, k [R, L, H, dk]`` (l2-normalised already expanded to the value head
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 
 from hybridkv.engine.state_ops import l2norm
 
 CHUNK_TOKENS = 64
+
+
+@contextmanager
+def one_thread() -> Iterator[None]:
+    """Run the enclosed ops on one intra-op thread. The batched triangular solve is one
+    small BLAS call per matrix, each a parallel region of its own: with two threads it
+    took 30-1100 ms for ``[256, 64, 64]`` (64-column right side) when another process
+    held a core, every call waiting for the descheduled thread, against a steady
+    40-70 ms on one thread on the same loaded machine (measured side by side, 7 runs
+    each); on an idle machine two threads gain little (4.3 ms)."""
+    threads = torch.get_num_threads()
+    if threads == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def prepare(
@@ -39,6 +61,23 @@ def prepare(
     """float32, l2-normalised q (scaled by ``dk ** -0.5``) and k, as the reference does."""
     q = l2norm(q.float()) * q.shape[-1] ** -0.5
     return q, l2norm(k.float()), v.float(), g.float(), beta.float()
+
+
+def prepare_grouped(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    ratio: int,
+) -> tuple[torch.Tensor, ...]:
+    """`prepare` for q, k still in key heads ``[..., Hk, dk]``: each head vector is
+    normalised once, then repeated ``ratio`` times to the value heads. The norm is per
+    vector, so the values are exactly `prepare`'s on repeated heads, for 1 / ratio of
+    the normalising work."""
+    q = (l2norm(q.float()) * q.shape[-1] ** -0.5).repeat_interleave(ratio, dim=-2)
+    k = l2norm(k.float()).repeat_interleave(ratio, dim=-2)
+    return q, k, v.float(), g.float(), beta.float()
 
 
 def delta_rule_recurrent(
@@ -84,13 +123,13 @@ def delta_rule_decode_(
     state: torch.Tensor,
 ) -> torch.Tensor:
     """One token per row, the state updated in place in the *stored* layout ``[R, H, dv,
-    dk]`` (float32, owned by the caller: a gathered copy). The per-request oracle's
-    steps (decay, predict, write, read out) on a transposed view, so no transposed
-    copies, no new state tensors and no per-point pick. Broadcast multiply-and-sum, not
-    ``bmm``: a batched matrix-vector product runs several times slower on CPU than the
-    elementwise form (measured: 0.4 vs 1.4 ms per layer at 32 rows x 8 heads x 64 x 64).
-    ``q, k [R, 1, H, dk]``, ``v [R, 1, H, dv]``, ``g, beta [R, 1, H]``, already
-    `prepare`d. Returns ``o [R, 1, H, dv]``."""
+    dk]`` (float32: a gathered copy, or the rows' slots of the buffer as a view). The
+    per-request oracle's steps (decay, predict, write, read out) on a transposed view,
+    so no transposed copies, no new state tensors and no per-point pick. Broadcast
+    multiply-and-sum, not ``bmm``: a batched matrix-vector product runs several times
+    slower on CPU than the elementwise form (measured: 0.4 vs 1.4 ms per layer at 32
+    rows x 8 heads x 64 x 64). ``q, k [R, 1, H, dk]``, ``v [R, 1, H, dv]``, ``g, beta
+    [R, 1, H]``, already `prepare`d. Returns ``o [R, 1, H, dv]``."""
     s = state.transpose(-1, -2)  # [R, H, dk, dv] view of the stored [R, H, dv, dk]
     k_col, q_col = k[:, 0, :, :, None], q[:, 0, :, :, None]  # [R, H, dk, 1]
     s.mul_(g[:, 0].exp()[..., None, None])
@@ -139,12 +178,13 @@ def delta_rule_chunked(
         system = system + torch.eye(size, dtype=q.dtype, device=q.device)
         rhs = bc[..., None] * (vc - cum.exp()[..., None] * (kc @ state))
         # Flattened to [R * H, C, C]: the batched solve is several times faster in 3-d.
-        u = torch.linalg.solve_triangular(
-            system.reshape(-1, size, size),
-            rhs.reshape(-1, size, rhs.shape[-1]),
-            upper=False,
-            unitriangular=True,
-        ).view(rhs.shape)
+        with one_thread():
+            u = torch.linalg.solve_triangular(
+                system.reshape(-1, size, size),
+                rhs.reshape(-1, size, rhs.shape[-1]),
+                upper=False,
+                unitriangular=True,
+            ).view(rhs.shape)
         out[:, :, start:end] = (
             cum.exp()[..., None] * (qc @ state) + (decay * (qc @ kc.transpose(-1, -2))) @ u
         )

@@ -22,6 +22,7 @@ All reads happen before any write of the step, so an in-place point is safe.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -53,6 +54,10 @@ class StatePart:
     # the states to store are then one slice of the grid, no per-point pick.
     uniform_k: int | None = None
     rows_identity: bool = False
+    # Decode where row r reads and writes one slot, the slots an arithmetic progression
+    # ``start + r * step``: the rows' states are ``buffer[start::step][:R]``, a view the
+    # kernel can update in place (no gather, no scatter). None otherwise.
+    slot_range: tuple[int, int] | None = None
 
 
 def state_parts(batch: ForwardBatch, group: str) -> list[StatePart]:
@@ -103,9 +108,44 @@ def _build_parts(batch: ForwardBatch, group: str) -> list[StatePart]:
                 all_initial=all(has_initial[r] for r in reqs),
                 uniform_k=ks[0] if ks and len(set(ks)) == 1 else None,
                 rows_identity=rows == list(range(len(reqs))),
+                slot_range=_slot_range(
+                    [slot_ids[r] for r in reqs],
+                    targets,
+                    ks,
+                    rows == list(range(len(reqs))) and all(has_initial[r] for r in reqs),
+                ),
             )
         )
     return parts
+
+
+def _slot_range(
+    reads: list[int], writes: list[int], ks: list[int], one_read_one_point: bool
+) -> tuple[int, int] | None:
+    """``(start, step)`` when every row reads its slot and writes it back after 1 token
+    (``one_read_one_point``: every row has an initial state and point p is row p), and
+    the slots are ``start + row * step`` (step >= 1)."""
+    if not one_read_one_point or reads != writes or not reads or any(k != 1 for k in ks):
+        return None
+    step = reads[1] - reads[0] if len(reads) > 1 else 1
+    if step < 1 or any(b - a != step for a, b in itertools.pairwise(reads)):
+        return None
+    return reads[0], step
+
+
+def slot_rows(buffer: torch.Tensor, part: StatePart) -> torch.Tensor | None:
+    """The rows' slots of ``buffer`` as one strided view (`StatePart.slot_range`), or
+    None where the part has no such range."""
+    if part.slot_range is None:
+        return None
+    start, step = part.slot_range
+    stop = start + step * (part.layout.num_rows - 1) + 1
+    if stop > buffer.shape[0]:
+        raise EngineError(
+            f"state slots {start}..{stop - 1} (step {step}) run past the buffer's "
+            f"{buffer.shape[0]} slots"
+        )
+    return buffer[start:stop:step]
 
 
 def gather_state(buffer: torch.Tensor, part: StatePart) -> torch.Tensor:

@@ -27,6 +27,7 @@ from hybridkv.engine.state_batched import (
     capture_steps,
     causal_conv_grid,
     gather_state,
+    slot_rows,
     state_parts,
     write_conv,
     write_ssm,
@@ -188,13 +189,13 @@ class GatedDeltaNet:
         return F.linear(normed, self.out_proj)
 
     def _split_heads(
-        self, conv_out: torch.Tensor
+        self, conv_out: torch.Tensor, *, repeat: bool = True
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``[..., conv_dim]`` -> q, k ``[..., Hv, dk]`` (key heads repeated), v
-        ``[..., Hv, dv]``."""
+        """``[..., conv_dim]`` -> q, k ``[..., Hv, dk]`` (key heads repeated; with
+        ``repeat`` False left as ``[..., Hk, dk]``), v ``[..., Hv, dv]``."""
         s = self.shape
         lead = conv_out.shape[:-1]
-        ratio = s.num_v_heads // s.num_k_heads
+        ratio = s.num_v_heads // s.num_k_heads if repeat else 1
         q, k, v = torch.split(conv_out, [s.key_dim, s.key_dim, s.value_dim], dim=-1)
         q = q.reshape(*lead, s.num_k_heads, s.head_k_dim).repeat_interleave(ratio, dim=-2)
         k = k.reshape(*lead, s.num_k_heads, s.head_k_dim).repeat_interleave(ratio, dim=-2)
@@ -210,14 +211,26 @@ class GatedDeltaNet:
         cache: StateCache,
     ) -> None:
         """All requests at once per part (decode rows / prefill chunks; `state_batched`)."""
+        ratio = self.shape.num_v_heads // self.shape.num_k_heads
         for part in state_parts(batch, cache.group):
             grid = part.layout
             conv_out, history = causal_conv_grid(
                 grid.pad(mixed), gather_state(cache.conv, part), self.conv_weight, None
             )
-            q, k, v = self._split_heads(F.silu(conv_out))
-            q, k, v, g_grid, beta_grid = delta_rule.prepare(q, k, v, grid.pad(g), grid.pad(beta))
+            q, k, v = self._split_heads(F.silu(conv_out), repeat=False)
+            q, k, v, g_grid, beta_grid = delta_rule.prepare_grouped(
+                q, k, v, grid.pad(g), grid.pad(beta), ratio
+            )
             if grid.max_len == 1 and part.uniform_k == 1:  # decode: in place, stored layout
+                view = slot_rows(cache.ssm, part)
+                if view is not None and view.dtype == torch.float32:
+                    # Each row reads and writes back its own slot: update the buffer
+                    # itself through a strided view (no gather, no scatter).
+                    grid.unpad_into(
+                        core, delta_rule.delta_rule_decode_(q, k, v, g_grid, beta_grid, view)
+                    )
+                    write_conv(cache.conv, part, history)
+                    continue
                 stored = gather_state(cache.ssm, part).float().contiguous()
                 grid.unpad_into(
                     core, delta_rule.delta_rule_decode_(q, k, v, g_grid, beta_grid, stored)
@@ -268,5 +281,10 @@ class GatedDeltaNet:
         """RMSNorm over each head (plain weight, no +1), then times silu(gate)."""
         xf = x.float()
         normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        out = self.norm_weight * normed.to(x.dtype)
+        out = normed.to(x.dtype)
+        if out.dtype == torch.float32 and self.norm_weight.dtype == torch.float32:
+            # float32: `out` is `normed`, a fresh buffer; multiplying in place gives the
+            # out-of-place products' values without two more [T, Hv, dv] buffers.
+            return out.mul_(self.norm_weight).mul_(F.silu(gate))
+        out = self.norm_weight * out
         return (out * F.silu(gate.float())).to(x.dtype)
