@@ -38,20 +38,20 @@ def run_copies(tensors: CacheTensors, orders: Iterable[CopyOrder]) -> int:
     if not orders:
         return 0
     by_group: dict[str, list[KVCache]] = {}
-    for caches in (tensors.caches, tensors.draft_caches):
-        for cache in caches.values():
-            if isinstance(cache, KVCache):
-                by_group.setdefault(cache.group, []).append(cache)
+    for model_caches in (tensors.caches, tensors.draft_caches):
+        for layer in model_caches.values():
+            if isinstance(layer, KVCache):
+                by_group.setdefault(layer.group, []).append(layer)
     copied = 0
     for order in orders:
-        caches = by_group.get(group_key(order.group_id))
-        if caches is None:
+        views = by_group.get(group_key(order.group_id))
+        if views is None:
             raise EngineError(
                 f"copy order for group {order.group_id}: no attention layer uses that group; "
                 "the plan and the cache tensors disagree"
             )
         n = order.num_tokens
-        for cache in caches:
+        for cache in views:
             if not 0 < n <= cache.key.shape[1]:
                 raise EngineError(
                     f"copy order for group {order.group_id}: {n} slots, block holds "
