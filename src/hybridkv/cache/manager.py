@@ -174,6 +174,15 @@ class CacheManager(CacheViews):
         r.pending_hit = hit
         return hit
 
+    def note_junction(self, req_id: str, num_tokens: int) -> None:
+        """Junction rule: ``req_id`` (looked up, not yet admitted) shares its first
+        ``num_tokens`` tokens with waiting requests a scheduler holds back for it
+        (in-batch dedupe): its admission also checkpoints its state there, so they hit
+        every shared token (mid-block: by a junction copy, `cache.junction`)."""
+        r = self._get(req_id)
+        if self._junction and not r.started and num_tokens > self._junctions.get(req_id, 0):
+            self._junctions[req_id] = min(num_tokens, len(r.tokens) - 1)
+
     def allocate(
         self, req_id: str, num_new_tokens: int, num_lookahead_tokens: int = 0
     ) -> StepDelta | None:
