@@ -274,6 +274,15 @@ class CacheMachine(RuleBasedStateMachine):
                 del self.rows[key]
         for gid, gd in delta.groups.items():
             gd.apply(self.rows.setdefault((req, gid), []), NULL_BLOCK)
+        for order in delta.copies:  # junction copies: admission only, into the hit's block
+            assert delta.admitted
+            group = self.plan.group(order.group_id)
+            c = self.cm.num_computed_tokens(req)
+            assert not group.is_state and order.num_tokens == c % group.block_size > 0
+            row = self.rows[(req, order.group_id)]
+            assert row[c // group.block_size] == order.dst_block != order.src_block
+            assert self.cm.coordinator.pools[group.pool_id].is_cached(order.src_block)
+            event("junction copy (mid-block hit)")
         for group in self.plan.groups:
             if group.is_state:
                 assert group.group_id not in delta.groups
@@ -438,6 +447,13 @@ MACHINES = [
         num_spec_tokens=3,
         layout="split",
         num_blocks=18,
+    ),
+    # junction copies: the full-block match extended by a copy of a cached block's head
+    _machine(
+        "JunctionCopyFullStateShared",
+        [F4, ToyGroup("state", 4)],
+        rules=("junction", "turn_end"),
+        num_blocks=40,
     ),
     _machine(
         "TurnEndChunkedMlaStateDraft",

@@ -24,9 +24,9 @@ from hybridkv.sched import (
 FULL4 = [ToyGroup("full", 4)]
 
 
-def make(groups=FULL4, num_blocks=400, num_spec_tokens=0, **config):
+def make(groups=FULL4, num_blocks=400, num_spec_tokens=0, rules=None, **config):
     plan = toy_plan(groups, num_blocks=num_blocks, num_spec_tokens=num_spec_tokens)
-    manager = CacheManager(plan)
+    manager = CacheManager(plan, checkpoint_rules=rules)
     config.setdefault("max_num_batched_tokens", 8192)
     return Scheduler(manager, SchedulerConfig(**config)), manager
 
@@ -269,14 +269,19 @@ def test_results_that_contradict_the_step_are_refused():
         s.schedule({})
 
 
-def test_waiters_are_not_serialised_when_hits_come_in_larger_granules():
+@pytest.mark.parametrize(("rules", "hit"), [(("turn_end",), 192), (None, 224)])
+def test_waiters_are_not_serialised_when_hits_come_in_larger_granules(rules, hit):
     """Hash unit 16, hit granule 64 (state checkpoints): after the blocker, the hit is
-    192 for everyone (224 shared); the granule 192-256 is only partly shared, so nobody
-    waits for anyone else's suffix and all three are admitted in the same step."""
+    192 for everyone (224 shared) without the junction rule; with it (the default) the
+    blocker checkpoints its state at 224, where it stops sharing with the requests held
+    back for it, and they hit all 224 (a junction copy of its block 208-224). The
+    granule 192-256 is only partly shared, so nobody waits for anyone else's suffix and
+    all three are admitted in the same step."""
     s, _ = make(
         groups=[ToyGroup("state", 64), ToyGroup("full", 16)],
         num_blocks=400,
         chunk_align_tokens=64,
+        rules=rules,
     )
     assert s.manager.hash_unit_tokens == 16 and s.manager.plan.hit_granularity_tokens == 64
     for r in shared_prefix_requests(4, suffix_len=32):
@@ -285,4 +290,4 @@ def test_waiters_are_not_serialised_when_hits_come_in_larger_granules():
     assert decisions(out) == [("r0", 0, 256, 0)] and len(out.deferred) == 3
     out, _ = step(s)
     admitted = [(c.request.req_id, c.prefix_hit) for c in out.chunks if c.prefix_hit is not None]
-    assert admitted == [("r1", 192), ("r2", 192), ("r3", 192)] and out.deferred == ()
+    assert admitted == [("r1", hit), ("r2", hit), ("r3", hit)] and out.deferred == ()

@@ -15,7 +15,7 @@ from hybridkv.sim import (
     simulate,
     workload_options,
 )
-from hybridkv.sim.simulator import scheduler_config
+from hybridkv.sim.simulator import build_manager, scheduler_config
 
 GROUP_MIXES = {
     "full": [ToyGroup("full", 4)],
@@ -102,18 +102,23 @@ def test_batched_and_per_request_paths_agree() -> None:
         assert batched[key] == single[key], key
 
 
-def test_shared_prefix_hit_tokens_are_exact() -> None:
-    """Second request arrives after the first finished: it hits the first's full blocks
-    of the shared 10 tokens (block 4: 8 tokens), nothing from the differing tail."""
+@pytest.mark.parametrize(("rules", "hit"), [(("turn_end",), 8), (None, 10)])
+def test_shared_prefix_hit_tokens_are_exact(rules, hit) -> None:
+    """Second request arrives after the first finished: without the junction rule it
+    hits the first's full blocks of the shared 10 tokens (block 4: 8 tokens), nothing
+    from the differing tail; with the default rules (junction copies,
+    `hybridkv.cache.junction`) all 10 shared tokens (2 copied from the first's block)."""
     shared = tuple(range(100, 110))
     trace = [
         TraceRequest(id="a", arrival_s=0.0, prompt=(*shared, 1, 2), output=(7, 8)),
         TraceRequest(id="b", arrival_s=5.0, prompt=(*shared, 3, 4, 5), output=(9,)),
     ]
-    result = simulate(trace, toy_plan([ToyGroup("full", 4)], num_blocks=64))
-    assert result.prefix_hit_tokens == 8
+    the_plan = toy_plan([ToyGroup("full", 4)], num_blocks=64)
+    manager = build_manager(the_plan, checkpoint_rules=rules)
+    result = simulate(trace, the_plan, manager=manager)
+    assert result.prefix_hit_tokens == hit
     assert result.prompt_tokens == 25
-    assert result.prefix_hit_rate == pytest.approx(8 / 25)
+    assert result.prefix_hit_rate == pytest.approx(hit / 25)
     assert result.leaked_blocks == 0
 
 

@@ -27,6 +27,7 @@ from collections.abc import Iterable, Sequence
 from hybridkv.cache.block import NULL_BLOCK, BlockInfo
 from hybridkv.cache.events import BLOCK_REMOVED, BLOCK_STORED, CacheEvent
 from hybridkv.cache.free_queue import PROBATION, PROTECTED, FreeQueue
+from hybridkv.cache.junction import ChildIndex
 from hybridkv.cache.turn_end import PartialIndex
 from hybridkv.errors import InvariantError
 from hybridkv.ids import BlockId
@@ -69,6 +70,8 @@ class BlockPool:
         self.partial: PartialIndex | None = None
         self.partial_groups: set[int] = set()  # token-indexed groups (entries stay free)
         self.num_takeovers = 0
+        # junction copies: cached full blocks by parent hash (`cache.junction`)
+        self.children: ChildIndex | None = None
 
     # ------------------------------------------------------------------ queries
     @property
@@ -272,6 +275,8 @@ class BlockPool:
         del self.index[group][block_hash]
         if self.partial is not None:
             self.partial.discard(group, block_hash)
+        if self.children is not None:
+            self.children.discard(block_id)
         self.hash_group[block_id] = -1
         self.was_hit[block_id] = 0
         if self.free.chain:  # only chain keeps reuse distances
@@ -336,3 +341,5 @@ class BlockPool:
             fail(f"{num_hashed} blocks carry hashes but the indexes hold {num_indexed}")
         if self.partial is not None:
             self.partial.check(self, self.partial_groups)
+        if self.children is not None:
+            self.children.check(self)

@@ -33,6 +33,7 @@ from hybridkv.cache.block_pool import BlockPool
 from hybridkv.cache.delta import NO_CHANGE, GroupDelta, StepDelta
 from hybridkv.cache.events import CacheEvent
 from hybridkv.cache.hashing import BlockHasher
+from hybridkv.cache.junction import junction_copies
 from hybridkv.cache.managers import MANAGER_TABLE, Counters, GroupManager
 from hybridkv.errors import CacheError
 from hybridkv.ids import BlockId
@@ -69,6 +70,7 @@ class Coordinator:
         self.caching = caching
         self.eagle = eagle
         self.turn_end = False  # turn_end rule (`cache.turn_end`): set by `CacheManager`
+        self.copies = False  # junction copies (`cache.junction`): set by `CacheManager`
         self.pools = [
             BlockPool(pool, events, eviction_policy=eviction_policy) for pool in plan.pools
         ]
@@ -215,10 +217,11 @@ class Coordinator:
                 base = deltas.get(g) or managers[g].delta(states[g], [], False)
                 if base is not None:  # base._replace(nulled_range=span), the cheap way
                     deltas[g] = _new_tuple(GroupDelta, (base[0], base[1], span))
-        if not deltas and not taken:
+        copies = junction_copies(managers, states) if touch and self.copies else ()
+        if not deltas and not taken and not copies:
             return NO_CHANGE
-        # StepDelta(groups=deltas, taken=taken, admitted=touch), built the cheap way
-        return _new_tuple(StepDelta, (deltas, taken, touch))
+        # StepDelta(groups=deltas, taken=taken, admitted=touch, copies), the cheap way
+        return _new_tuple(StepDelta, (deltas, taken, touch, copies))
 
     def _grow_one(
         self, states: list[Any], g: int, c: int, n: int, lookahead: int
@@ -236,7 +239,9 @@ class Coordinator:
         if not new:
             return NO_CHANGE
         delta = manager.delta(state, new, False)
-        return _new_tuple(StepDelta, ({} if delta is None else {g: delta}, {g: tuple(new)}, False))
+        return _new_tuple(
+            StepDelta, ({} if delta is None else {g: delta}, {g: tuple(new)}, False, ())
+        )
 
     def commit(
         self,

@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import NamedTuple
 
+from hybridkv.cache.junction import CopyOrder
 from hybridkv.ids import BlockId
 
 _EMPTY: Mapping[int, tuple[BlockId, ...]] = {}
@@ -50,14 +51,16 @@ class StepDelta(NamedTuple):
     """Changes of one allocated step, per token-indexed group (unchanged groups are
     absent). ``admitted``: the deltas hold whole tables (first allocate of a run).
     ``taken``: blocks taken from the pools this step, per group (state groups too),
-    for accounting; unlike ``groups`` it never lists hit blocks."""
+    for accounting; unlike ``groups`` it never lists hit blocks. ``copies``: junction
+    copies (`cache.junction`) the engine runs before the step, on admission only."""
 
     groups: Mapping[int, GroupDelta] = _EMPTY  # type: ignore[assignment]
     taken: Mapping[int, tuple[BlockId, ...]] = _EMPTY
     admitted: bool = False
+    copies: tuple[CopyOrder, ...] = ()
 
     def __bool__(self) -> bool:  # a named tuple is immutable and cheap to build
-        return bool(self.groups) or bool(self.taken)
+        return bool(self.groups) or bool(self.taken) or bool(self.copies)
 
     def new_block_ids(self) -> dict[int, list[BlockId]]:
         """``{group: blocks taken this step}`` (the pre-delta return of `allocate`)."""

@@ -31,6 +31,7 @@ from hybridkv.cache.delta import NO_CHANGE, StepDelta
 from hybridkv.cache.events import CacheEvent
 from hybridkv.cache.free_queue import DEFAULT_EVICTION_POLICY
 from hybridkv.cache.hashing import MAX_TOKEN_ID
+from hybridkv.cache.junction import enable_junction_copies
 from hybridkv.cache.managers import Counters
 from hybridkv.cache.request import RequestRecord
 from hybridkv.cache.turn_end import enable_turn_end
@@ -119,6 +120,8 @@ class CacheManager(CacheViews):
         self._turn_end = "turn_end" in self.checkpoint_rules and self.caching
         if self._turn_end:
             enable_turn_end(self.coordinator)
+            if "junction" in self.checkpoint_rules:  # mid-block hits by copy-on-write
+                enable_junction_copies(self.coordinator)
         self._num_lookups = self._num_lookup_tokens = self._num_hit_tokens = 0
         self._num_preemptions = self._num_alloc_failures = 0
 
@@ -170,6 +173,15 @@ class CacheManager(CacheViews):
                 self._junctions[req_id] = self._attention_match(r, len(r.tokens) - 1, found)
         r.pending_hit = hit
         return hit
+
+    def note_junction(self, req_id: str, num_tokens: int) -> None:
+        """Junction rule: ``req_id`` (looked up, not yet admitted) shares its first
+        ``num_tokens`` tokens with waiting requests a scheduler holds back for it
+        (in-batch dedupe): its admission also checkpoints its state there, so they hit
+        every shared token (mid-block: by a junction copy, `cache.junction`)."""
+        r = self._get(req_id)
+        if self._junction and not r.started and num_tokens > self._junctions.get(req_id, 0):
+            self._junctions[req_id] = min(num_tokens, len(r.tokens) - 1)
 
     def allocate(
         self, req_id: str, num_new_tokens: int, num_lookahead_tokens: int = 0

@@ -36,8 +36,9 @@ becomes the request's private block, written from ``c`` on). Entries of token-in
 groups are therefore always free blocks (ref count 0), which `PartialIndex.check`
 verifies; a second request that looked the same entry up sees the takeover in
 `Coordinator.num_evictions` and looks up again. A state entry is read only (like any
-checkpoint) and stays cached. Copy-on-write of a partial block still in use is not
-implemented: entries are made only when their request lets go of the block.
+checkpoint) and stays cached. Entries are made only when their request lets go of the
+block; a block still in use (or cached for full-block hits) is served by a *copy* of
+its first slots instead (`cache.junction`, with the junction rule).
 
 Limits: an end inside the first block (``a == 0``) is not kept (the chain's root is
 not a hash the managers see); the end of a *prompt* while its request decodes on is not

@@ -38,6 +38,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from hybridkv.cache import CacheManager
+from hybridkv.engine.block_copy import run_copies, step_copies
 from hybridkv.engine.models.common import HiddenStates
 from hybridkv.engine.proposers import Proposer
 from hybridkv.engine.proposers.head import Observation
@@ -94,6 +95,7 @@ class Stepper:
         self.req_spec: dict[str, SpecCounters] = {}
         self.num_steps = self.num_tokens = self.num_output = 0
         self.hits = {"attention": 0, "state": 0}
+        self.num_copied = 0  # junction copy slots run (`engine.block_copy`)
         self.hooks: list[StepHook] = []  # called after every step (traces, servers)
         self.tables = runner.tables  # shared with the drafter's runner
         # debug: compare every scheduled row with the manager's after applying deltas
@@ -149,6 +151,8 @@ class Stepper:
         """Draft (draft model), run the main model over every chunk, verify."""
         chunks = output.chunks
         self.tables.apply_step(output.released, output.deltas)
+        # junction copies before any layer reads the new blocks (`engine.block_copy`)
+        self.num_copied += run_copies(self.runner.tensors, step_copies(output.deltas))
         if self.check_tables:
             self.tables.check_against(self.manager, [c.request.req_id for c in chunks])
         drafts: dict[str, Drafts] = {}

@@ -93,8 +93,33 @@ class PrefixAdmission:
         nxt = self.manager.block_hashes(req.req_id, index, index + 1)
         return bool(nxt) and nxt[0] in inflight
 
+    def shared_with_waiting(self, req: Request, waiting: Sequence[Request]) -> int:
+        """Longest prefix ``req`` shares with another of the first ``reorder_window``
+        ``waiting`` requests (their prompts): the junction the others will hit once
+        ``req`` computed it (`CacheManager.note_junction`); 0 with dedupe off."""
+        if not self.enabled:
+            return 0
+        best = 0
+        mine = req.prompt
+        for other in waiting[: self.config.reorder_window]:
+            if other is not req:
+                best = max(best, common_prefix(mine, other.prompt))
+        return best
+
     def check_invariants(self, waiting: set[str]) -> None:
         """Ordering hits are memoised for waiting requests only (``waiting``: their ids)."""
         stale = set(self._order_hits) - waiting
         if stale:
             raise InvariantError(f"ordering hits kept for requests not waiting: {sorted(stale)}")
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the common prefix of two token lists (bisection on slice compares)."""
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo

@@ -242,6 +242,11 @@ class Scheduler:
                 self.num_deferrals += 1
                 continue
             alone = not self.running and not chunks
+            note = getattr(self.manager, "note_junction", None)  # junction rule, in batch
+            if inflight is not None and note is not None:
+                shared = admission.shared_with_waiting(req, order)
+                if shared > hit:
+                    note(req.req_id, shared)
             n = self._first_chunk(req, hit, budget)
             blocks = self.manager.allocate(req.req_id, n)
             while blocks is None and alone and n > 1:

@@ -9,8 +9,8 @@ attention KV of ``[floor(d_i), d_i)`` under a key of the prefix up to ``d_i``; a
 request sharing ``d_i`` tokens with ``i`` would then hit ``d_i`` tokens. Unlike a
 turn-end entry (whose owner has finished, so the hitting request takes the block over),
 ``i``'s block keeps being written past ``d_i``: the hitting request needs a *copy* of
-the block's first ``d_i - floor(d_i)`` positions (copy-on-write in the engine), which
-the cache and engine do not do yet.
+the block's first ``d_i - floor(d_i)`` positions (copy-on-write in the engine), now
+built (`hybridkv.cache.junction`, on with the default junction + turn_end rules).
 
 `junction_partial_gain` replays the arrival order: the entries recorded so far (one per
 request whose ``d_i`` falls mid-block), and for each request the longest entry its

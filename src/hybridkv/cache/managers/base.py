@@ -233,6 +233,11 @@ class GroupManager:
         """After an admission touched the hit blocks: take over the turn-end blocks the
         request will write (`BlockPool.uncache`)."""
 
+    def copy_order(self, state: Any) -> tuple[BlockId, BlockId, int] | None:
+        """(source, destination, slots) of the junction copy an admission allocated
+        (`cache.junction`); None for groups that copy nothing."""
+        return None
+
     def held(self, state: Any) -> list[BlockId]:
         """Every non-null block the request references in this group (with repeats)."""
         raise NotImplementedError

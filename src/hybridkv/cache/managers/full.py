@@ -20,6 +20,7 @@ from typing import ClassVar
 
 from hybridkv.cache.block import NULL_BLOCK
 from hybridkv.cache.delta import GroupDelta
+from hybridkv.cache.junction import find_partial, is_copy_source, note_children
 from hybridkv.cache.managers.base import FastLimits, GroupManager
 from hybridkv.cache.turn_end import find_turn_end, store_turn_end
 from hybridkv.errors import InvariantError
@@ -36,6 +37,10 @@ class TableBlocks:
     blocks: list[BlockId] = field(default_factory=list)
     num_cached: int = 0  # leading blocks already considered for caching
     first_live: int = 0  # blocks before this index are NULL_BLOCK
+    # junction copy (`cache.junction`): the cached block whose first ``copy_tokens``
+    # slots the engine copies into block ``num_cached``; referenced until first commit
+    copy_src: BlockId = NULL_BLOCK
+    copy_tokens: int = 0
 
 
 class FullAttentionManager(GroupManager):
@@ -103,6 +108,9 @@ class FullAttentionManager(GroupManager):
         """``anchor`` (a block hit), extended into the next block by a turn-end entry
         ending at or below ``limit`` when one matches (see `cache.turn_end`)."""
         entry = find_turn_end(self, hashes, tokens, anchor, limit)
+        partial = find_partial(self, hashes, tokens, anchor, limit)
+        if partial is not None and (entry is None or partial[0] > entry[0]):
+            entry = partial  # a junction copy reaches further than any turn-end entry
         if entry is None:
             return anchor
         found[entry[0]] = entry[1]
@@ -167,13 +175,19 @@ class FullAttentionManager(GroupManager):
                 if block is None:
                     return None  # evicted since the lookup
             blocks.append(block)
-        if hit % B:  # a turn-end hit: the partial block after the k full ones
+        if hit % B:  # a turn-end hit or a junction copy: the block after the k full ones
             block = found.get(hit) if found is not None else None
             if block is None:
                 entry = find_turn_end(self, hashes, tokens, k * B, hit, exact=True)
                 if entry is None:
-                    return None
+                    entry = find_partial(self, hashes, tokens, k * B, hit)
+                    if entry is None or entry[0] != hit:
+                        return None
                 block = entry[1]
+            if is_copy_source(self, block):  # copied into a fresh block at allocate
+                state = TableBlocks(blocks=blocks, num_cached=k, first_live=lo)
+                state.copy_src, state.copy_tokens = block, hit - k * B
+                return state
             blocks.append(block)
         return TableBlocks(blocks=blocks, num_cached=k, first_live=lo)
 
@@ -233,6 +247,9 @@ class FullAttentionManager(GroupManager):
     ) -> tuple[int, int] | None:
         c2 = c + n + accepted
         B = self.block_size
+        if state.copy_src:  # the copy ran before this step: unpin its source
+            self.pool.release(state.copy_src)
+            state.copy_src, state.copy_tokens = NULL_BLOCK, 0
         num_full = (min(c2, len(tokens) - 1) if self.key_ahead else c2) // B  # cacheable_end
         if num_full > state.num_cached:
             if self.caching and not self.key_ahead:  # keys: chain hashes (`key`)
@@ -245,6 +262,8 @@ class FullAttentionManager(GroupManager):
                     B // self.unit_tokens,
                     B,
                 )
+                if self.pool.children is not None:
+                    note_children(self, state.blocks, state.num_cached, num_full, hashes, tokens)
             elif self.caching:
                 blocks, block_hashes = state.blocks, self.pool.hashes
                 for j in range(state.num_cached, num_full):
@@ -274,12 +293,25 @@ class FullAttentionManager(GroupManager):
         # Tail first: the end of a sequence is the least likely to be shared, so it
         # is evicted first.
         self.pool.release_many(reversed(state.blocks))
+        if state.copy_src:  # admitted, never committed: the copy source is still pinned
+            self.pool.release(state.copy_src)
+            state.copy_src, state.copy_tokens = NULL_BLOCK, 0
         state.blocks = []
         state.num_cached = 0
         state.first_live = 0
 
     def held(self, state: TableBlocks) -> list[BlockId]:
-        return [b for b in state.blocks if b != NULL_BLOCK]
+        held = [b for b in state.blocks if b != NULL_BLOCK]
+        if state.copy_src:
+            held.append(state.copy_src)  # pinned until the copy has run
+        return held
+
+    def copy_order(self, state: TableBlocks) -> tuple[BlockId, BlockId, int] | None:
+        """(source, destination, slots) of a pending junction copy, once allocated."""
+        k = state.num_cached
+        if not state.copy_src or k >= len(state.blocks):
+            return None
+        return state.copy_src, state.blocks[k], state.copy_tokens
 
     def fast_limits(self, state: TableBlocks, c: int) -> FastLimits:
         # Allocate: the table's slots. Commit: the next block to fill (to cache it) and
@@ -289,6 +321,8 @@ class FullAttentionManager(GroupManager):
         # full attention never releases: skip the call (10 groups per slow hybrid step)
         release = self.next_release(state.first_live) if self.releases else None
         commit_below = release if fill is None else fill if release is None else min(fill, release)
+        if state.copy_src:
+            commit_below = 0  # the next commit unpins the copy source (slow path)
         # end_tokens, verified_tokens, lookahead_tokens, commit_below (tuple.__new__:
         # a third of the named tuple's own constructor, on every slow step)
         return _new_limits(FastLimits, (len(state.blocks) * B, None, None, commit_below))

@@ -18,7 +18,8 @@ further than its state hit (attention blocks cached to J, state only to a checkp
 before J), the step that crosses the boundary at or below J also checkpoints there,
 so the next request sharing that prefix finds a state where the shared prefix ends.
 With the ``turn_end`` rule too, that checkpoint is at J itself (an attention block
-boundary, inside a state interval), cached under a turn-end key (`cache.turn_end`).
+boundary or, with junction copies, any point inside a block: `cache.junction`), cached
+under a turn-end key (`cache.turn_end`).
 
 Blocks a request holds in a state group (S = ``num_spec_states``)::
 

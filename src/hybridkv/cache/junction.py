@@ -1,0 +1,210 @@
+"""Junction partial hits: a prefix hit that ends inside an attention block, served by
+a *copy* of the cached block's first slots (copy-on-write; part of the ``junction``
+checkpoint rule together with ``turn_end``, see `CacheManager`).
+
+A prompt that leaves the cached prefix inside a block (a system prompt ending
+mid-block) used to hit only up to the block boundary below. With this rule:
+
+* every token-indexed group keeps a bounded index *parent chain hash -> cached child
+  blocks with their tokens* (`ChildIndex`, per pool, kept consistent with eviction
+  through `BlockPool._unindex`);
+* at lookup, after the full-block match stops at ``a = k * B``, the child of the chain
+  hash at ``a`` whose tokens share the longest common prefix with the prompt's next
+  block extends the hit to ``j`` (``a < j < a + B``) -- only if every state group also
+  has a state at exactly ``j`` (the coordinator's fixed point settles that; the
+  junction rule stores it, keyed like a turn-end entry, when a request leaves the
+  cached prefix at ``j``);
+* the hit request gets a fresh block at position ``k`` and the step's `StepDelta` holds
+  a `CopyOrder` (source, destination, ``j - a`` slots) per token-indexed group; the
+  engine copies those K/V slots before it runs the step. The source is referenced
+  (pinned) from admission until the request's first commit, so it cannot be evicted or
+  reused before the copy has run.
+
+Example, B = 8; request A computed 20 tokens (blocks [0,8) [8,16) cached, children of
+the hash at 8 include A's block [8,16) with its tokens); request C shares 13 tokens::
+
+    full-block match: 8; child of hash(8) with the longest common prefix: A's block,
+    13 - 8 = 5 tokens -> hit 13 (if the states have 13), copy 5 slots into a fresh block
+
+An end inside the first block is not served (the chain's root is not a hash the
+managers see, as for turn-end entries), nor groups keyed one token ahead (EAGLE / MTP
+head groups: a child's slots depend on the token after them).
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+from hybridkv.errors import InvariantError
+from hybridkv.ids import BlockId
+
+if TYPE_CHECKING:
+    from hybridkv.cache.block_pool import BlockPool
+    from hybridkv.cache.coordinator import Coordinator
+    from hybridkv.cache.managers.base import GroupManager
+
+# Children kept per (group, parent): a parent with more (many prompts diverging at the
+# same block) keeps the newest; the oldest are likely evicted already.
+MAX_CHILDREN_PER_PARENT = 8
+
+
+class CopyOrder(NamedTuple):
+    """Copy slots ``[0, num_tokens)`` of block ``src_block`` into ``dst_block`` (every
+    layer of token-indexed group ``group_id``: K and V pages), before the step runs."""
+
+    group_id: int
+    src_block: BlockId
+    dst_block: BlockId
+    num_tokens: int
+
+
+class ChildIndex:
+    """Cached full blocks of one pool by parent: ``(group, chain hash before the block)``
+    -> ``{block: its tokens as bytes (8 per token)}``, at most
+    `MAX_CHILDREN_PER_PARENT` per parent; ``parent_of`` maps back for eviction."""
+
+    def __init__(self) -> None:
+        self.by_parent: dict[tuple[int, bytes], dict[BlockId, bytes]] = {}
+        self.parent_of: dict[BlockId, tuple[int, bytes]] = {}
+
+    def __len__(self) -> int:
+        return len(self.parent_of)
+
+    def add(self, group_id: int, parent: bytes, block: BlockId, payload: bytes) -> None:
+        children = self.by_parent.setdefault((group_id, parent), {})
+        children[block] = payload
+        self.parent_of[block] = (group_id, parent)
+        if len(children) > MAX_CHILDREN_PER_PARENT:
+            oldest = next(iter(children))
+            del children[oldest]
+            del self.parent_of[oldest]
+
+    def discard(self, block: BlockId) -> None:
+        """Forget ``block`` if indexed (called whenever a block leaves its hash index)."""
+        parent = self.parent_of.pop(block, None)
+        if parent is None:
+            return
+        children = self.by_parent[parent]
+        del children[block]
+        if not children:
+            del self.by_parent[parent]
+
+    def check(self, pool: BlockPool) -> None:
+        """Every child is a cached block of its group, and the two maps agree."""
+        count = 0
+        for (group, parent), children in self.by_parent.items():
+            if not children or len(children) > MAX_CHILDREN_PER_PARENT:
+                raise InvariantError(
+                    f"pool {pool.pool_id} group {group}: {len(children)} junction children "
+                    f"under one parent (1..{MAX_CHILDREN_PER_PARENT})"
+                )
+            for block in children:
+                count += 1
+                if pool.hash_group[block] != group or self.parent_of.get(block) != (group, parent):
+                    raise InvariantError(
+                        f"pool {pool.pool_id} group {group}: junction child block {block} is "
+                        f"not cached in this group (hash group {pool.hash_group[block]})"
+                    )
+        if count != len(self.parent_of):
+            raise InvariantError(
+                f"pool {pool.pool_id}: {count} junction children by parent, "
+                f"{len(self.parent_of)} by block"
+            )
+
+
+def _payload(tokens: Sequence[int], start: int, end: int) -> bytes:
+    span = tokens[start:end]
+    return (span if isinstance(span, array) else array("q", span)).tobytes()
+
+
+def note_children(
+    manager: GroupManager,
+    blocks: Sequence[BlockId],
+    first: int,
+    last: int,
+    hashes: Sequence[bytes],
+    tokens: Sequence[int],
+) -> None:
+    """Index ``blocks[j]``, j in ``[max(first, 1), last)``, that this commit cached
+    (block ``j`` under the chain hash at ``j * B``)."""
+    children = manager.pool.children
+    if children is None or manager.key_ahead:
+        return
+    B = manager.block_size
+    step = B // manager.unit_tokens
+    own, group = manager.pool.hashes, manager.group_id
+    for j in range(max(first, 1), last):
+        block = blocks[j]
+        if own.get(block) == hashes[(j + 1) * step - 1] and block not in children.parent_of:
+            children.add(group, hashes[j * step - 1], block, _payload(tokens, j * B, (j + 1) * B))
+
+
+def _common_prefix(a: bytes, b: bytes) -> int:
+    """Length in tokens (8 bytes each) of the common prefix of two payloads."""
+    lo, hi = 0, min(len(a), len(b)) // 8
+    while lo < hi:  # largest n with a[:8n] == b[:8n], by bisection on C-level compares
+        mid = (lo + hi + 1) // 2
+        if a[: 8 * mid] == b[: 8 * mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def find_partial(
+    manager: GroupManager,
+    hashes: Sequence[bytes],
+    tokens: Sequence[int],
+    anchor: int,
+    limit: int,
+) -> tuple[int, BlockId] | None:
+    """The cached child of the chain hash at block boundary ``anchor`` sharing the
+    longest common prefix with ``tokens[anchor:limit]`` (capped at one block):
+    (anchor + that length, block), or None when no child shares a token."""
+    children = manager.pool.children
+    unit = manager.unit_tokens
+    if children is None or manager.key_ahead or anchor <= 0 or anchor // unit > len(hashes):
+        return None
+    entries = children.by_parent.get((manager.group_id, hashes[anchor // unit - 1]))
+    if not entries:
+        return None
+    end = min(limit, anchor + manager.block_size - 1, len(tokens) - 1)
+    if end <= anchor:
+        return None
+    want = _payload(tokens, anchor, end)
+    best: tuple[int, BlockId] | None = None
+    for block, payload in entries.items():
+        length = _common_prefix(want, payload)
+        if length and (best is None or anchor + length > best[0]):
+            best = (anchor + length, block)
+    return best
+
+
+def is_copy_source(manager: GroupManager, block: BlockId) -> bool:
+    """A hit's partial block is a junction copy source (not a turn-end entry, which the
+    request takes over instead)."""
+    children = manager.pool.children
+    return children is not None and block in children.parent_of
+
+
+def junction_copies(
+    managers: Sequence[GroupManager], states: Sequence[Any]
+) -> tuple[CopyOrder, ...]:
+    """The copy orders of an admission just allocated (one per token-indexed group
+    whose hit ends with a junction copy)."""
+    out = []
+    for manager, state in zip(managers, states, strict=True):
+        order = manager.copy_order(state)
+        if order is not None:
+            out.append(CopyOrder(manager.group_id, *order))
+    return tuple(out)
+
+
+def enable_junction_copies(coordinator: Coordinator) -> None:
+    """Switch junction copies on for every pool of ``coordinator`` (needs turn_end:
+    the state at a mid-block junction is kept under a turn-end key)."""
+    coordinator.copies = True
+    for pool in coordinator.pools:
+        pool.children = ChildIndex()
