@@ -43,11 +43,9 @@ Policies (``EVICTION_POLICIES``):
   that the newest end of a tier holds the chain's tail: a child block is useless
   without its parent, so leaves go first.
 
-Example (``chain``): request A stores blocks 3, 4, 5 (a chain, 5 its tail) and
-finishes: release pushes 5, 4, 3 into probation as one burst, kept in the order
-``5 4 3`` from the newest end, so eviction from that end takes 5, then 4, then 3. A
-later hit on 3 and 4 records their reuse distance and moves them to protected when
-released again.
+Example (``chain``): request A stores blocks 3, 4, 5 (5 its tail) and finishes: they
+go to probation as one burst, ``5 4 3`` from the newest end, so eviction takes 5, 4,
+then 3. A later hit on 3 and 4 moves them to protected when released again.
 """
 
 from __future__ import annotations
