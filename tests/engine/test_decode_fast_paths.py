@@ -57,13 +57,9 @@ def decode_case(seed: int, *, fresh_rows: bool, new_tokens: int = 1):
     return layer, batch, x, conv, ssm
 
 
-@pytest.mark.parametrize("seed", range(12))
-@pytest.mark.parametrize("fresh_rows", [False, True])
-@pytest.mark.parametrize("new_tokens", [1, 3])
-def test_uniform_point_steps_match_reference(seed, fresh_rows, new_tokens):
-    layer, batch, x, conv, ssm = decode_case(seed, fresh_rows=fresh_rows, new_tokens=new_tokens)
-    (part,) = state_parts(batch, "s")
-    assert part.uniform_k == new_tokens  # the fast paths are the ones under test
+def assert_batched_equals_reference(layer, batch, x, conv, ssm):
+    """The batched forward (in place on ``conv`` / ``ssm``) against the per-request loop
+    on copies: outputs and every state slot (NaN slots included) equal."""
     ref = StateCache(conv.clone(), ssm.clone(), "s")
     got_cache = StateCache(conv, ssm, "s")
     got = layer.forward(x, batch, got_cache, batched=True)
@@ -72,6 +68,16 @@ def test_uniform_point_steps_match_reference(seed, fresh_rows, new_tokens):
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(got_cache.conv, ref.conv, equal_nan=True)
     torch.testing.assert_close(got_cache.ssm, ref.ssm, equal_nan=True, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("seed", range(12))
+@pytest.mark.parametrize("fresh_rows", [False, True])
+@pytest.mark.parametrize("new_tokens", [1, 3])
+def test_uniform_point_steps_match_reference(seed, fresh_rows, new_tokens):
+    layer, batch, x, conv, ssm = decode_case(seed, fresh_rows=fresh_rows, new_tokens=new_tokens)
+    (part,) = state_parts(batch, "s")
+    assert part.uniform_k == new_tokens  # the fast paths are the ones under test
+    assert_batched_equals_reference(layer, batch, x, conv, ssm)
 
 
 @pytest.mark.parametrize("seed", range(8))
@@ -123,14 +129,7 @@ def test_strided_in_place_decode_matches_reference(start, step, num_rows):
     (part,) = state_parts(batch, "s")
     # the view path is the one under test (one row: step 1 by convention)
     assert part.slot_range == (start, step if num_rows > 1 else 1)
-    ref = StateCache(conv.clone(), ssm.clone(), "s")
-    got_cache = StateCache(conv, ssm, "s")
-    got = layer.forward(x, batch, got_cache, batched=True)
-    want = layer.forward(x, batch, ref, batched=False)
-    assert not got.isnan().any()
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
-    torch.testing.assert_close(got_cache.conv, ref.conv, equal_nan=True)
-    torch.testing.assert_close(got_cache.ssm, ref.ssm, equal_nan=True, rtol=1e-4, atol=1e-5)
+    assert_batched_equals_reference(layer, batch, x, conv, ssm)
 
 
 def test_slot_range_only_for_read_equals_write_progressions():
