@@ -164,8 +164,6 @@ class Coordinator:
         need a block (default: all), in order. ``nulled``: positions released since the
         last delta, per group, to hand out with this one."""
         managers = self.managers
-        if groups is not None and len(groups) == 1 and not touch and not nulled:
-            return self._grow_one(states, groups[0], c, n, lookahead)
         todo = self._all_groups if groups is None else groups
         counts = [managers[g].num_new_blocks(states[g], c, n, lookahead) for g in todo]
         held = [m.held(state) for m, state in zip(managers, states, strict=True)] if touch else []
@@ -222,26 +220,6 @@ class Coordinator:
             return NO_CHANGE
         # StepDelta(groups=deltas, taken=taken, admitted=touch, copies), the cheap way
         return _new_tuple(StepDelta, (deltas, taken, touch, copies))
-
-    def _grow_one(
-        self, states: list[Any], g: int, c: int, n: int, lookahead: int
-    ) -> StepDelta | None:
-        """`try_allocate` of a running step that crosses one group's limits (the common
-        slow step: a decode step that needs one block), without the general bookkeeping."""
-        manager = self.managers[g]
-        state = states[g]
-        count = manager.num_new_blocks(state, c, n, lookahead)
-        if count and count > len(manager.pool.free):
-            return None
-        if not count and not manager.is_state:
-            return NO_CHANGE  # a table that needs no block: nothing to lay out
-        new = manager.allocate(state, c, n, lookahead, count)
-        if not new:
-            return NO_CHANGE
-        delta = manager.delta(state, new, False)
-        return _new_tuple(
-            StepDelta, ({} if delta is None else {g: delta}, {g: tuple(new)}, False, ())
-        )
 
     def commit(
         self,

@@ -61,6 +61,12 @@ class BlockHasher:
             return
         parent = hashes[-1] if hashes else root
         chunk = tokens[begin:end]
+        if end - begin == unit and isinstance(chunk, array):  # one unit: a decode step's
+            h = _EMPTY_SHA256.copy()  # block; the loop below, once, on the array's bytes
+            h.update(parent)
+            h.update(chunk)
+            hashes.append(h.digest())
+            return
         payload = (chunk if isinstance(chunk, array) else array("q", chunk)).tobytes()
         unit_bytes = unit * 8
         append = hashes.append

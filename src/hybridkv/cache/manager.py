@@ -35,11 +35,19 @@ from hybridkv.cache.junction import enable_junction_copies
 from hybridkv.cache.managers import Counters
 from hybridkv.cache.request import RequestRecord
 from hybridkv.cache.turn_end import enable_turn_end
-from hybridkv.cache.validate import append_tokens, check_count, check_same_lengths, token_array
+from hybridkv.cache.validate import (
+    all_valid_token_lists,
+    append_tokens,
+    check_count,
+    check_same_lengths,
+    token_array,
+)
 from hybridkv.cache.views import CacheViews
 from hybridkv.errors import CacheError
 from hybridkv.ids import BlockId
 from hybridkv.plan.types import CachePlan
+
+_new_tuple = tuple.__new__
 
 # extra checkpoint rules: junction (managers/state.py), turn_end (cache/turn_end.py)
 CHECKPOINT_RULES = ("junction", "turn_end")
@@ -188,19 +196,14 @@ class CacheManager(CacheViews):
     ) -> StepDelta | None:
         """Reserve slots for positions [0, c + n + L): the step's `StepDelta`, or None
         (nothing changed) when it does not fit."""
-        r = self._requests.get(req_id)
-        if r is not None and r.try_fast_allocate(num_new_tokens, num_lookahead_tokens):
-            return NO_CHANGE
-        return self._allocate_slow(r, req_id, num_new_tokens, num_lookahead_tokens)
+        return self.allocate_batch((req_id,), (num_new_tokens,), (num_lookahead_tokens,))[0]
 
     def commit(
         self, req_id: str, num_accepted_tokens: int = 0, new_token_ids: Sequence[int] = ()
     ) -> None:
         """Settle the allocated step: ``num_accepted_tokens`` drafts were accepted and
         ``new_token_ids`` (accepted drafts + sampled token) join the verified tokens."""
-        r = self._requests.get(req_id)
-        if r is None or not r.try_fast_commit(num_accepted_tokens, new_token_ids):
-            self._commit_slow(r, req_id, num_accepted_tokens, new_token_ids)
+        self.commit_batch((req_id,), (num_accepted_tokens,), (new_token_ids,))
 
     def allocate_batch(
         self,
@@ -218,10 +221,26 @@ class CacheManager(CacheViews):
         )
         get, slow = self._requests.get, self._allocate_slow
         out: list[StepDelta | None] = []
+        append = out.append
         for req_id, n, lookahead in zip(req_ids, num_new_tokens, num_lookahead_tokens, strict=True):
             r = get(req_id)
-            fast = r is not None and r.try_fast_allocate(n, lookahead)
-            out.append(NO_CHANGE if fast else slow(r, req_id, n, lookahead))
+            # The fast path (`RequestRecord`): no group needs a block and no delta is owed
+            # (``fast_end`` is 0 then). Inline: a call per request costs more than this.
+            if r is not None and not r.pending and type(n) is int and type(lookahead) is int:
+                top = r.num_computed + n
+                if (
+                    top + lookahead <= r.fast_end
+                    and 0 <= lookahead <= r.fast_lookahead
+                    and n >= 0
+                    and top <= r.fast_verified
+                    and top <= len(r.tokens)
+                ):
+                    r.pending = True
+                    r.pend_n = n
+                    r.pend_lookahead = lookahead
+                    append(NO_CHANGE)
+                    continue
+            append(slow(r, req_id, n, lookahead))
         return out
 
     def commit_batch(
@@ -237,11 +256,33 @@ class CacheManager(CacheViews):
             num_accepted_tokens=num_accepted_tokens,
             new_token_ids=new_token_ids,
         )
-        get, slow = self._requests.get, self._commit_slow
+        get, slow, max_accept = self._requests.get, self._commit_slow, self._max_accept
+        settle_slow = self._settle_slow
+        # one C-speed check of every new id; if any is bad, each request checks its own
+        valid = all_valid_token_lists(new_token_ids)
         for req_id, accepted, new in zip(req_ids, num_accepted_tokens, new_token_ids, strict=True):
             r = get(req_id)
-            if r is None or not r.try_fast_commit(accepted, new):
-                slow(r, req_id, accepted, new)
+            if valid and r is not None and r.pending and type(accepted) is int:
+                c2 = r.num_computed + r.pend_n + accepted
+                tokens = r.tokens
+                if (
+                    0 <= accepted <= r.pend_lookahead
+                    and accepted <= max_accept
+                    and c2 <= len(tokens) + len(new)
+                ):
+                    tokens.extend(new)
+                    if c2 < r.commit_below:
+                        # The fast path (`RequestRecord`): no group caches or releases
+                        # anything. Inline: a call per request costs more than this.
+                        if accepted and r.settlers:
+                            for settle, states in r.settlers:
+                                settle(states, accepted)
+                        r.num_computed = c2
+                        r.pending = False
+                    else:
+                        settle_slow(r, accepted, c2)  # checked above: cache and release
+                    continue
+            slow(r, req_id, accepted, new)
 
     def free(self, req_id: str) -> None:
         """Release everything; cached blocks stay in the cache as evictable."""
@@ -305,6 +346,25 @@ class CacheManager(CacheViews):
         else:
             states = r.states
             groups = r.groups_to_allocate(n, lookahead)
+            if len(groups) == 1 and r.nulled is None:
+                # the common slow step: one group needs a block (a decode step crossed
+                # a block end); its manager lays it out in one call
+                g = groups[0]
+                grown = self._managers[g].grow(states[g], c, n, lookahead)
+                if grown is None:
+                    self._num_alloc_failures += 1
+                    return None
+                r.pending = True
+                r.pend_n = n
+                r.pend_lookahead = lookahead
+                r.refresh_limits(self._managers, groups)
+                if not grown[1]:
+                    return NO_CHANGE
+                # StepDelta(groups, taken), the cheap way (a named tuple's own __new__
+                # is a Python function)
+                return _new_tuple(
+                    StepDelta, ({} if grown[0] is None else {g: grown[0]}, {g: grown[1]}, False, ())
+                )
         delta = coordinator.try_allocate(states, c, n, lookahead, touch, groups, r.nulled)
         if delta is None:
             self._num_alloc_failures += 1
@@ -350,15 +410,29 @@ class CacheManager(CacheViews):
         if a > lookahead or a > self._max_accept or c2 > num_tokens + num_new:
             del tokens[num_tokens:]  # refused: nothing changed
             self._refuse_commit(r, req_id, a, num_tokens, num_new)
+        self._settle_slow(r, a, c2)
+
+    def _settle_slow(self, r: RequestRecord, a: int, c2: int) -> None:
+        """The checked commit of ``a`` accepted drafts (tokens appended) that crosses
+        some group's limits: hash, cache and release in the groups that need it."""
+        tokens = r.tokens
         if self.caching and (len(r.hashes) + 1) * self._unit <= c2:  # a unit to hash
             self.coordinator.hasher.extend(r.hashes, r.root, tokens, c2)
         groups = r.groups_to_commit(c2, self._is_state_group)
-        hot = req_id in self._hit_requests
+        hot = self._track_hot and r.req_id in self._hit_requests
         if hot:
             self._set_hot(True)
         try:
-            r.nulled = self.coordinator.commit(
-                r.states, c, n, lookahead, a, r.hashes, tokens, groups, r.nulled
+            nulled = self.coordinator.commit(
+                r.states,
+                r.num_computed,
+                r.pend_n,
+                r.pend_lookahead,
+                a,
+                r.hashes,
+                tokens,
+                groups,
+                r.nulled,
             )
         finally:
             if hot:
@@ -366,6 +440,7 @@ class CacheManager(CacheViews):
         r.num_computed = c2
         r.pending = False
         r.refresh_limits(self._managers, groups)
+        r.owe_nulled(nulled)
 
     def _refuse_commit(
         self, r: RequestRecord, req_id: str, a: int, num_tokens: int, num_new: int

@@ -12,13 +12,14 @@ path) and their minimum over groups::
     full attention B 16, 3 blocks held, 2 cached, c = 40:  end 48, commit below 48
     allocate(1, 7): 48 <= 48 -> fast;   allocate(1, 8): 49 > 48 -> slow, one new block
 
-A step within the minimum costs a few comparisons (`try_fast_allocate`,
-`try_fast_commit`); a fast commit lets each manager whose state moves on it
-(`GroupManager.moves_on_fast_commit`: state groups) settle its own state with
-`GroupManager.settle_fast_all` (one call per manager kind) -- the record never touches
-manager internals. A step past
-the minimum runs only the groups whose own limits it crosses (`groups_to_allocate`,
-`groups_to_commit`) and refreshes only their limits.
+A step within the minimum costs a few comparisons, inline in
+`CacheManager.allocate_batch` / `commit_batch`; a fast commit lets each manager whose
+state moves on it (`GroupManager.moves_on_fast_commit`: state groups) settle its own
+state with `GroupManager.settle_fast_all` (one call per manager kind) -- the record
+never touches manager internals. A step past the minimum runs only the groups whose
+own limits it crosses (`groups_to_allocate`, `groups_to_commit`) and refreshes only
+their limits. While positions nulled by a commit are owed to the next delta,
+``fast_end`` is 0 (`owe_nulled`), so that step takes the slow path that hands them out.
 
 Limits, except a state group's checkpoint boundary, do not depend on ``c``; the
 boundary is the next multiple of the interval after ``c``, so it holds as long as a
@@ -33,7 +34,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from hybridkv.cache.managers import FastLimits, GroupManager
-from hybridkv.cache.validate import append_tokens
 from hybridkv.errors import InvariantError
 
 # Internal encoding of "no bound" (a `FastLimits` field of None) in the cached minima,
@@ -99,48 +99,6 @@ class RequestRecord:
         self.limits: list[FastLimits] = []
         self.clear_limits()
 
-    # ------------------------------------------------------------------ fast path
-    def try_fast_allocate(self, n: int, lookahead: int) -> bool:
-        """Record the step and return True if no group needs a block and no delta is
-        owed; else change nothing (the slow path validates and explains)."""
-        if type(n) is int is type(lookahead) and not self.pending and self.nulled is None:
-            top = self.num_computed + n
-            if (
-                top + lookahead <= self.fast_end
-                and top <= self.fast_verified
-                and lookahead <= self.fast_lookahead
-                and top <= len(self.tokens)
-                and n >= 0
-                and lookahead >= 0
-            ):
-                self.pending = True
-                self.pend_n = n
-                self.pend_lookahead = lookahead
-                return True
-        return False
-
-    def try_fast_commit(self, accepted: int, new_token_ids: Sequence[int]) -> bool:
-        """Settle the step and return True if no group caches or releases anything;
-        else change nothing (also when a token or count is not a valid int)."""
-        if type(accepted) is not int or not self.pending:
-            return False
-        c2 = self.num_computed + self.pend_n + accepted
-        if not (
-            0 <= accepted <= self.pend_lookahead
-            and accepted <= self.max_accept
-            and c2 < self.commit_below
-            and c2 <= len(self.tokens) + len(new_token_ids)
-        ):
-            return False
-        if new_token_ids and not append_tokens(self.tokens, new_token_ids):
-            return False  # the slow path names the bad token
-        if accepted:
-            for settle, states in self.settlers:
-                settle(states, accepted)
-        self.num_computed = c2
-        self.pending = False
-        return True
-
     # ------------------------------------------------------------------ limits
     def clear_limits(self) -> None:
         """No fast path (no blocks held)."""
@@ -171,6 +129,14 @@ class RequestRecord:
     def refresh_limits(self, managers: Sequence[GroupManager], groups: Sequence[int]) -> None:
         """Recompute the limits of ``groups`` (indexes into ``managers``), then the minimum."""
         limits, c, states = self.limits, self.num_computed, self.states
+        if len(limits) == 1:  # one group: its limits are the minimum (no per-group ints)
+            x = limits[0] = managers[0].fast_limits(states[0], c)
+            end, ver, spec, below = x
+            self.fast_end = _UNBOUNDED if end is None else end
+            self.fast_verified = _UNBOUNDED if ver is None else ver
+            self.fast_lookahead = _UNBOUNDED if spec is None else spec
+            self.commit_below = _UNBOUNDED if below is None else below
+            return
         ends, verified = self.end_limits, self.verified_limits
         lookahead, commit = self.lookahead_limits, self.commit_limits
         for g in groups:
@@ -180,12 +146,15 @@ class RequestRecord:
             verified[g] = _UNBOUNDED if ver is None else ver
             lookahead[g] = _UNBOUNDED if spec is None else spec
             commit[g] = _UNBOUNDED if below is None else below
-        if len(limits) == 1:
-            self.fast_end, self.fast_verified = ends[0], verified[0]
-            self.fast_lookahead, self.commit_below = lookahead[0], commit[0]
-        else:
-            self.fast_end, self.fast_verified = min(ends), min(verified)
-            self.fast_lookahead, self.commit_below = min(lookahead), min(commit)
+        self.fast_end, self.fast_verified = min(ends), min(verified)
+        self.fast_lookahead, self.commit_below = min(lookahead), min(commit)
+
+    def owe_nulled(self, nulled: dict[int, tuple[int, int]] | None) -> None:
+        """After a slow commit (limits refreshed): positions ``nulled`` are owed to the
+        next delta, so no allocate may take the fast path until it hands them out."""
+        self.nulled = nulled
+        if nulled is not None:
+            self.fast_end = 0
 
     def check_limits(self, managers: Sequence[GroupManager]) -> None:
         """The cached limits are each manager's own, and the minima theirs."""
@@ -201,9 +170,11 @@ class RequestRecord:
                     f"manager says {fresh} at {self.num_computed} computed tokens"
                 )
         as_ints = [[_num(x[i]) for x in self.limits] for i in range(4)]
+        minima = [min(values) for values in as_ints]
+        if self.nulled is not None:
+            minima[0] = 0  # a delta is owed: the next allocate takes the slow path
         stored = [self.end_limits, self.verified_limits, self.lookahead_limits, self.commit_limits]
-        minima = tuple(min(values) for values in as_ints)
-        if as_ints != stored or minima != (
+        if (len(self.limits) > 1 and as_ints != stored) or tuple(minima) != (
             self.fast_end,
             self.fast_verified,
             self.fast_lookahead,
@@ -215,7 +186,7 @@ class RequestRecord:
         """Groups whose own limits the step ``(n, lookahead)`` crosses (called once the
         fast path failed for a running request)."""
         ends = self.end_limits
-        if len(ends) == 1:
+        if len(self.limits) == 1:
             return [0]
         top = self.num_computed + n
         end = top + lookahead
@@ -228,6 +199,6 @@ class RequestRecord:
         """Groups with something to cache or release at ``c2``, plus the ``always`` ones
         (state groups)."""
         commit = self.commit_limits
-        if len(commit) == 1:
+        if len(self.limits) == 1:
             return [0]  # called once the fast commit failed: the one group has work
         return [g for g, forced in enumerate(always) if forced or c2 >= commit[g]]

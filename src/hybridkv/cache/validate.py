@@ -8,6 +8,7 @@ import operator
 import sys
 from array import array
 from collections.abc import Sequence
+from itertools import chain
 
 from hybridkv.cache.hashing import MAX_TOKEN_ID
 from hybridkv.errors import CacheError
@@ -88,6 +89,25 @@ def append_tokens(tokens: array[int], new: Sequence[int]) -> bool:
         del tokens[num:]  # extend may have appended the ids before the bad one
         return False
     return True
+
+
+_LIST_TYPES = frozenset((list, tuple))
+
+
+def all_valid_token_lists(lists: Sequence[Sequence[int]]) -> bool:
+    """True if every item of ``lists`` is a list or tuple of ints in [0, 2^63): one
+    C-speed pass over all ids of a batch (a commit's new tokens), so that each request
+    can extend its tokens without its own check. False says nothing about which one is
+    bad (`append_tokens` / `token_array` then check each)."""
+    if not _LIST_TYPES.issuperset(map(type, lists)):
+        return False  # arrays, generators, str: iterated once, by their own request only
+    try:
+        # unsigned: negative ids and non-integers raise; the top bit of each id's most
+        # significant byte tells ids >= 2^63 apart (as in `token_array`)
+        raw = array("Q", chain.from_iterable(lists))
+    except (TypeError, OverflowError):
+        return False
+    return raw.tobytes()[_HIGH_BYTE::8].isascii()
 
 
 def check_same_lengths(call: str, req_ids: Sequence[str], **others: Sequence[object]) -> None:

@@ -67,6 +67,9 @@ class FastLimits(NamedTuple):
     commit_below: int | None = None
 
 
+NO_GROWTH: tuple[None, tuple[BlockId, ...]] = (None, ())
+
+
 class Counters:
     """Mutable statistics shared by the managers and the facade."""
 
@@ -191,6 +194,22 @@ class GroupManager:
         """Take exactly ``num_new`` blocks (``== num_new_blocks(state, c, n, lookahead)``,
         which the caller computed to check the pool) and lay out the step."""
         raise NotImplementedError
+
+    def grow(
+        self, state: Any, c: int, n: int, lookahead: int
+    ) -> tuple[GroupDelta | None, tuple[BlockId, ...]] | None:
+        """A running request's step that only this group's limits refuse: take what
+        `num_new_blocks` says and lay out the step; returns (this group's delta or None,
+        the blocks taken), or None with nothing changed when the pool is short."""
+        count = self.num_new_blocks(state, c, n, lookahead)
+        if count and count > len(self.pool.free):
+            return None
+        if not count and not self.is_state:
+            return NO_GROWTH  # a table that needs no block: nothing to lay out
+        new = self.allocate(state, c, n, lookahead, count)
+        if not new:
+            return NO_GROWTH
+        return self.delta(state, new, False), tuple(new)
 
     def commit(
         self,

@@ -21,7 +21,7 @@ from typing import ClassVar
 from hybridkv.cache.block import NULL_BLOCK
 from hybridkv.cache.delta import GroupDelta
 from hybridkv.cache.junction import find_partial, is_copy_source, note_children
-from hybridkv.cache.managers.base import FastLimits, GroupManager
+from hybridkv.cache.managers.base import NO_GROWTH, FastLimits, GroupManager
 from hybridkv.cache.turn_end import find_turn_end, store_turn_end
 from hybridkv.errors import InvariantError
 from hybridkv.ids import BlockId
@@ -220,6 +220,22 @@ class FullAttentionManager(GroupManager):
         # null positions before the first live block, which the table already has.
         return max(0, -(-(c + n + lookahead) // self.block_size) - len(state.blocks))
 
+    def grow(
+        self, state: TableBlocks, c: int, n: int, lookahead: int
+    ) -> tuple[GroupDelta | None, tuple[BlockId, ...]] | None:
+        # `GroupManager.grow` in one frame: a decode step's new block every few steps
+        blocks = state.blocks
+        start = len(blocks)
+        num = -(-(c + n + lookahead) // self.block_size) - start
+        if num <= 0:
+            return NO_GROWTH
+        pool = self.pool
+        if num > len(pool.free):
+            return None
+        new = tuple(pool.take_many(num))
+        blocks += new
+        return _new_limits(GroupDelta, (start, new, None)), new
+
     def allocate(
         self, state: TableBlocks, c: int, n: int, lookahead: int, num_new: int
     ) -> list[BlockId]:
@@ -252,7 +268,17 @@ class FullAttentionManager(GroupManager):
             state.copy_src, state.copy_tokens = NULL_BLOCK, 0
         num_full = (min(c2, len(tokens) - 1) if self.key_ahead else c2) // B  # cacheable_end
         if num_full > state.num_cached:
-            if self.caching and not self.key_ahead:  # keys: chain hashes (`key`)
+            pool = self.pool
+            if num_full == state.num_cached + 1 and self.caching and pool.children is None:
+                # one block filled (a decode step): `cache_table`'s loop body, once
+                block = state.blocks[num_full - 1]
+                if block != NULL_BLOCK and block not in pool.hashes:
+                    end = num_full * B
+                    if self.key_ahead:
+                        self.try_cache(block, hashes, tokens, end)
+                    else:
+                        pool.cache(block, self.group_id, hashes[end // self.unit_tokens - 1], end)
+            elif self.caching and not self.key_ahead:  # keys: chain hashes (`key`)
                 self.pool.cache_table(
                     self.group_id,
                     state.blocks,
@@ -315,17 +341,24 @@ class FullAttentionManager(GroupManager):
 
     def fast_limits(self, state: TableBlocks, c: int) -> FastLimits:
         # Allocate: the table's slots. Commit: the next block to fill (to cache it) and
-        # the next position where a block leaves the window (to release it).
-        B = self.block_size
-        fill = (state.num_cached + 1) * B if self.caching else None
-        # full attention never releases: skip the call (10 groups per slow hybrid step)
-        release = self.next_release(state.first_live) if self.releases else None
-        commit_below = release if fill is None else fill if release is None else min(fill, release)
-        if state.copy_src:
-            commit_below = 0  # the next commit unpins the copy source (slow path)
+        # the next position where a block leaves the window (to release it); 0 while a
+        # junction copy's source is pinned (the next commit unpins it: slow path).
         # end_tokens, verified_tokens, lookahead_tokens, commit_below (tuple.__new__:
         # a third of the named tuple's own constructor, on every slow step)
-        return _new_limits(FastLimits, (len(state.blocks) * B, None, None, commit_below))
+        B = self.block_size
+        end = len(state.blocks) * B
+        if not self.releases:  # full attention: no window arithmetic
+            if state.copy_src:
+                return _new_limits(FastLimits, (end, None, None, 0))
+            return _new_limits(
+                FastLimits, (end, None, None, (state.num_cached + 1) * B if self.caching else None)
+            )
+        fill = (state.num_cached + 1) * B if self.caching else None
+        release = self.next_release(state.first_live)
+        commit_below = release if fill is None else fill if release is None else min(fill, release)
+        if state.copy_src:
+            commit_below = 0
+        return _new_limits(FastLimits, (end, None, None, commit_below))
 
     def check_state(self, state: TableBlocks, c: int) -> None:
         for j, block in enumerate(state.blocks):
