@@ -132,17 +132,20 @@ class BlockPool:
             out.append(self.take())
         return out
 
-    def touch_many(self, block_ids: Iterable[BlockId]) -> None:
+    def touch_many(self, block_ids: Sequence[BlockId]) -> None:
         """`touch` for each block in order (a request's hit blocks at admission)."""
-        refs, was_hit, free = self.ref_counts, self.was_hit, self.free
+        refs, free = self.ref_counts, self.free
+        revived = [block for block in block_ids if not refs[block]]
+        if revived:  # cached free blocks leave the free queue, in one pass
+            if NULL_BLOCK in revived:
+                raise InvariantError(f"pool {self.pool_id}: touch of the null block")
+            free.take_cached(revived)
         for block in block_ids:
-            if refs[block] == 0:
-                if block == NULL_BLOCK:
-                    raise InvariantError(f"pool {self.pool_id}: touch of the null block")
-                free.note_hit(block)
-                free.remove_cached(block)
             refs[block] += 1
-            was_hit[block] = 1
+        if free.chain:  # only chain reads `was_hit` (lru ignores how a block was used)
+            was_hit = self.was_hit
+            for block in block_ids:
+                was_hit[block] = 1
 
     def touch(self, block_id: BlockId) -> None:
         """Add a reference to a cached block (a prefix hit); revives it if free."""

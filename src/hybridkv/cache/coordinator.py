@@ -173,7 +173,7 @@ class Coordinator:
             if touch:
                 refs = pool.ref_counts
                 for blocks in held:  # hit blocks that sit in the free queue leave it
-                    need += sum([refs[b] == 0 for b in blocks])
+                    need += list(map(refs.__getitem__, blocks)).count(0)
             if need and need > len(pool.free):
                 return None
         else:
@@ -182,7 +182,7 @@ class Coordinator:
                 needs[managers[g].pool.pool_id] += count
             for manager, blocks in zip(managers, held, strict=touch):
                 refs = manager.pool.ref_counts
-                needs[manager.pool.pool_id] += sum([refs[b] == 0 for b in blocks])
+                needs[manager.pool.pool_id] += list(map(refs.__getitem__, blocks)).count(0)
             for pool, num_blocks in zip(self.pools, needs, strict=True):
                 if num_blocks and num_blocks > len(pool.free):
                     return None

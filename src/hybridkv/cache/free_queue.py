@@ -300,6 +300,33 @@ class FreeQueue:
         self._num_cached -= 1
         self._end_burst()
 
+    def take_cached(self, block_ids: list[int]) -> None:
+        """`note_hit` and `remove_cached` for each block in order (cached free blocks a
+        prefix hit takes back), unlinked in one loop."""
+        prev, nxt, tier_of, tier_len = self._prev, self._next, self._tier, self._tier_len
+        if not self._chain:  # one tier; links of a block out of the queue are never read
+            for block in block_ids:
+                before, after = prev[block], nxt[block]
+                nxt[before] = after
+                prev[after] = before
+                tier_of[block] = _NONE
+            tier_len[PROBATION] -= len(block_ids)
+            self._num_cached -= len(block_ids)
+            return
+        for block in block_ids:
+            self.note_hit(block)
+        for block in block_ids:
+            tier = tier_of[block]
+            if tier < 0:
+                raise InvariantError(f"block {block} is not a cached free block")
+            before, after = prev[block], nxt[block]
+            nxt[before] = after
+            prev[after] = before
+            prev[block] = nxt[block] = tier_of[block] = _NONE
+            tier_len[tier] -= 1
+        self._num_cached -= len(block_ids)
+        self._end_burst()
+
     def pop(self) -> tuple[BlockId, bool]:
         """The next block to reuse and whether it comes from a cached tier (eviction)."""
         if self._fresh:

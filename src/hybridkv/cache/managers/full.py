@@ -85,14 +85,15 @@ class FullAttentionManager(GroupManager):
                         break
                     found[end] = block
                     num += 1
-            else:
-                get, step = self.index.get, B // self.unit_tokens
-                while num < max_blocks:
-                    block = get(hashes[(num + 1) * step - 1])
-                    if block is None:
-                        break
-                    num += 1
-                    found[num * B] = block
+            else:  # one C-speed pass: the blocks under each block end's chain hash
+                step = B // self.unit_tokens
+                keys = hashes[(num + 1) * step - 1 : max_blocks * step : step]
+                blocks = list(map(self.index.get, keys))
+                if None in blocks:
+                    del blocks[blocks.index(None) :]
+                ends = range((num + 1) * B, (num + len(blocks) + 1) * B, B)
+                found.update(zip(ends, blocks, strict=True))
+                num += len(blocks)
         if self.turn_end and num * B < limit:
             return self._turn_end_hit(hashes, tokens, num * B, limit, found)
         return num * B
@@ -167,14 +168,15 @@ class FullAttentionManager(GroupManager):
         k = hit // B
         lo = min(self.first_live_block(hit), k) if self.releases else 0
         blocks = [NULL_BLOCK] * lo
-        get = found.get if found is not None else None
-        for end in range((lo + 1) * B, (k + 1) * B, B):
-            block = get(end) if get is not None else None
-            if block is None:
-                block = self.cached_block(hashes, tokens, end)
-                if block is None:
-                    return None  # evicted since the lookup
-            blocks.append(block)
+        ends = range((lo + 1) * B, (k + 1) * B, B)
+        seen = list(map(found.get, ends)) if found is not None else [None] * len(ends)
+        if None in seen:  # not seen by the lookup: look each missing block up again
+            for i, end in enumerate(ends):
+                if seen[i] is None:
+                    seen[i] = self.cached_block(hashes, tokens, end)
+                    if seen[i] is None:
+                        return None  # evicted since the lookup
+        blocks += seen
         if hit % B:  # a turn-end hit or a junction copy: the block after the k full ones
             block = found.get(hit) if found is not None else None
             if block is None:
@@ -327,7 +329,8 @@ class FullAttentionManager(GroupManager):
         state.first_live = 0
 
     def held(self, state: TableBlocks) -> list[BlockId]:
-        held = [b for b in state.blocks if b != NULL_BLOCK]
+        blocks = state.blocks
+        held = [b for b in blocks if b != NULL_BLOCK] if NULL_BLOCK in blocks else blocks[:]
         if state.copy_src:
             held.append(state.copy_src)  # pinned until the copy has run
         return held
