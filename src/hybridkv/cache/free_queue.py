@@ -51,7 +51,7 @@ then 3. A later hit on 3 and 4 moves them to protected when released again.
 from __future__ import annotations
 
 from array import array
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from hybridkv.cache.loop_detect import LoopDetector
 from hybridkv.errors import CacheError, InvariantError
@@ -300,7 +300,7 @@ class FreeQueue:
         self._num_cached -= 1
         self._end_burst()
 
-    def take_cached(self, block_ids: list[int]) -> None:
+    def take_cached(self, block_ids: Sequence[BlockId]) -> None:
         """`note_hit` and `remove_cached` for each block in order (cached free blocks a
         prefix hit takes back), unlinked in one loop."""
         prev, nxt, tier_of, tier_len = self._prev, self._next, self._tier, self._tier_len

@@ -88,11 +88,11 @@ class FullAttentionManager(GroupManager):
             else:  # one C-speed pass: the blocks under each block end's chain hash
                 step = B // self.unit_tokens
                 keys = hashes[(num + 1) * step - 1 : max_blocks * step : step]
-                blocks = list(map(self.index.get, keys))
+                blocks: list[BlockId | None] = list(map(self.index.get, keys))
                 if None in blocks:
                     del blocks[blocks.index(None) :]
                 ends = range((num + 1) * B, (num + len(blocks) + 1) * B, B)
-                found.update(zip(ends, blocks, strict=True))
+                found.update(zip(ends, blocks, strict=True))  # type: ignore[arg-type]  # no None
                 num += len(blocks)
         if self.turn_end and num * B < limit:
             return self._turn_end_hit(hashes, tokens, num * B, limit, found)
@@ -169,14 +169,16 @@ class FullAttentionManager(GroupManager):
         lo = min(self.first_live_block(hit), k) if self.releases else 0
         blocks = [NULL_BLOCK] * lo
         ends = range((lo + 1) * B, (k + 1) * B, B)
-        seen = list(map(found.get, ends)) if found is not None else [None] * len(ends)
+        seen: list[BlockId | None] = (
+            list(map(found.get, ends)) if found is not None else [None] * len(ends)
+        )
         if None in seen:  # not seen by the lookup: look each missing block up again
             for i, end in enumerate(ends):
                 if seen[i] is None:
                     seen[i] = self.cached_block(hashes, tokens, end)
                     if seen[i] is None:
                         return None  # evicted since the lookup
-        blocks += seen
+        blocks += seen  # type: ignore[arg-type]  # every None was replaced or returned
         if hit % B:  # a turn-end hit or a junction copy: the block after the k full ones
             block = found.get(hit) if found is not None else None
             if block is None:
