@@ -122,8 +122,8 @@ class BlockPool:
         """``num`` calls of `take` (same blocks, same order, same evictions) in one
         pass; the caller has checked that ``num`` blocks are free."""
         fresh, evicted = self.free.pop_many(num)
-        for block in evicted:
-            self._evict(block)  # type: ignore[arg-type]  # ids from the free queue
+        if evicted:
+            self._evict_many(evicted)
         out: list[BlockId] = fresh + evicted  # type: ignore[assignment]
         refs = self.ref_counts
         for block in out:
@@ -285,6 +285,26 @@ class BlockPool:
         if self.free.chain:  # only chain keeps reuse distances
             self.free.forget(block_id)
         return group, block_hash
+
+    def _evict_many(self, block_ids: list[int]) -> None:
+        """`_evict` for each block in order; in one loop when nothing else listens
+        (no events, ghosts, turn-end or junction entries, no reuse distances)."""
+        if (
+            self.events is not None
+            or self.ghosts is not None
+            or self.partial is not None
+            or self.children is not None
+            or self.free.chain
+        ):
+            for block in block_ids:
+                self._evict(block)  # type: ignore[arg-type]  # ids from the free queue
+            return
+        pop, hash_group, index, was_hit = self.hashes.pop, self.hash_group, self.index, self.was_hit
+        for block in block_ids:
+            del index[hash_group[block]][pop(block)]
+            hash_group[block] = -1
+            was_hit[block] = 0
+        self.num_evictions += len(block_ids)
 
     def _evict(self, block_id: BlockId) -> None:
         group, block_hash = self._unindex(block_id)

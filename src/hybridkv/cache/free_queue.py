@@ -343,9 +343,21 @@ class FreeQueue:
         blocks only, and the caller pops the rest one by one (``num`` is then larger than
         the fresh blocks plus the second list)."""
         fresh = self._fresh
-        if num == 1 and fresh:  # a decode step's one new block
-            self._end_burst()
-            return [fresh.pop()], []
+        if num == 1:  # a decode step's one new block
+            if fresh:
+                self._end_burst()
+                return [fresh.pop()], []
+            if not self._chain and self._num_cached:  # lru: its one tier's oldest
+                prev, nxt = self._prev, self._next
+                sentinel = self._num_blocks + PROBATION
+                node = nxt[sentinel]
+                after = nxt[node]
+                nxt[sentinel] = after
+                prev[after] = sentinel
+                self._tier[node] = _NONE
+                self._tier_len[PROBATION] -= 1
+                self._num_cached -= 1
+                return [], [node]
         k = min(num, len(fresh))
         taken: list[int] = []
         if k:

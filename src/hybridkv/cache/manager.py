@@ -36,6 +36,7 @@ from hybridkv.cache.managers import Counters
 from hybridkv.cache.request import RequestRecord
 from hybridkv.cache.turn_end import enable_turn_end
 from hybridkv.cache.validate import (
+    all_counts,
     all_valid_token_lists,
     append_tokens,
     check_count,
@@ -222,16 +223,17 @@ class CacheManager(CacheViews):
         get, slow = self._requests.get, self._allocate_slow
         out: list[StepDelta | None] = []
         append = out.append
+        # one C-speed check of every count; if any is bad, each request checks its own
+        counts_ok = all_counts(num_new_tokens) and all_counts(num_lookahead_tokens)
         for req_id, n, lookahead in zip(req_ids, num_new_tokens, num_lookahead_tokens, strict=True):
             r = get(req_id)
             # The fast path (`RequestRecord`): no group needs a block and no delta is owed
             # (``fast_end`` is 0 then). Inline: a call per request costs more than this.
-            if r is not None and not r.pending and type(n) is int and type(lookahead) is int:
+            if counts_ok and r is not None and not r.pending:
                 top = r.num_computed + n
                 if (
                     top + lookahead <= r.fast_end
-                    and 0 <= lookahead <= r.fast_lookahead
-                    and n >= 0
+                    and lookahead <= r.fast_lookahead
                     and top <= r.fast_verified
                     and top <= len(r.tokens)
                 ):
@@ -259,14 +261,14 @@ class CacheManager(CacheViews):
         get, slow, max_accept = self._requests.get, self._commit_slow, self._max_accept
         settle_slow = self._settle_slow
         # one C-speed check of every new id; if any is bad, each request checks its own
-        valid = all_valid_token_lists(new_token_ids)
+        valid = all_valid_token_lists(new_token_ids) and all_counts(num_accepted_tokens)
         for req_id, accepted, new in zip(req_ids, num_accepted_tokens, new_token_ids, strict=True):
             r = get(req_id)
-            if valid and r is not None and r.pending and type(accepted) is int:
+            if valid and r is not None and r.pending:
                 c2 = r.num_computed + r.pend_n + accepted
                 tokens = r.tokens
                 if (
-                    0 <= accepted <= r.pend_lookahead
+                    accepted <= r.pend_lookahead
                     and accepted <= max_accept
                     and c2 <= len(tokens) + len(new)
                 ):

@@ -92,6 +92,14 @@ def append_tokens(tokens: array[int], new: Sequence[int]) -> bool:
 
 
 _LIST_TYPES = frozenset((list, tuple))
+_INT_TYPES = frozenset((int,))
+
+
+def all_counts(values: Sequence[int]) -> bool:
+    """True if every value is a plain int >= 0 (C speed; bools, numpy integers and
+    floats say False, and `check_count` then judges each)."""
+    return _INT_TYPES.issuperset(map(type, values)) and min(values, default=0) >= 0
+
 
 
 def all_valid_token_lists(lists: Sequence[Sequence[int]]) -> bool:
