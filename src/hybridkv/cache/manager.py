@@ -24,26 +24,20 @@ persistent tables. Misuse raises `CacheError` before anything changes.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NoReturn
 
 from hybridkv.cache.coordinator import Coordinator
-from hybridkv.cache.delta import NO_CHANGE, StepDelta
 from hybridkv.cache.events import CacheEvent
 from hybridkv.cache.free_queue import DEFAULT_EVICTION_POLICY
 from hybridkv.cache.hashing import MAX_TOKEN_ID
 from hybridkv.cache.junction import enable_junction_copies
 from hybridkv.cache.managers import Counters
 from hybridkv.cache.request import RequestRecord
+from hybridkv.cache.step_paths import StepPaths
 from hybridkv.cache.turn_end import enable_turn_end
 from hybridkv.cache.validate import (
-    all_counts,
-    all_valid_token_lists,
-    append_tokens,
     check_count,
-    check_same_lengths,
     token_array,
 )
-from hybridkv.cache.views import CacheViews
 from hybridkv.errors import CacheError
 from hybridkv.ids import BlockId
 from hybridkv.plan.types import CachePlan
@@ -59,7 +53,7 @@ CHECKPOINT_RULES = ("junction", "turn_end")
 DEFAULT_CHECKPOINT_RULES = ("junction", "turn_end")
 
 
-class CacheManager(CacheViews):
+class CacheManager(StepPaths):
     """Blocks, prefix cache and speculative reservations for every group of a plan.
 
     ``eagle``: the plan's draft layers are an EAGLE / MTP head (their KV at a position
@@ -192,100 +186,6 @@ class CacheManager(CacheViews):
         if self._junction and not r.started and num_tokens > self._junctions.get(req_id, 0):
             self._junctions[req_id] = min(num_tokens, len(r.tokens) - 1)
 
-    def allocate(
-        self, req_id: str, num_new_tokens: int, num_lookahead_tokens: int = 0
-    ) -> StepDelta | None:
-        """Reserve slots for positions [0, c + n + L): the step's `StepDelta`, or None
-        (nothing changed) when it does not fit."""
-        return self.allocate_batch((req_id,), (num_new_tokens,), (num_lookahead_tokens,))[0]
-
-    def commit(
-        self, req_id: str, num_accepted_tokens: int = 0, new_token_ids: Sequence[int] = ()
-    ) -> None:
-        """Settle the allocated step: ``num_accepted_tokens`` drafts were accepted and
-        ``new_token_ids`` (accepted drafts + sampled token) join the verified tokens."""
-        self.commit_batch((req_id,), (num_accepted_tokens,), (new_token_ids,))
-
-    def allocate_batch(
-        self,
-        req_ids: Sequence[str],
-        num_new_tokens: Sequence[int],
-        num_lookahead_tokens: Sequence[int],
-    ) -> list[StepDelta | None]:
-        """`allocate` for each request in order (each independently all-or-nothing;
-        mismatched lengths raise before any request is touched)."""
-        check_same_lengths(
-            "allocate_batch",
-            req_ids,
-            num_new_tokens=num_new_tokens,
-            num_lookahead_tokens=num_lookahead_tokens,
-        )
-        get, slow = self._requests.get, self._allocate_slow
-        out: list[StepDelta | None] = []
-        append = out.append
-        # one C-speed check of every count; if any is bad, each request checks its own
-        counts_ok = all_counts(num_new_tokens) and all_counts(num_lookahead_tokens)
-        for req_id, n, lookahead in zip(req_ids, num_new_tokens, num_lookahead_tokens, strict=True):
-            r = get(req_id)
-            # The fast path (`RequestRecord`): no group needs a block and no delta is owed
-            # (``fast_end`` is 0 then). Inline: a call per request costs more than this.
-            if counts_ok and r is not None and not r.pending:
-                top = r.num_computed + n
-                if (
-                    top + lookahead <= r.fast_end
-                    and lookahead <= r.fast_lookahead
-                    and top <= r.fast_verified
-                    and top <= len(r.tokens)
-                ):
-                    r.pending = True
-                    r.pend_n = n
-                    r.pend_lookahead = lookahead
-                    append(NO_CHANGE)
-                    continue
-            append(slow(r, req_id, n, lookahead))
-        return out
-
-    def commit_batch(
-        self,
-        req_ids: Sequence[str],
-        num_accepted_tokens: Sequence[int],
-        new_token_ids: Sequence[Sequence[int]],
-    ) -> None:
-        """`commit` for each request in order (mismatched lengths raise first)."""
-        check_same_lengths(
-            "commit_batch",
-            req_ids,
-            num_accepted_tokens=num_accepted_tokens,
-            new_token_ids=new_token_ids,
-        )
-        get, slow, max_accept = self._requests.get, self._commit_slow, self._max_accept
-        settle_slow = self._settle_slow
-        # one C-speed check of every new id; if any is bad, each request checks its own
-        valid = all_valid_token_lists(new_token_ids) and all_counts(num_accepted_tokens)
-        for req_id, accepted, new in zip(req_ids, num_accepted_tokens, new_token_ids, strict=True):
-            r = get(req_id)
-            if valid and r is not None and r.pending:
-                c2 = r.num_computed + r.pend_n + accepted
-                tokens = r.tokens
-                if (
-                    accepted <= r.pend_lookahead
-                    and accepted <= max_accept
-                    and c2 <= len(tokens) + len(new)
-                ):
-                    tokens.extend(new)
-                    if c2 < r.commit_below:
-                        # The fast path (`RequestRecord`): no group caches or releases
-                        # anything. Inline: a call per request costs more than this.
-                        if accepted and r.settlers:
-                            for settle, states in r.settlers:
-                                settle(states, accepted)
-                        r.num_computed = c2
-                        r.pending = False
-                    else:
-                        settle_slow(r, accepted, c2)  # checked above: cache and release
-                    continue
-            slow(r, req_id, accepted, new)
-
     def free(self, req_id: str) -> None:
         """Release everything; cached blocks stay in the cache as evictable."""
         r = self._get(req_id)
@@ -299,171 +199,6 @@ class CacheManager(CacheViews):
         self._num_preemptions += 1
 
     # ================================================================== internals
-    def _allocate_slow(
-        self, r: RequestRecord | None, req_id: str, n: int, lookahead: int
-    ) -> StepDelta | None:
-        if r is None:
-            r = self._get(req_id)
-        if not (type(n) is int is type(lookahead) and n >= 0 and 0 <= lookahead <= MAX_TOKEN_ID):
-            n = check_count(req_id, "num_new_tokens", n)
-            lookahead = check_count(req_id, "num_lookahead_tokens", lookahead)
-        if r.pending:
-            raise CacheError(
-                f"allocate of request {req_id!r}: the step allocated before ({r.pend_n} new, "
-                f"{r.pend_lookahead} lookahead) was not committed"
-            )
-        touch = not r.started
-        c = (r.pending_hit or 0) if touch else r.num_computed
-        if c + n > len(r.tokens):
-            raise CacheError(
-                f"allocate of request {req_id!r}: {c} computed + {n} new tokens exceed its "
-                f"{len(r.tokens)} verified tokens; drafts go in num_lookahead_tokens"
-            )
-        coordinator = self.coordinator
-        groups: list[int] | None = None  # all
-        if touch:
-            states = None
-            if r.pending_states is not None:
-                evictions, states = r.pending_states
-                if evictions != coordinator.num_evictions():
-                    states = None  # a block may be gone: look the hit up again below
-            if states is None:
-                self._ensure_hashes(r, c)
-                states = coordinator.hit_states(r.hashes, r.tokens, c, None)
-            if states is None:  # a hit block was evicted since lookup: look up again
-                r.pending_hit = None
-                r.pending_states = None
-                self._num_alloc_failures += 1
-                return None
-            if self._junction:
-                match = self._junctions.get(req_id, 0)
-                for g in self._state_group_ids:
-                    interval = self._managers[g].block_size
-                    # with turn_end keys a checkpoint may sit inside an interval: at
-                    # the attention match itself (cache/turn_end.py)
-                    junction = match // interval * interval
-                    if self._turn_end and match > interval:  # a turn-end key needs an anchor
-                        junction = match
-                    states[g].junction = junction if junction > c else 0
-        else:
-            states = r.states
-            groups = r.groups_to_allocate(n, lookahead)
-            if len(groups) == 1 and r.nulled is None:
-                # the common slow step: one group needs a block (a decode step crossed
-                # a block end); its manager lays it out in one call
-                g = groups[0]
-                grown = self._managers[g].grow(states[g], c, n, lookahead)
-                if grown is None:
-                    self._num_alloc_failures += 1
-                    return None
-                r.pending = True
-                r.pend_n = n
-                r.pend_lookahead = lookahead
-                r.refresh_limits(self._managers, groups)
-                if not grown[1]:
-                    return NO_CHANGE
-                # StepDelta(groups, taken), the cheap way (a named tuple's own __new__
-                # is a Python function)
-                return _new_tuple(
-                    StepDelta, ({} if grown[0] is None else {g: grown[0]}, {g: grown[1]}, False, ())
-                )
-        delta = coordinator.try_allocate(states, c, n, lookahead, touch, groups, r.nulled)
-        if delta is None:
-            self._num_alloc_failures += 1
-            return None
-        if touch:
-            # Hit statistics count admissions, not lookups: a scheduler may look a
-            # waiting request up many times (ordering, deferral) before admitting it.
-            self._num_lookups += 1
-            self._num_lookup_tokens += len(r.tokens)
-            self._num_hit_tokens += c
-            r.start(self._managers, states)
-            r.num_computed = c
-            r.pending_hit = None
-            r.pending_states = None
-            if c:
-                self._counters.checkpoints_used += len(self._state_group_ids)
-                if self._track_hot:
-                    self._hit_requests.add(req_id)
-            self._junctions.pop(req_id, None)
-        r.nulled = None
-        r.pending = True
-        r.pend_n = n
-        r.pend_lookahead = lookahead
-        r.refresh_limits(self._managers, self._all_groups if groups is None else groups)
-        return delta
-
-    def _commit_slow(
-        self, r: RequestRecord | None, req_id: str, a: int, new_token_ids: Sequence[int]
-    ) -> None:
-        if r is None:
-            r = self._get(req_id)
-        if not r.pending:
-            raise CacheError(f"commit of request {req_id!r} without an allocated step")
-        if type(a) is not int or a < 0:
-            a = check_count(req_id, "num_accepted_tokens", a)
-        tokens = r.tokens
-        num_tokens = len(tokens)
-        if not append_tokens(tokens, new_token_ids):  # not a plain list of valid ids:
-            tokens.extend(token_array(req_id, "new_token_ids", new_token_ids))  # or raise
-        num_new = len(tokens) - num_tokens
-        c, n, lookahead = r.num_computed, r.pend_n, r.pend_lookahead
-        c2 = c + n + a
-        if a > lookahead or a > self._max_accept or c2 > num_tokens + num_new:
-            del tokens[num_tokens:]  # refused: nothing changed
-            self._refuse_commit(r, req_id, a, num_tokens, num_new)
-        self._settle_slow(r, a, c2)
-
-    def _settle_slow(self, r: RequestRecord, a: int, c2: int) -> None:
-        """The checked commit of ``a`` accepted drafts (tokens appended) that crosses
-        some group's limits: hash, cache and release in the groups that need it."""
-        tokens = r.tokens
-        if self.caching and (len(r.hashes) + 1) * self._unit <= c2:  # a unit to hash
-            self.coordinator.hasher.extend(r.hashes, r.root, tokens, c2)
-        groups = r.groups_to_commit(c2, self._is_state_group)
-        hot = self._track_hot and r.req_id in self._hit_requests
-        if hot:
-            self._set_hot(True)
-        try:
-            nulled = self.coordinator.commit(
-                r.states,
-                r.num_computed,
-                r.pend_n,
-                r.pend_lookahead,
-                a,
-                r.hashes,
-                tokens,
-                groups,
-                r.nulled,
-            )
-        finally:
-            if hot:
-                self._set_hot(False)
-        r.num_computed = c2
-        r.pending = False
-        r.refresh_limits(self._managers, groups)
-        r.owe_nulled(nulled)
-
-    def _refuse_commit(
-        self, r: RequestRecord, req_id: str, a: int, num_tokens: int, num_new: int
-    ) -> NoReturn:
-        """Raise the CacheError that explains why the commit was refused."""
-        if a > r.pend_lookahead:
-            raise CacheError(
-                f"commit of request {req_id!r}: {a} accepted tokens but {r.pend_lookahead} "
-                "were reserved as lookahead"
-            )
-        if a > self._max_accept:
-            raise CacheError(
-                f"commit of request {req_id!r}: {a} accepted drafts but the plan keeps "
-                f"{self._max_accept} speculative states per request"
-            )
-        c2 = r.num_computed + r.pend_n + a
-        raise CacheError(
-            f"commit of request {req_id!r}: {c2} computed tokens would exceed "
-            f"{num_tokens} + {num_new} verified tokens"
-        )
-
     def _release(self, r: RequestRecord, reset: bool = True) -> None:
         """Release every block ``r`` holds; ``reset``: also forget its computed tokens,
         step and limits (a preempted request stays; a freed one is dropped)."""
@@ -505,9 +240,3 @@ class CacheManager(CacheViews):
             if not manager.is_state:
                 match = manager.max_hit(r.hashes, r.tokens, match, found[g])
         return match
-
-    def _set_hot(self, hot: bool) -> None:
-        """Blocks released while ``hot`` belong to a request that started from a prefix
-        hit; the eviction policy treats them as hit (see `BlockPool.releasing_hot`)."""
-        for pool in self.coordinator.pools:
-            pool.releasing_hot = hot

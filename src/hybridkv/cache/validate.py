@@ -101,7 +101,6 @@ def all_counts(values: Sequence[int]) -> bool:
     return _INT_TYPES.issuperset(map(type, values)) and min(values, default=0) >= 0
 
 
-
 def all_valid_token_lists(lists: Sequence[Sequence[int]]) -> bool:
     """True if every item of ``lists`` is a list or tuple of ints in [0, 2^63): one
     C-speed pass over all ids of a batch (a commit's new tokens), so that each request
