@@ -53,6 +53,14 @@ from __future__ import annotations
 from array import array
 from collections.abc import Iterable, Sequence
 
+from hybridkv.cache.free_queue_reads import (
+    _NUM_TIERS,
+    DEAD,
+    PROBATION,
+    PROTECTED,
+    TIER_NAMES,
+    FreeQueueReads,
+)
 from hybridkv.cache.loop_detect import LoopDetector
 from hybridkv.errors import CacheError, InvariantError
 from hybridkv.ids import BlockId
@@ -65,13 +73,8 @@ OVERDUE_FACTOR = 1  # a block not back within its reuse distance is overdue
 TYPICAL_WEIGHT = 0.05  # weight of a new hit in the moving average of reuse distances
 REGRET_STEP = 0.05  # bias step per lookup that misses a block the policy evicted
 
-# Tier indexes (``lru`` uses only PROBATION).
-DEAD, PROBATION, PROTECTED = 0, 1, 2
-TIER_NAMES = ("dead", "probation", "protected")
-_NUM_TIERS = 3
 
-
-class FreeQueue:
+class FreeQueue(FreeQueueReads):
     """Free block ids of one pool; see the module docstring for the order."""
 
     def __init__(self, num_blocks: int, fresh_ids: list[int], policy: str = "lru") -> None:
@@ -435,54 +438,3 @@ class FreeQueue:
         away from that end (as ARC moves its target between recency and frequency)."""
         step = -REGRET_STEP if evicted_newest else REGRET_STEP
         self._bias = max(-1.0, min(1.0, self._bias + step))
-
-    def fresh_ids(self) -> list[int]:
-        return list(self._fresh)
-
-    def tier_ids(self, tier: int) -> list[int]:
-        """Cached free blocks of one tier, oldest (LRU end) first."""
-        out = []
-        sentinel = self._num_blocks + tier
-        node = self._next[sentinel]
-        while node != sentinel:
-            out.append(node)
-            node = self._next[node]
-        return out
-
-    def cached_ids(self) -> list[int]:
-        """Every cached free block, tier by tier in eviction order of the tiers."""
-        return [b for tier in range(_NUM_TIERS) for b in self.tier_ids(tier)]
-
-    def check_invariants(self) -> None:
-        """Links are symmetric, tier marks and counts agree, no block twice."""
-        seen: set[int] = set()
-        for tier in range(_NUM_TIERS):
-            ids = self.tier_ids(tier)
-            if len(ids) != self._tier_len[tier]:
-                raise InvariantError(
-                    f"free queue tier {TIER_NAMES[tier]}: {len(ids)} linked blocks, "
-                    f"count says {self._tier_len[tier]}"
-                )
-            for block in ids:
-                if self._tier[block] != tier or block in seen:
-                    raise InvariantError(
-                        f"free queue: block {block} linked in tier {TIER_NAMES[tier]} but "
-                        f"marked {self._tier[block]} (or linked twice)"
-                    )
-                if self._prev[self._next[block]] != block:
-                    raise InvariantError(f"free queue: broken links around block {block}")
-                seen.add(block)
-            if not self._chain and tier != PROBATION and ids:
-                raise InvariantError(f"lru free queue uses tier {TIER_NAMES[tier]}")
-        if len(seen) != self._num_cached:
-            raise InvariantError(
-                f"free queue: {len(seen)} cached blocks linked, count says {self._num_cached}"
-            )
-        marked = sum(1 for t in self._tier if t >= 0)
-        if marked != self._num_cached:
-            raise InvariantError(
-                f"free queue: {marked} blocks marked cached-free, count says {self._num_cached}"
-            )
-        if seen & set(self._fresh):
-            raise InvariantError("free queue: a block is both fresh and cached")
-        self.loops.check_invariants(seen, chain=self._chain)
