@@ -78,16 +78,24 @@ class StepPaths(CacheViews):
             num_new_tokens=num_new_tokens,
             num_lookahead_tokens=num_lookahead_tokens,
         )
-        get, slow = self._requests.get, self._allocate_slow
+        slow = self._allocate_slow
+        records = self._records(req_ids)
+        # one C-speed check of every count and id; if any is bad, each request goes
+        # through the checked path in order (the culprit is named where it stands)
+        if records is None or not (all_counts(num_new_tokens) and all_counts(num_lookahead_tokens)):
+            get = self._requests.get
+            return [
+                slow(get(req_id), req_id, n, lookahead)
+                for req_id, n, lookahead in zip(
+                    req_ids, num_new_tokens, num_lookahead_tokens, strict=True
+                )
+            ]
         out: list[StepDelta | None] = []
         append = out.append
-        # one C-speed check of every count; if any is bad, each request checks its own
-        counts_ok = all_counts(num_new_tokens) and all_counts(num_lookahead_tokens)
-        for req_id, n, lookahead in zip(req_ids, num_new_tokens, num_lookahead_tokens, strict=True):
-            r = get(req_id)
+        for r, n, lookahead in zip(records, num_new_tokens, num_lookahead_tokens, strict=True):
             # The fast path (`RequestRecord`): no group needs a block and no delta is owed
             # (``fast_end`` is 0 then). Inline: a call per request costs more than this.
-            if counts_ok and r is not None and not r.pending:
+            if not r.pending:
                 top = r.num_computed + n
                 if (
                     top + lookahead <= r.fast_end
@@ -100,7 +108,7 @@ class StepPaths(CacheViews):
                     r.pend_lookahead = lookahead
                     append(NO_CHANGE)
                     continue
-            append(slow(r, req_id, n, lookahead))
+            append(slow(r, r.req_id, n, lookahead))
         return out
 
     def commit_batch(
@@ -116,20 +124,26 @@ class StepPaths(CacheViews):
             num_accepted_tokens=num_accepted_tokens,
             new_token_ids=new_token_ids,
         )
-        get, slow, max_accept = self._requests.get, self._commit_slow, self._max_accept
-        settle_slow = self._settle_slow
-        # one C-speed check of every new id; if any is bad, each request checks its own
-        valid = all_valid_token_lists(new_token_ids) and all_counts(num_accepted_tokens)
-        for req_id, accepted, new in zip(req_ids, num_accepted_tokens, new_token_ids, strict=True):
-            r = get(req_id)
-            if valid and r is not None and r.pending:
+        slow, settle_slow = self._commit_slow, self._settle_slow
+        records = self._records(req_ids)
+        # one C-speed check of every count, token id and request id (as in allocate)
+        if (
+            records is None
+            or not all_valid_token_lists(new_token_ids)
+            or not all_counts(num_accepted_tokens)
+            or max(num_accepted_tokens, default=0) > self._max_accept
+        ):
+            get = self._requests.get
+            for req_id, accepted, new in zip(
+                req_ids, num_accepted_tokens, new_token_ids, strict=True
+            ):
+                slow(get(req_id), req_id, accepted, new)
+            return
+        for r, accepted, new in zip(records, num_accepted_tokens, new_token_ids, strict=True):
+            if r.pending:
                 c2 = r.num_computed + r.pend_n + accepted
                 tokens = r.tokens
-                if (
-                    accepted <= r.pend_lookahead
-                    and accepted <= max_accept
-                    and c2 <= len(tokens) + len(new)
-                ):
+                if accepted <= r.pend_lookahead and c2 <= len(tokens) + len(new):
                     tokens.extend(new)
                     if c2 < r.commit_below:
                         # The fast path (`RequestRecord`): no group caches or releases
@@ -142,7 +156,14 @@ class StepPaths(CacheViews):
                     else:
                         settle_slow(r, accepted, c2)  # checked above: cache and release
                     continue
-            slow(r, req_id, accepted, new)
+            slow(r, r.req_id, accepted, new)
+
+    def _records(self, req_ids: Sequence[str]) -> list[RequestRecord] | None:
+        """The records of ``req_ids`` in one C-speed pass, or None if one is unknown."""
+        try:
+            return list(map(self._requests.__getitem__, req_ids))
+        except (KeyError, TypeError):
+            return None
 
     def _allocate_slow(
         self, r: RequestRecord | None, req_id: str, n: int, lookahead: int
