@@ -51,15 +51,17 @@ then 3. A later hit on 3 and 4 moves them to protected when released again.
 from __future__ import annotations
 
 from array import array
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
+import numpy as np
+
+from hybridkv.cache.free_queue_lru import LruLinks
 from hybridkv.cache.free_queue_reads import (
     _NUM_TIERS,
     DEAD,
     PROBATION,
     PROTECTED,
     TIER_NAMES,
-    FreeQueueReads,
 )
 from hybridkv.cache.loop_detect import LoopDetector
 from hybridkv.errors import CacheError, InvariantError
@@ -74,7 +76,7 @@ TYPICAL_WEIGHT = 0.05  # weight of a new hit in the moving average of reuse dist
 REGRET_STEP = 0.05  # bias step per lookup that misses a block the policy evicted
 
 
-class FreeQueue(FreeQueueReads):
+class FreeQueue(LruLinks):
     """Free block ids of one pool; see the module docstring for the order."""
 
     def __init__(self, num_blocks: int, fresh_ids: list[int], policy: str = "lru") -> None:
@@ -115,6 +117,7 @@ class FreeQueue(FreeQueueReads):
         # Stack: the last element is reused first, so push in reverse to hand out
         # the lowest ids first (readable golden scenarios).
         self._fresh = array("q", reversed(fresh_ids))
+        self._np: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None  # link_lru_many
 
     def __len__(self) -> int:
         return len(self._fresh) + self._num_cached
@@ -213,48 +216,6 @@ class FreeQueue(FreeQueueReads):
         prev[sentinel] = last
         self._tier_len[PROBATION] += len(block_ids)
         self._num_cached += len(block_ids)
-
-    def release_lru(
-        self, refs: array[int], hashes: dict[int, bytes], block_ids: Iterable[int]
-    ) -> int | None:
-        """lru: drop one reference of each block (null blocks skipped) and push those
-        that reach 0, in order: cached ones onto the newest end, the others onto the
-        fresh stack -- `BlockPool.release_many` in one pass that links cached blocks as
-        it meets them (no second loop). Returns a block released while free (the loop
-        stops there, links closed; the caller raises), else None."""
-        prev, nxt, tier_of = self._prev, self._next, self._tier
-        sentinel = self._num_blocks + PROBATION
-        last = prev[sentinel]
-        fresh: list[int] = []
-        bad = None
-        num = 0
-        for block in block_ids:
-            if not block:  # NULL_BLOCK (0): a plain truth test in the hot loop
-                continue
-            count = refs[block] - 1
-            if count:
-                if count < 0:
-                    bad = block
-                    break
-                refs[block] = count  # still shared
-            else:
-                refs[block] = 0
-                if block in hashes:
-                    tier_of[block] = PROBATION
-                    nxt[last] = block
-                    prev[block] = last
-                    last = block
-                    num += 1
-                else:
-                    fresh.append(block)
-        if num:
-            nxt[last] = sentinel
-            prev[sentinel] = last
-            self._tier_len[PROBATION] += num
-            self._num_cached += num
-        if fresh:
-            self.push_fresh_many(fresh)
-        return bad
 
     def push_chain_many(self, block_ids: list[int], tiers: list[int]) -> None:
         """chain: for each block in order, `push_fresh` (tier < 0) or `push_cached` into

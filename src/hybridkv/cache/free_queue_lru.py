@@ -1,0 +1,84 @@
+"""lru's bulk links: a request's whole table released in one pass (`BlockPool.
+release_many`), in a Python loop or, for a long table, as numpy operations on the link
+arrays. Split from `cache.free_queue` so that each file stays readable."""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Iterable
+
+import numpy as np
+
+from hybridkv.cache.free_queue_reads import PROBATION, FreeQueueReads
+
+
+class LruLinks(FreeQueueReads):
+    """`release_lru` and `link_lru_many` of a `FreeQueue` (attributes set by its
+    __init__)."""
+
+    _np: tuple[np.ndarray, np.ndarray, np.ndarray] | None
+
+    def push_fresh_many(self, block_ids: list[int]) -> None:
+        raise NotImplementedError  # `FreeQueue.push_fresh_many`
+
+    def release_lru(
+        self, refs: array[int], hashes: dict[int, bytes], block_ids: Iterable[int]
+    ) -> int | None:
+        """lru: drop one reference of each block (null blocks skipped) and push those
+        that reach 0, in order: cached ones onto the newest end, the others onto the
+        fresh stack -- `BlockPool.release_many` in one pass that links cached blocks as
+        it meets them (no second loop). Returns a block released while free (the loop
+        stops there, links closed; the caller raises), else None."""
+        prev, nxt, tier_of = self._prev, self._next, self._tier
+        sentinel = self._num_blocks + PROBATION
+        last = prev[sentinel]
+        fresh: list[int] = []
+        bad = None
+        num = 0
+        for block in block_ids:
+            if not block:  # NULL_BLOCK (0): a plain truth test in the hot loop
+                continue
+            count = refs[block] - 1
+            if count:
+                if count < 0:
+                    bad = block
+                    break
+                refs[block] = count  # still shared
+            else:
+                refs[block] = 0
+                if block in hashes:
+                    tier_of[block] = PROBATION
+                    nxt[last] = block
+                    prev[block] = last
+                    last = block
+                    num += 1
+                else:
+                    fresh.append(block)
+        if num:
+            nxt[last] = sentinel
+            prev[sentinel] = last
+            self._tier_len[PROBATION] += num
+            self._num_cached += num
+        if fresh:
+            self.push_fresh_many(fresh)
+        return bad
+
+    def link_lru_many(self, block_ids: np.ndarray) -> None:
+        """lru: `push_cached` for each block in order (cached, not in the queue), as
+        array operations on the links (`BlockPool.release_many` of a whole table)."""
+        if self._np is None:  # numpy views of the links (same memory; never resized)
+            self._np = (
+                np.frombuffer(self._prev, dtype=np.int64),
+                np.frombuffer(self._next, dtype=np.int64),
+                np.frombuffer(self._tier, dtype=np.int8),
+            )
+        prev, nxt, tier_of = self._np
+        sentinel = self._num_blocks + PROBATION
+        chain = np.empty(len(block_ids) + 2, dtype=np.int64)
+        chain[0], chain[-1] = self._prev[sentinel], sentinel
+        chain[1:-1] = block_ids
+        nxt[chain[:-1]] = chain[1:]
+        prev[chain[1:]] = chain[:-1]
+        tier_of[block_ids] = PROBATION
+        self._tier_len[PROBATION] += len(block_ids)
+        self._num_cached += len(block_ids)
