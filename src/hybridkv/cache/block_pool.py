@@ -24,8 +24,6 @@ from array import array
 from collections import Counter
 from collections.abc import Iterable, Sequence
 
-import numpy as np
-
 from hybridkv.cache.block import NULL_BLOCK, BlockInfo
 from hybridkv.cache.events import BLOCK_REMOVED, BLOCK_STORED, CacheEvent
 from hybridkv.cache.free_queue import PROBATION, PROTECTED, FreeQueue
@@ -34,11 +32,6 @@ from hybridkv.cache.turn_end import PartialIndex
 from hybridkv.errors import InvariantError
 from hybridkv.ids import BlockId
 from hybridkv.plan.types import PoolPlan
-
-# A request's whole table at once (admission, a prefill chunk's commit, free) goes through
-# numpy from this many blocks on: a handful of array operations instead of a Python loop
-# per block (the Python loop stays for small tables and for every special case).
-BULK_MIN_BLOCKS = 16
 
 
 class BlockPool:
@@ -59,10 +52,6 @@ class BlockPool:
         self.hash_end = array("q", bytes(8 * plan.num_pages))  # tokens covered by the hash
         self.index: dict[int, dict[bytes, BlockId]] = {g: {} for g in plan.group_ids}
         self.free = FreeQueue(plan.num_pages, list(range(1, plan.num_pages)), eviction_policy)
-        # numpy views of the per-block arrays (same memory; the arrays never resize)
-        self._refs_np = np.frombuffer(self.ref_counts, dtype=np.int64)
-        self._group_np = np.frombuffer(self.hash_group, dtype=np.int64)
-        self._end_np = np.frombuffer(self.hash_end, dtype=np.int64)
         self.was_hit = array("b", bytes(plan.num_pages))  # hit since stored (cached only)
         # Set by the manager while it releases a request that started from a prefix hit:
         # a chain that came back once is likely to come back again, and so is its
@@ -206,30 +195,9 @@ class BlockPool:
             if freed:
                 self.free.push_chain_many(freed, tiers)
             return
-        ids = block_ids if isinstance(block_ids, list) else list(block_ids)
-        if len(ids) >= BULK_MIN_BLOCKS and self._release_lru_bulk(ids):
-            return
-        bad = self.free.release_lru(refs, hashes, ids)
+        bad = self.free.release_lru(refs, hashes, block_ids)
         if bad is not None:
             raise InvariantError(f"pool {self.pool_id}: block {bad} released while free")
-
-    def _release_lru_bulk(self, block_ids: list[int]) -> bool:
-        """lru `release_many` in numpy; False (nothing changed) when the loop must do
-        it: a block listed twice, or released while free (the loop names it)."""
-        ids = np.array(block_ids, dtype=np.int64)
-        ids = ids[ids != NULL_BLOCK]
-        counts = self._refs_np[ids] - 1
-        if (counts.size and counts.min() < 0) or np.unique(ids).size != ids.size:
-            return False
-        self._refs_np[ids] = counts
-        freed = ids[counts == 0]
-        if freed.size:
-            cached = self._group_np[freed] >= 0  # a hash group: the block is cached
-            if cached.any():
-                self.free.link_lru_many(freed[cached])
-            if not cached.all():
-                self.free.push_fresh_many(freed[~cached].tolist())
-        return True
 
     def cache(
         self,
@@ -270,23 +238,6 @@ class BlockPool:
         ``hashes[(j + 1) * units_per_block - 1]`` (a token-indexed table's newly full
         blocks), skipping null blocks and blocks already cached; in one loop."""
         index, own, events = self.index[group_id], self.hashes, self.events
-        if last - first >= BULK_MIN_BLOCKS and events is None:  # a prefill chunk's blocks
-            blocks_in = blocks[first:last]
-            keys = hashes[
-                (first + 1) * units_per_block - 1 : last * units_per_block : units_per_block
-            ]
-            if (
-                NULL_BLOCK not in blocks_in
-                and own.keys().isdisjoint(blocks_in)
-                and index.keys().isdisjoint(keys)
-            ):  # none skipped by the loop below: all at once
-                index.update(zip(keys, blocks_in, strict=True))
-                own.update(zip(blocks_in, keys, strict=True))
-                ids = np.array(blocks_in, dtype=np.int64)
-                self._group_np[ids] = group_id
-                self._end_np[ids] = np.arange(first + 1, last + 1, dtype=np.int64) * block_size
-                self.num_stored += len(blocks_in)
-                return
         hash_group, hash_end = self.hash_group, self.hash_end
         stored = 0
         for j in range(first, last):

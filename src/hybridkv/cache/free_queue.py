@@ -53,8 +53,6 @@ from __future__ import annotations
 from array import array
 from collections.abc import Sequence
 
-import numpy as np
-
 from hybridkv.cache.free_queue_lru import LruLinks
 from hybridkv.cache.free_queue_reads import (
     _NUM_TIERS,
@@ -117,7 +115,6 @@ class FreeQueue(LruLinks):
         # Stack: the last element is reused first, so push in reverse to hand out
         # the lowest ids first (readable golden scenarios).
         self._fresh = array("q", reversed(fresh_ids))
-        self._np: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None  # link_lru_many
 
     def __len__(self) -> int:
         return len(self._fresh) + self._num_cached

@@ -1,22 +1,21 @@
 """lru's bulk links: a request's whole table released in one pass (`BlockPool.
-release_many`), in a Python loop or, for a long table, as numpy operations on the link
-arrays. Split from `cache.free_queue` so that each file stays readable."""
+release_many`). Split from `cache.free_queue` so that each file stays readable.
+
+Measured and dropped: the same as numpy operations on the link arrays (and caching a
+prefill chunk's blocks with numpy and dict updates) was no faster for tables of ~100
+blocks, and twice slower per `free` in `bench/manager_step.py` (numpy's per-call cost
+is a few microseconds; the loop's is ~40 bytecodes per block)."""
 
 from __future__ import annotations
 
 from array import array
 from collections.abc import Iterable
 
-import numpy as np
-
 from hybridkv.cache.free_queue_reads import PROBATION, FreeQueueReads
 
 
 class LruLinks(FreeQueueReads):
-    """`release_lru` and `link_lru_many` of a `FreeQueue` (attributes set by its
-    __init__)."""
-
-    _np: tuple[np.ndarray, np.ndarray, np.ndarray] | None
+    """`release_lru` of a `FreeQueue` (attributes set by its __init__)."""
 
     def push_fresh_many(self, block_ids: list[int]) -> None:
         raise NotImplementedError  # `FreeQueue.push_fresh_many`
@@ -62,23 +61,3 @@ class LruLinks(FreeQueueReads):
         if fresh:
             self.push_fresh_many(fresh)
         return bad
-
-    def link_lru_many(self, block_ids: np.ndarray) -> None:
-        """lru: `push_cached` for each block in order (cached, not in the queue), as
-        array operations on the links (`BlockPool.release_many` of a whole table)."""
-        if self._np is None:  # numpy views of the links (same memory; never resized)
-            self._np = (
-                np.frombuffer(self._prev, dtype=np.int64),
-                np.frombuffer(self._next, dtype=np.int64),
-                np.frombuffer(self._tier, dtype=np.int8),
-            )
-        prev, nxt, tier_of = self._np
-        sentinel = self._num_blocks + PROBATION
-        chain = np.empty(len(block_ids) + 2, dtype=np.int64)
-        chain[0], chain[-1] = self._prev[sentinel], sentinel
-        chain[1:-1] = block_ids
-        nxt[chain[:-1]] = chain[1:]
-        prev[chain[1:]] = chain[:-1]
-        tier_of[block_ids] = PROBATION
-        self._tier_len[PROBATION] += len(block_ids)
-        self._num_cached += len(block_ids)
