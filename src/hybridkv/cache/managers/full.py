@@ -27,6 +27,9 @@ from hybridkv.errors import InvariantError
 from hybridkv.ids import BlockId
 
 _new_limits = tuple.__new__  # named tuples built without their Python-level __new__
+# Up to this many blocks, a hit scan's Python loop costs less than the C-speed pass's
+# set-up (a slice, a map, a zip: large blocks of hybrid plans give tables of a few)
+_SHORT_SCAN = 8
 
 
 @dataclass
@@ -85,6 +88,14 @@ class FullAttentionManager(GroupManager):
                         break
                     found[end] = block
                     num += 1
+            elif max_blocks - num <= _SHORT_SCAN:  # a few blocks: one dict get each
+                get, step = self.index.get, B // self.unit_tokens
+                while num < max_blocks:
+                    block = get(hashes[(num + 1) * step - 1])
+                    if block is None:
+                        break
+                    num += 1
+                    found[num * B] = block
             else:  # one C-speed pass: the blocks under each block end's chain hash
                 step = B // self.unit_tokens
                 keys = hashes[(num + 1) * step - 1 : max_blocks * step : step]
