@@ -31,6 +31,7 @@ def _running(num: int, prompt_tokens: int = 6) -> CacheManager:
 def test_batch_validators_accept_plain_ints_only() -> None:
     assert all_counts([0, 1, 5]) and all_counts([])
     assert not all_counts([1, True]) and not all_counts([1, -1]) and not all_counts([1.0])
+    assert not all_counts([1 << 63]) and all_counts([(1 << 63) - 1])
     assert not all_counts([np.int64(1)])  # valid, but judged one by one (`check_count`)
     assert all_valid_token_lists([[1, 2], (3,), []])
     assert not all_valid_token_lists([[1], [-1]])

@@ -78,7 +78,7 @@ class StepPaths(CacheViews):
             num_new_tokens=num_new_tokens,
             num_lookahead_tokens=num_lookahead_tokens,
         )
-        slow = self._allocate_slow
+        slow, grow = self._allocate_slow, self._grow
         records = self._records(req_ids)
         # one C-speed check of every count and id; if any is bad, each request goes
         # through the checked path in order (the culprit is named where it stands)
@@ -107,6 +107,9 @@ class StepPaths(CacheViews):
                     r.pend_n = n
                     r.pend_lookahead = lookahead
                     append(NO_CHANGE)
+                    continue
+                if r.started and top <= len(r.tokens):  # checked: a block or a delta
+                    append(grow(r, n, lookahead))
                     continue
             append(slow(r, r.req_id, n, lookahead))
         return out
@@ -178,85 +181,104 @@ class StepPaths(CacheViews):
                 f"allocate of request {req_id!r}: the step allocated before ({r.pend_n} new, "
                 f"{r.pend_lookahead} lookahead) was not committed"
             )
-        touch = not r.started
-        c = (r.pending_hit or 0) if touch else r.num_computed
+        c = r.num_computed if r.started else (r.pending_hit or 0)
         if c + n > len(r.tokens):
             raise CacheError(
                 f"allocate of request {req_id!r}: {c} computed + {n} new tokens exceed its "
                 f"{len(r.tokens)} verified tokens; drafts go in num_lookahead_tokens"
             )
+        if r.started:
+            return self._grow(r, n, lookahead)
+        return self._admit(r, req_id, c, n, lookahead)
+
+    def _admit(
+        self, r: RequestRecord, req_id: str, c: int, n: int, lookahead: int
+    ) -> StepDelta | None:
+        """The first allocate after a lookup (checked): hold the hit blocks of every
+        group, take the new ones, hand out whole tables."""
         coordinator = self.coordinator
-        groups: list[int] | None = None  # all
-        if touch:
-            states = None
-            if r.pending_states is not None:
-                evictions, states = r.pending_states
-                if evictions != coordinator.num_evictions():
-                    states = None  # a block may be gone: look the hit up again below
-            if states is None:
-                self._ensure_hashes(r, c)
-                states = coordinator.hit_states(r.hashes, r.tokens, c, None)
-            if states is None:  # a hit block was evicted since lookup: look up again
-                r.pending_hit = None
-                r.pending_states = None
-                self._num_alloc_failures += 1
-                return None
-            if self._junction:
-                match = self._junctions.get(req_id, 0)
-                for g in self._state_group_ids:
-                    interval = self._managers[g].block_size
-                    # with turn_end keys a checkpoint may sit inside an interval: at
-                    # the attention match itself (cache/turn_end.py)
-                    junction = match // interval * interval
-                    if self._turn_end and match > interval:  # a turn-end key needs an anchor
-                        junction = match
-                    states[g].junction = junction if junction > c else 0
-        else:
-            states = r.states
-            groups = r.groups_to_allocate(n, lookahead)
-            if len(groups) == 1 and r.nulled is None:
-                # the common slow step: one group needs a block (a decode step crossed
-                # a block end); its manager lays it out in one call
-                g = groups[0]
-                grown = self._managers[g].grow(states[g], c, n, lookahead)
-                if grown is None:
-                    self._num_alloc_failures += 1
-                    return None
-                r.pending = True
-                r.pend_n = n
-                r.pend_lookahead = lookahead
-                r.refresh_limits(self._managers, groups)
-                if not grown[1]:
-                    return NO_CHANGE
-                # StepDelta(groups, taken), the cheap way (a named tuple's own __new__
-                # is a Python function)
-                return _new_tuple(
-                    StepDelta, ({} if grown[0] is None else {g: grown[0]}, {g: grown[1]}, False, ())
-                )
-        delta = coordinator.try_allocate(states, c, n, lookahead, touch, groups, r.nulled)
+        states = None
+        if r.pending_states is not None:
+            evictions, states = r.pending_states
+            if evictions != coordinator.num_evictions():
+                states = None  # a block may be gone: look the hit up again below
+        if states is None:
+            self._ensure_hashes(r, c)
+            states = coordinator.hit_states(r.hashes, r.tokens, c, None)
+        if states is None:  # a hit block was evicted since lookup: look up again
+            r.pending_hit = None
+            r.pending_states = None
+            self._num_alloc_failures += 1
+            return None
+        if self._junction:
+            match = self._junctions.get(req_id, 0)
+            for g in self._state_group_ids:
+                interval = self._managers[g].block_size
+                # with turn_end keys a checkpoint may sit inside an interval: at the
+                # attention match itself (cache/turn_end.py)
+                junction = match // interval * interval
+                if self._turn_end and match > interval:  # a turn-end key needs an anchor
+                    junction = match
+                states[g].junction = junction if junction > c else 0
+        delta = coordinator.try_allocate(states, c, n, lookahead, True, None, r.nulled)
         if delta is None:
             self._num_alloc_failures += 1
             return None
-        if touch:
-            # Hit statistics count admissions, not lookups: a scheduler may look a
-            # waiting request up many times (ordering, deferral) before admitting it.
-            self._num_lookups += 1
-            self._num_lookup_tokens += len(r.tokens)
-            self._num_hit_tokens += c
-            r.start(self._managers, states)
-            r.num_computed = c
-            r.pending_hit = None
-            r.pending_states = None
-            if c:
-                self._counters.checkpoints_used += len(self._state_group_ids)
-                if self._track_hot:
-                    self._hit_requests.add(req_id)
-            self._junctions.pop(req_id, None)
+        # Hit statistics count admissions, not lookups: a scheduler may look a waiting
+        # request up many times (ordering, deferral) before admitting it.
+        self._num_lookups += 1
+        self._num_lookup_tokens += len(r.tokens)
+        self._num_hit_tokens += c
+        r.start(self._managers, states)
+        r.num_computed = c
+        r.pending_hit = None
+        r.pending_states = None
+        if c:
+            self._counters.checkpoints_used += len(self._state_group_ids)
+            if self._track_hot:
+                self._hit_requests.add(req_id)
+        self._junctions.pop(req_id, None)
         r.nulled = None
         r.pending = True
         r.pend_n = n
         r.pend_lookahead = lookahead
-        r.refresh_limits(self._managers, self._all_groups if groups is None else groups)
+        r.refresh_limits(self._managers, self._all_groups)
+        return delta
+
+    def _grow(self, r: RequestRecord, n: int, lookahead: int) -> StepDelta | None:
+        """The checked step of a running request (counts valid, nothing pending, within
+        its verified tokens) that some group's limits refuse."""
+        states = r.states
+        groups = r.groups_to_allocate(n, lookahead)
+        if len(groups) == 1 and r.nulled is None:
+            # the common slow step: one group needs a block (a decode step crossed a
+            # block end); its manager lays it out in one call
+            g = groups[0]
+            grown = self._managers[g].grow(states[g], r.num_computed, n, lookahead)
+            if grown is None:
+                self._num_alloc_failures += 1
+                return None
+            delta: StepDelta | None = (
+                NO_CHANGE
+                if not grown[1]
+                # StepDelta(groups, taken), the cheap way (a named tuple's own __new__
+                # is a Python function)
+                else _new_tuple(
+                    StepDelta, ({} if grown[0] is None else {g: grown[0]}, {g: grown[1]}, False, ())
+                )
+            )
+        else:
+            delta = self.coordinator.try_allocate(
+                states, r.num_computed, n, lookahead, False, groups, r.nulled
+            )
+            if delta is None:
+                self._num_alloc_failures += 1
+                return None
+            r.nulled = None
+        r.pending = True
+        r.pend_n = n
+        r.pend_lookahead = lookahead
+        r.refresh_limits(self._managers, groups)
         return delta
 
     def _commit_slow(

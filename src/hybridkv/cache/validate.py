@@ -96,9 +96,13 @@ _INT_TYPES = frozenset((int,))
 
 
 def all_counts(values: Sequence[int]) -> bool:
-    """True if every value is a plain int >= 0 (C speed; bools, numpy integers and
-    floats say False, and `check_count` then judges each)."""
-    return _INT_TYPES.issuperset(map(type, values)) and min(values, default=0) >= 0
+    """True if every value is a plain int in [0, 2^63) (C speed; bools, numpy integers
+    and floats say False, and `check_count` then judges each)."""
+    return (
+        _INT_TYPES.issuperset(map(type, values))
+        and min(values, default=0) >= 0
+        and max(values, default=0) <= MAX_TOKEN_ID
+    )
 
 
 def all_valid_token_lists(lists: Sequence[Sequence[int]]) -> bool:
