@@ -306,7 +306,8 @@ class FreeQueue(LruLinks):
         fresh = self._fresh
         if num == 1:  # a decode step's one new block
             if fresh:
-                self._end_burst()
+                if self._chain:  # only chain inserts by bursts
+                    self._end_burst()
                 return [fresh.pop()], []
             if not self._chain and self._num_cached:  # lru: its one tier's oldest
                 prev, nxt = self._prev, self._next
