@@ -99,6 +99,26 @@ class RequestRecord:
         self.limits: list[FastLimits] = []
         self.clear_limits()
 
+    # ------------------------------------------------------------------ fast path
+    def try_fast_allocate(self, n: int, lookahead: int) -> bool:
+        """Record the step and return True if no group needs a block and no delta is
+        owed (``fast_end`` is 0 then); else change nothing. ``n`` and ``lookahead`` are
+        ints in [0, 2^63), checked by the caller (once per batch at C speed)."""
+        if self.pending:
+            return False
+        top = self.num_computed + n
+        if (
+            top + lookahead <= self.fast_end
+            and lookahead <= self.fast_lookahead
+            and top <= self.fast_verified
+            and top <= len(self.tokens)
+        ):
+            self.pending = True
+            self.pend_n = n
+            self.pend_lookahead = lookahead
+            return True
+        return False
+
     # ------------------------------------------------------------------ limits
     def clear_limits(self) -> None:
         """No fast path (no blocks held)."""

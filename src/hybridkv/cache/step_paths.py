@@ -55,7 +55,19 @@ class StepPaths(CacheViews):
     ) -> StepDelta | None:
         """Reserve slots for positions [0, c + n + L): the step's `StepDelta`, or None
         (nothing changed) when it does not fit."""
-        return self.allocate_batch((req_id,), (num_new_tokens,), (num_lookahead_tokens,))[0]
+        r = self._requests.get(req_id)
+        n, lookahead = num_new_tokens, num_lookahead_tokens
+        if (
+            r is not None
+            and type(n) is int is type(lookahead)
+            and 0 <= n <= MAX_TOKEN_ID
+            and 0 <= lookahead <= MAX_TOKEN_ID
+        ):
+            if r.try_fast_allocate(n, lookahead):
+                return NO_CHANGE
+            if r.started and not r.pending and r.num_computed + n <= len(r.tokens):
+                return self._grow(r, n, lookahead)  # checked: a block or a delta
+        return self._allocate_slow(r, req_id, n, lookahead)
 
     def commit(
         self, req_id: str, num_accepted_tokens: int = 0, new_token_ids: Sequence[int] = ()
@@ -93,25 +105,14 @@ class StepPaths(CacheViews):
         out: list[StepDelta | None] = []
         append = out.append
         for r, n, lookahead in zip(records, num_new_tokens, num_lookahead_tokens, strict=True):
-            # The fast path (`RequestRecord`): no group needs a block and no delta is owed
-            # (``fast_end`` is 0 then). Inline: a call per request costs more than this.
-            if not r.pending:
-                top = r.num_computed + n
-                if (
-                    top + lookahead <= r.fast_end
-                    and lookahead <= r.fast_lookahead
-                    and top <= r.fast_verified
-                    and top <= len(r.tokens)
-                ):
-                    r.pending = True
-                    r.pend_n = n
-                    r.pend_lookahead = lookahead
-                    append(NO_CHANGE)
-                    continue
-                if r.started and top <= len(r.tokens):  # checked: a block or a delta
-                    append(grow(r, n, lookahead))
-                    continue
-            append(slow(r, r.req_id, n, lookahead))
+            # The fast path (`RequestRecord.try_fast_allocate`): no group needs a block
+            # and no delta is owed; else the checked paths, as `allocate` takes them.
+            if r.try_fast_allocate(n, lookahead):
+                append(NO_CHANGE)
+            elif r.started and not r.pending and r.num_computed + n <= len(r.tokens):
+                append(grow(r, n, lookahead))
+            else:
+                append(slow(r, r.req_id, n, lookahead))
         return out
 
     def commit_batch(
