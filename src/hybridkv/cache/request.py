@@ -12,8 +12,8 @@ path) and their minimum over groups::
     full attention B 16, 3 blocks held, 2 cached, c = 40:  end 48, commit below 48
     allocate(1, 7): 48 <= 48 -> fast;   allocate(1, 8): 49 > 48 -> slow, one new block
 
-A step within the minimum costs a few comparisons, inline in
-`CacheManager.allocate_batch` / `commit_batch`; a fast commit lets each manager whose
+A step within the minimum costs a few comparisons (`try_fast_allocate`; inline in
+`CacheManager.commit_batch`); a fast commit lets each manager whose
 state moves on it (`GroupManager.moves_on_fast_commit`: state groups) settle its own
 state with `GroupManager.settle_fast_all` (one call per manager kind) -- the record
 never touches manager internals. A step past the minimum runs only the groups whose
