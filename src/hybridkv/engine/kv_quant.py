@@ -101,3 +101,26 @@ def load(
     if quant is None or quant.simulate:
         return page.to(dtype)
     return dequantize(page, dtype, quant.value_scale if value else quant.key_scale)
+
+
+def load_blocks(
+    pages: torch.Tensor,
+    blocks: torch.Tensor,
+    pad_keys: torch.Tensor,
+    dtype: torch.dtype,
+    quant: KVQuant | None,
+    *,
+    value: bool = False,
+) -> torch.Tensor:
+    """Whole pages ``pages[blocks]`` (``blocks [R, B]``) as ``[R, K, heads, dim]`` in the
+    activation ``dtype``, ``K = pad_keys.shape[1]``, zero where ``pad_keys`` is True
+    (after dequantising, so a NaN byte pattern there is dropped too)."""
+    rows, num_keys = pad_keys.shape
+    picked = pages.index_select(0, blocks.reshape(-1))  # [R * B, block_size, heads, dim]
+    page = picked.view(rows, -1, *pages.shape[2:])[:, :num_keys]
+    if quant is None or quant.simulate:
+        out = page.to(dtype)
+    else:
+        out = dequantize(page, dtype, quant.value_scale if value else quant.key_scale)
+    # `picked` is a fresh copy, so filling in place never touches the pages
+    return out.masked_fill_(pad_keys[:, :, None, None], 0.0)
