@@ -48,11 +48,11 @@ class AttentionPart:
     mask: torch.Tensor  # [R, 1, Lq, Kmax], bool: query may see key
     # Without a window every row's keys start at position 0, block-aligned: the key grid
     # is then whole blocks ``key_blocks [R, ceil(Kmax / block_size)]`` (a row's last
-    # block repeated past its end) cut to Kmax, and ``pad_keys [R, Kmax]`` marks the
+    # block repeated past its end) cut to Kmax, and ``pad_keys`` (rows, keys) are the
     # cells past each row's last key, zeroed after the load (stale page contents, NaN
     # in an fp8 page, never reach the softmax). None: load by (block, offset).
     key_blocks: torch.Tensor | None = None
-    pad_keys: torch.Tensor | None = None
+    pad_keys: PageIndex | None = None
 
 
 @dataclass(frozen=True)
@@ -114,7 +114,8 @@ def _build(batch: ForwardBatch, group: str, window: int | None) -> AttentionInde
             key_blocks = torch.gather(
                 row_ids, 1, torch.minimum(columns, last_t[:, None] // block_size)
             )
-            pad_keys = ~key_ok
+            pad_rows, pad_cols = (~key_ok).nonzero(as_tuple=True)
+            pad_keys = (pad_rows, pad_cols)
         parts.append(
             AttentionPart(
                 layout, (blocks, key_pos % block_size), mask[:, None], key_blocks, pad_keys
@@ -154,7 +155,8 @@ def paged_attention(
     for part in index.parts:
         queries = part.layout.pad(q).transpose(1, 2)  # [R, H, Lq, D]
         if part.key_blocks is not None and part.pad_keys is not None:
-            keys, values = load_kv_blocks(cache, part.key_blocks, part.pad_keys, q.dtype)
+            num_keys = int(part.mask.shape[-1])
+            keys, values = load_kv_blocks(cache, part.key_blocks, num_keys, part.pad_keys, q.dtype)
         else:
             keys, values = load_kv(cache, part.keys, q.dtype)  # [R, K, Hkv, D]
         keys, values = keys.transpose(1, 2), values.transpose(1, 2)  # [R, Hkv, K, D]
