@@ -34,7 +34,7 @@ from hybridkv.engine.attention_reference import check_cache
 from hybridkv.engine.context import ForwardBatch, KVCache
 from hybridkv.engine.kv_io import PageIndex, load_kv, load_kv_blocks, store_kv
 from hybridkv.engine.tree_batch import apply_tree_mask
-from hybridkv.engine.varlen import Padded, split_by_length
+from hybridkv.engine.varlen import Padded, padded_for, split_by_length
 from hybridkv.errors import EngineError
 
 # Rows with at most this many new tokens share one part (decode and verify steps).
@@ -90,7 +90,7 @@ def _build(batch: ForwardBatch, group: str, window: int | None) -> AttentionInde
     new_slots = (ids[rows_of_tokens, pos // block_size], pos % block_size)
     parts = []
     for reqs in split_by_length(lengths, SHORT_MAX_TOKENS):
-        layout = Padded.build(batch.host_starts, lengths, reqs, batch.num_tokens, device)
+        layout = padded_for(batch, reqs)
         first = [0 if window is None else max(0, computed[r] - window + 1) for r in reqs]
         ends = [computed[r] + lengths[r] for r in reqs]  # one past the last key
         num_keys = max(e - f for f, e in zip(first, ends, strict=True))

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from hybridkv.engine.context import ForwardBatch
-from hybridkv.engine.varlen import Padded, split_by_length
+from hybridkv.engine.varlen import Padded, padded_for, split_by_length
 from hybridkv.errors import EngineError
 
 # Parts with at most this many new tokens per request run the token-by-token recurrence;
@@ -127,7 +127,7 @@ def _build_parts(batch: ForwardBatch, group: str) -> list[StatePart]:
                 rows.append(row)
                 ks.append(int(k))
                 targets.append(int(slot))
-        layout = Padded.build(batch.host_starts, lengths, reqs, batch.num_tokens, device)
+        layout = padded_for(batch, reqs)
 
         def dev(values: list[int]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.long).to(device)
