@@ -228,7 +228,8 @@ class GatedDeltaNet:
                 self.conv_weight,
                 None,
             )
-            q, k, v = self._split_heads(F.silu(conv_out), repeat=False)
+            # in place: `causal_conv_grid` returns a fresh buffer (same values as silu)
+            q, k, v = self._split_heads(F.silu(conv_out, inplace=True), repeat=False)
             q, k, v, g_grid, beta_grid = delta_rule.prepare_grouped(
                 q, k, v, grid.pad(g), grid.pad(beta), ratio
             )
