@@ -96,3 +96,17 @@ def test_conv_taps_match_depthwise_conv1d(length, rows, bias):
     want = F.conv1d(window, weight[:, None, :], b, groups=channels).transpose(1, 2)
     assert out.shape == want.shape == (3, length, channels)
     torch.testing.assert_close(out, want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_bound_offset_norm_equals_the_plain_form(dtype):
+    """`bind_norm` precomputes ``1 + weight`` for the zero-centred norm: bit for bit the
+    values `rms_norm_offset` computes per call."""
+    from hybridkv.engine.models.common import bind_norm, rms_norm, rms_norm_offset
+
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(5, 48, generator=gen).to(dtype)
+    weight = (torch.randn(48, generator=gen) * 0.1).to(dtype)
+    bound = bind_norm(rms_norm_offset, weight, 1e-6)
+    assert torch.equal(bound(x), rms_norm_offset(x, weight, 1e-6))
+    assert torch.equal(bind_norm(rms_norm, weight, 1e-6)(x), rms_norm(x, weight, 1e-6))
