@@ -129,13 +129,21 @@ def _build_parts(batch: ForwardBatch, group: str) -> list[StatePart]:
         layout = padded_for(batch, reqs)
 
         def dev(values: list[int]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.long).to(device)
+            # Shared by every state group of the step that has the same values (rows
+            # and k of the points usually are): one host-to-device tensor, not one each.
+            return batch.memoized(
+                ("long", tuple(values)),
+                lambda: torch.tensor(values, dtype=torch.long).to(device),
+            )
+
+        def flags(values: tuple[bool, ...]) -> torch.Tensor:
+            return batch.memoized(("bool", values), lambda: torch.tensor(values).to(device))
 
         parts.append(
             StatePart(
                 layout=layout,
                 read_slots=dev([slot_ids[r] if has_initial[r] else 0 for r in reqs]),
-                has_initial=torch.tensor([has_initial[r] for r in reqs]).to(device),
+                has_initial=flags(tuple(has_initial[r] for r in reqs)),
                 point_rows=dev(rows),
                 point_k=dev(ks),
                 point_slots=dev(targets),
