@@ -18,6 +18,12 @@ engine time: > 1 means the engine is faster), the same ratio of process CPU seco
 (steadier than wall time on a shared machine: time spent waiting for a core is not
 counted), output tokens per second, engine steps and prefix-hit tokens (work counters),
 and whether the tokens match exactly.
+
+On a machine where another process holds a core, two-thread runs stall in OpenMP's
+spin-waiting barrier (each parallel op then waits a scheduler time slice, on both
+sides, at random); ``OMP_WAIT_POLICY=PASSIVE python bench/engine_vs_hf.py ...`` (set
+before torch loads, so for both sides alike) keeps such runs comparable
+(docs/engine_perf.md, round 4).
 """
 
 from __future__ import annotations

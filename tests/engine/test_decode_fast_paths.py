@@ -16,9 +16,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from hybridkv.engine import delta_rule  # noqa: E402
+from hybridkv.engine import delta_rule, state_batched  # noqa: E402
 from hybridkv.engine.context import StateCache, StateSlots, make_batch  # noqa: E402
-from hybridkv.engine.state_batched import state_parts  # noqa: E402
+from hybridkv.engine.state_batched import SlotRun, state_parts  # noqa: E402
 from hybridkv.engine.state_ops import gated_delta_rule_capture  # noqa: E402
 from tests.exactness.test_batched_kernels import gdn_layer  # noqa: E402
 
@@ -104,12 +104,17 @@ def test_decode_kernel_matches_recurrence(seed):
 
 def strided_case(seed: int, start: int, step: int, num_rows: int):
     """Decode rows that each read and write back slot ``start + row * step``."""
+    return slots_case(seed, [start + r * step for r in range(num_rows)])
+
+
+def slots_case(seed: int, slots: list[int]):
+    """Decode rows where row r reads and writes back ``slots[r]``; every other slot NaN."""
     gen = torch.Generator().manual_seed(900 + seed)
     layer = gdn_layer(torch.Generator().manual_seed(seed))
-    num_slots = start + step * num_rows + 2
+    num_slots = max(slots) + 3
+    num_rows = len(slots)
     conv = torch.full((num_slots, layer.shape.conv_dim, 3 + 1), float("nan"))
     ssm = torch.full((num_slots, 4, 4, 8), float("nan"))
-    slots = [start + r * step for r in range(num_rows)]
     for slot in slots:
         conv[slot] = torch.randn(conv.shape[1:], generator=gen)
         ssm[slot] = torch.randn(ssm.shape[1:], generator=gen) * 0.3
@@ -148,3 +153,58 @@ def test_slot_range_only_for_read_equals_write_progressions():
     assert part_for([4, 6], [[(1, 4)], [(1, 7)]]) is None  # a row writes another slot
     assert part_for([4, 6], [[(1, 4), (1, 9)], [(1, 6)]]) is None  # a checkpoint copy
     assert part_for([None, 6], [[(1, 4)], [(1, 6)]]) is None  # a row starts from zeros
+
+
+@pytest.mark.parametrize(
+    "slots",
+    [
+        [23, 247, 254, 261, 268],  # shared prefix: the first request prefilled alone
+        [9, 2, 4, 6, 30, 31],  # three runs, one of them a lone row
+        [5, 1, 12, 3],  # a two-row run of step 11 between lone rows
+    ],
+)
+def test_slot_runs_in_place_decode_matches_gather_path_bit_for_bit(monkeypatch, slots):
+    """Slots in a few progressions: the per-run in-place update gives exactly the
+    gather / scatter path's outputs and slots (`torch.equal`, NaN slots untouched), and
+    matches the reference loop."""
+    layer, batch, x, conv, ssm = slots_case(len(slots), slots)
+    (part,) = state_parts(batch, "s")
+    assert part.slot_runs is not None and len(part.slot_runs) > 1  # the path under test
+    assert_batched_equals_reference(layer, batch, x, conv.clone(), ssm.clone())
+    fast = StateCache(conv.clone(), ssm.clone(), "s")
+    got = layer.forward(x, batch, fast, batched=True)
+    monkeypatch.setattr(state_batched, "MAX_SLOT_RUNS", 0)  # every step gathers
+    _, plain_batch, _, _, _ = slots_case(len(slots), slots)
+    (plain_part,) = state_parts(plain_batch, "s")
+    assert plain_part.slot_runs is None
+    plain = StateCache(conv.clone(), ssm.clone(), "s")
+    want = layer.forward(x, plain_batch, plain, batched=True)
+    assert torch.equal(got, want)
+    assert torch.equal(fast.ssm.nan_to_num(7.0), plain.ssm.nan_to_num(7.0))
+    assert torch.equal(fast.conv.nan_to_num(7.0), plain.conv.nan_to_num(7.0))
+    untouched = [s for s in range(ssm.shape[0]) if s not in slots]
+    assert fast.ssm[untouched].isnan().all()
+
+
+def test_slot_runs_split_greedily_and_give_up_past_the_limit():
+    def runs_for(reads, writes=None):
+        writes = writes if writes is not None else [[(1, r)] for r in reads]
+        batch = make_batch(
+            [([1], 5) for _ in reads],
+            state_slots={"s": StateSlots.from_points(reads, writes)},
+        )
+        (part,) = state_parts(batch, "s")
+        return part.slot_runs
+
+    # greedy: the first two rows make a run of step 224, the rest one of step 7
+    assert runs_for([23, 247, 254, 261]) == (SlotRun(0, 2, 23, 224), SlotRun(2, 2, 254, 7))
+    assert runs_for([9, 2, 4, 6, 30, 31]) == (
+        SlotRun(0, 1, 9, 1),
+        SlotRun(1, 3, 2, 2),
+        SlotRun(4, 2, 30, 1),
+    )
+    assert runs_for([4, 6, 9]) == (SlotRun(0, 2, 4, 2), SlotRun(2, 1, 9, 1))
+    assert runs_for([8, 6, 4, 2]) == tuple(SlotRun(r, 1, s, 1) for r, s in enumerate([8, 6, 4, 2]))
+    assert runs_for([9, 7, 5, 3, 1]) is None  # five one-row runs: past MAX_SLOT_RUNS = 4
+    assert runs_for([4, 4]) is None  # two rows on one slot
+    assert runs_for([4, 6], [[(1, 4)], [(1, 7)]]) is None  # a row writes another slot

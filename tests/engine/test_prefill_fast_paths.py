@@ -73,3 +73,40 @@ def test_one_thread_restores_the_thread_count_on_error():
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize(("length", "rows", "bias"), [(1, 3, False), (5, 3, True), (70, 4, True)])
+def test_conv_taps_match_depthwise_conv1d(length, rows, bias):
+    """`causal_conv_grid` (channels-last history, shifted multiply-adds) against the
+    library's depthwise conv on the channels-first history: the history bit for bit, the
+    outputs to float32 rounding (the taps are summed in the same order, but the library
+    kernel may fuse differently)."""
+    from hybridkv.engine.state_batched import causal_conv_grid
+
+    gen = torch.Generator().manual_seed(length)
+    channels, kernel = 24, 4
+    x = torch.randn(3, length, channels, generator=gen)
+    state = torch.randn(3, channels, rows, generator=gen)
+    weight = torch.randn(channels, kernel, generator=gen)
+    b = torch.randn(channels, generator=gen) if bias else None
+    out, history = causal_conv_grid(x, state, weight, b)
+    want_history = torch.cat([state, x.transpose(1, 2)], dim=-1)
+    assert torch.equal(history, want_history)
+    window = want_history[:, :, rows - (kernel - 1) :]
+    want = F.conv1d(window, weight[:, None, :], b, groups=channels).transpose(1, 2)
+    assert out.shape == want.shape == (3, length, channels)
+    torch.testing.assert_close(out, want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_bound_offset_norm_equals_the_plain_form(dtype):
+    """`bind_norm` precomputes ``1 + weight`` for the zero-centred norm: bit for bit the
+    values `rms_norm_offset` computes per call."""
+    from hybridkv.engine.models.common import bind_norm, rms_norm, rms_norm_offset
+
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(5, 48, generator=gen).to(dtype)
+    weight = (torch.randn(48, generator=gen) * 0.1).to(dtype)
+    bound = bind_norm(rms_norm_offset, weight, 1e-6)
+    assert torch.equal(bound(x), rms_norm_offset(x, weight, 1e-6))
+    assert torch.equal(bind_norm(rms_norm, weight, 1e-6)(x), rms_norm(x, weight, 1e-6))

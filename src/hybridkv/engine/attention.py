@@ -12,8 +12,12 @@ boolean mask. Example, block_size 4, window None, two rows::
            (cells past a row's keys repeat its last key, masked out: never the null block)
     mask row 1:  q0 [1 0 0 0 0 0]  q1 [1 1 0 0 0 0]  q2 [1 1 1 0 0 0]
 
-A sliding window W lets position p see keys in (p - W, p]; a row reads keys from
-``max(0, c - W + 1)`` on, so blocks wholly before that may be the null block (id 0).
+Without a window the keys are loaded by whole blocks (a row's last block repeated past
+its end; the cells past its last key zeroed after the load, `AttentionPart`): one page
+copy per block instead of one per token, the same values in every cell the mask lets
+through. A sliding window W lets position p see keys in (p - W, p]; a row reads keys
+from ``max(0, c - W + 1)`` on (not block-aligned: loaded by (block, offset)), so blocks
+wholly before that may be the null block (id 0).
 Without softcap or sinks the grid goes to `scaled_dot_product_attention` (GQA via
 ``enable_gqa``); Gemma's softcap and gpt-oss's sinks take an explicit matmul path.
 `attention_reference` is the per-request oracle.
@@ -28,9 +32,9 @@ import torch.nn.functional as F
 
 from hybridkv.engine.attention_reference import check_cache
 from hybridkv.engine.context import ForwardBatch, KVCache
-from hybridkv.engine.kv_io import PageIndex, load_kv, store_kv
+from hybridkv.engine.kv_io import PageIndex, load_kv, load_kv_blocks, store_kv
 from hybridkv.engine.tree_batch import apply_tree_mask
-from hybridkv.engine.varlen import Padded, split_by_length
+from hybridkv.engine.varlen import Padded, padded_for, split_by_length
 from hybridkv.errors import EngineError
 
 # Rows with at most this many new tokens share one part (decode and verify steps).
@@ -42,6 +46,13 @@ class AttentionPart:
     layout: Padded  # the part's queries as [R, Lq]
     keys: PageIndex  # [R, Kmax] each
     mask: torch.Tensor  # [R, 1, Lq, Kmax], bool: query may see key
+    # Without a window every row's keys start at position 0, block-aligned: the key grid
+    # is then whole blocks ``key_blocks [R, ceil(Kmax / block_size)]`` (a row's last
+    # block repeated past its end) cut to Kmax, and ``pad_keys`` (rows, keys) are the
+    # cells past each row's last key, zeroed after the load (stale page contents, NaN
+    # in an fp8 page, never reach the softmax). None: load by (block, offset).
+    key_blocks: torch.Tensor | None = None
+    pad_keys: PageIndex | None = None
 
 
 @dataclass(frozen=True)
@@ -79,7 +90,7 @@ def _build(batch: ForwardBatch, group: str, window: int | None) -> AttentionInde
     new_slots = (ids[rows_of_tokens, pos // block_size], pos % block_size)
     parts = []
     for reqs in split_by_length(lengths, SHORT_MAX_TOKENS):
-        layout = Padded.build(batch.host_starts, lengths, reqs, batch.num_tokens, device)
+        layout = padded_for(batch, reqs)
         first = [0 if window is None else max(0, computed[r] - window + 1) for r in reqs]
         ends = [computed[r] + lengths[r] for r in reqs]  # one past the last key
         num_keys = max(e - f for f, e in zip(first, ends, strict=True))
@@ -97,7 +108,19 @@ def _build(batch: ForwardBatch, group: str, window: int | None) -> AttentionInde
             mask &= key_pos[:, None, :] > q_pos[:, :, None] - window
         # Padding queries see their row's first key, so no softmax row is all -inf.
         mask[:, :, 0] |= ~layout.valid
-        parts.append(AttentionPart(layout, (blocks, key_pos % block_size), mask[:, None]))
+        key_blocks = pad_keys = None
+        if window is None:  # first = 0 for every row: whole blocks (see `AttentionPart`)
+            columns = torch.arange(-(-num_keys // block_size), device=device)[None, :]
+            key_blocks = torch.gather(
+                row_ids, 1, torch.minimum(columns, last_t[:, None] // block_size)
+            )
+            pad_rows, pad_cols = (~key_ok).nonzero(as_tuple=True)
+            pad_keys = (pad_rows, pad_cols)
+        parts.append(
+            AttentionPart(
+                layout, (blocks, key_pos % block_size), mask[:, None], key_blocks, pad_keys
+            )
+        )
     index = AttentionIndex(new_slots=new_slots, parts=tuple(parts))
     if batch.tree is not None:  # token trees: ancestors only (`tree_batch`)
         apply_tree_mask(index, batch, window)
@@ -131,7 +154,11 @@ def paged_attention(
     out = q.new_zeros(q.shape[0], q.shape[1], v.shape[-1])
     for part in index.parts:
         queries = part.layout.pad(q).transpose(1, 2)  # [R, H, Lq, D]
-        keys, values = load_kv(cache, part.keys, q.dtype)  # [R, K, Hkv, D]
+        if part.key_blocks is not None and part.pad_keys is not None:
+            num_keys = int(part.mask.shape[-1])
+            keys, values = load_kv_blocks(cache, part.key_blocks, num_keys, part.pad_keys, q.dtype)
+        else:
+            keys, values = load_kv(cache, part.keys, q.dtype)  # [R, K, Hkv, D]
         keys, values = keys.transpose(1, 2), values.transpose(1, 2)  # [R, Hkv, K, D]
         if softcap is None and sinks is None:
             ctx = F.scaled_dot_product_attention(

@@ -196,13 +196,22 @@ class ForwardBatch:
                 f"num_computed_tokens has shape {tuple(self.num_computed_tokens.shape)}, "
                 f"expected ({n},)"
             )
-        for r, (start, end, computed) in enumerate(self.query_ranges()):
-            expected = torch.arange(computed, computed + end - start)
-            if not torch.equal(self.positions[start:end].cpu(), expected):
-                raise EngineError(
-                    f"request {r}: positions must run from num_computed_tokens={computed} "
-                    f"for {end - start} tokens"
-                )
+        # all requests at once: position of stream index i in request r is
+        # computed[r] + (i - start[r])
+        lengths = torch.tensor(self.host_lengths, dtype=torch.long)
+        offsets = torch.tensor(self.host_computed, dtype=torch.long) - torch.tensor(
+            self.host_starts[:-1], dtype=torch.long
+        )
+        expected = torch.arange(self.num_tokens) + offsets.repeat_interleave(lengths)
+        wrong = (self.positions.cpu() != expected).nonzero()
+        if wrong.numel():
+            i = int(wrong[0])
+            r = max(q for q in range(n) if self.host_starts[q] <= i)
+            start, end, computed = self.query_ranges()[r]
+            raise EngineError(
+                f"request {r}: positions must run from num_computed_tokens={computed} "
+                f"for {end - start} tokens"
+            )
         for group, table in self.block_tables.items():
             if table.block_ids.dim() != 2 or table.block_ids.shape[0] != n:
                 raise EngineError(

@@ -101,3 +101,29 @@ def load(
     if quant is None or quant.simulate:
         return page.to(dtype)
     return dequantize(page, dtype, quant.value_scale if value else quant.key_scale)
+
+
+def load_blocks(
+    pages: torch.Tensor,
+    blocks: torch.Tensor,
+    num_keys: int,
+    pad_cells: tuple[torch.Tensor, torch.Tensor],
+    dtype: torch.dtype,
+    quant: KVQuant | None,
+    *,
+    value: bool = False,
+) -> torch.Tensor:
+    """Whole pages ``pages[blocks]`` (``blocks [R, B]``) as ``[R, num_keys, heads, dim]``
+    in the activation ``dtype``, zero at ``pad_cells`` (row, key) pairs (after
+    dequantising, so a NaN byte pattern there is dropped too)."""
+    picked = pages.index_select(0, blocks.reshape(-1))  # [R * B, block_size, heads, dim]
+    page = picked.view(blocks.shape[0], -1, *pages.shape[2:])[:, :num_keys]
+    if quant is None or quant.simulate:
+        out = page.to(dtype)
+    else:
+        out = dequantize(page, dtype, quant.value_scale if value else quant.key_scale)
+    # `picked` is a fresh copy, so zeroing in place never touches the pages. By index,
+    # not masked_fill_ over the grid: the pad cells are a few per row in decode (a
+    # broadcast masked_fill_ over [32, 320, 2, 64] measured 1.5 ms, the load itself 0.8).
+    out[pad_cells] = 0.0
+    return out

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
+from hybridkv.engine.context import ForwardBatch
+
 
 @dataclass(frozen=True)
 class Padded:
@@ -84,7 +86,9 @@ class Padded:
         if self.identity:
             return x.reshape(self.num_rows, self.max_len, *x.shape[1:])
         extended = torch.cat([x, x.new_zeros(1, *x.shape[1:])])
-        return extended[self.gather].view(self.num_rows, self.max_len, *x.shape[1:])
+        # index_select: the same rows as ``extended[gather]``, without advanced indexing
+        picked = extended.index_select(0, self.gather)
+        return picked.view(self.num_rows, self.max_len, *x.shape[1:])
 
     def unpad_into(self, out: torch.Tensor, grid: torch.Tensor) -> None:
         """Write the token cells of ``grid [R, L, *rest]`` into stream ``out [T, *rest]``."""
@@ -92,7 +96,20 @@ class Padded:
         if self.identity:
             out.copy_(flat)
             return
-        out[self.tokens] = flat[self.scatter].to(out.dtype)
+        # token indices are distinct: index_copy_ stores what ``out[tokens] = ...`` would
+        out.index_copy_(0, self.tokens, flat.index_select(0, self.scatter).to(out.dtype))
+
+
+def padded_for(batch: ForwardBatch, reqs: Sequence[int]) -> Padded:
+    """`Padded.build` for requests ``reqs`` of ``batch``, built once per step: the state
+    groups and attention groups of a step split the requests the same way, so they
+    share one layout (and its index tensors) instead of building one each."""
+    return batch.memoized(
+        ("padded", tuple(reqs)),
+        lambda: Padded.build(
+            batch.host_starts, batch.host_lengths, reqs, batch.num_tokens, batch.input_ids.device
+        ),
+    )
 
 
 def split_by_length(lengths: Sequence[int], short_max: int) -> list[list[int]]:

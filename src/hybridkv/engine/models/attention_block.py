@@ -24,6 +24,7 @@ from hybridkv.engine.models.common import (
     SLIDING_ATTENTION,
     LayerDesc,
     NormFn,
+    bind_norm,
     inv_sqrt,
 )
 from hybridkv.engine.models.rope import Rope
@@ -124,7 +125,7 @@ class Attention:
             if not s.qk_norm:
                 return None
             weight = ckpt.take(f"{prefix}.{name}.weight", (s.head_dim,))
-            return lambda x: norm(x, weight, eps)
+            return bind_norm(norm, weight, eps)
 
         return cls(
             shape=s,

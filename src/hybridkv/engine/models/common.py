@@ -232,7 +232,20 @@ NormFn = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
 def bind_norm(
     norm: NormFn, weight: torch.Tensor, eps: float
 ) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``norm`` with its weight and eps bound. The zero-centred norm gets its ``1 +
+    weight`` (float32) computed once here instead of on every call: the same values,
+    two ops fewer per norm and step."""
+    if norm is rms_norm_offset:
+        scale = 1.0 + weight.float()
+        return lambda x: _rms_norm_scaled(x, scale, eps)
     return lambda x: norm(x, weight, eps)
+
+
+def _rms_norm_scaled(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
+    """`rms_norm_offset` with ``scale = 1 + weight`` (float32) given."""
+    xf = x.float()
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (normed * scale).to(x.dtype)
 
 
 # ----------------------------------------------------------------------------- MLP

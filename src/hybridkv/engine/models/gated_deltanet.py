@@ -27,9 +27,11 @@ from hybridkv.engine.state_batched import (
     capture_steps,
     causal_conv_grid,
     gather_state,
-    slot_rows,
+    read_views,
+    slot_views,
     state_parts,
     write_conv,
+    write_conv_views,
     write_ssm,
     write_ssm_rows,
 )
@@ -214,23 +216,39 @@ class GatedDeltaNet:
         ratio = self.shape.num_v_heads // self.shape.num_k_heads
         for part in state_parts(batch, cache.group):
             grid = part.layout
+            # Decode where each row reads and writes back its own slot, the slots in a few
+            # progressions: conv and ssm states are strided views of the buffers, updated
+            # in place (no gather, no scatter).
+            conv_views = ssm_views = None
+            if grid.max_len == 1 and cache.ssm.dtype == torch.float32:
+                conv_views, ssm_views = slot_views(cache.conv, part), slot_views(cache.ssm, part)
             conv_out, history = causal_conv_grid(
-                grid.pad(mixed), gather_state(cache.conv, part), self.conv_weight, None
+                grid.pad(mixed),
+                gather_state(cache.conv, part) if conv_views is None else read_views(conv_views),
+                self.conv_weight,
+                None,
             )
-            q, k, v = self._split_heads(F.silu(conv_out), repeat=False)
+            # in place: `causal_conv_grid` returns a fresh buffer (same values as silu)
+            q, k, v = self._split_heads(F.silu(conv_out, inplace=True), repeat=False)
             q, k, v, g_grid, beta_grid = delta_rule.prepare_grouped(
                 q, k, v, grid.pad(g), grid.pad(beta), ratio
             )
-            if grid.max_len == 1 and part.uniform_k == 1:  # decode: in place, stored layout
-                view = slot_rows(cache.ssm, part)
-                if view is not None and view.dtype == torch.float32:
-                    # Each row reads and writes back its own slot: update the buffer
-                    # itself through a strided view (no gather, no scatter).
-                    grid.unpad_into(
-                        core, delta_rule.delta_rule_decode_(q, k, v, g_grid, beta_grid, view)
+            if conv_views is not None and ssm_views is not None and part.slot_runs is not None:
+                outs = [
+                    delta_rule.delta_rule_decode_(
+                        q[run.rows],
+                        k[run.rows],
+                        v[run.rows],
+                        g_grid[run.rows],
+                        beta_grid[run.rows],
+                        view,
                     )
-                    write_conv(cache.conv, part, history)
-                    continue
+                    for run, view in zip(part.slot_runs, ssm_views, strict=True)
+                ]
+                grid.unpad_into(core, outs[0] if len(outs) == 1 else torch.cat(outs))
+                write_conv_views(conv_views, part, history)
+                continue
+            if grid.max_len == 1 and part.uniform_k == 1:  # decode: gathered, stored layout
                 stored = gather_state(cache.ssm, part).float().contiguous()
                 grid.unpad_into(
                     core, delta_rule.delta_rule_decode_(q, k, v, g_grid, beta_grid, stored)
