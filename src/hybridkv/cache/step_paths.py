@@ -4,12 +4,13 @@ Split from `cache.manager` (life cycle: add, lookup, free, preempt) so that each
 stays readable; the public API is `CacheManager`'s, unchanged.
 
 A running request's step takes the *fast path* when every group's limits allow it
-(`RequestRecord`): a few integer comparisons inline in the batch loops, no call per
-request. Counts and token ids are checked once per batch at C speed
-(`validate.all_counts`, `validate.all_valid_token_lists`); a batch holding a bad value
-goes request by request through the checked path, which names the culprit. A step
-that crosses one group's limits goes to that group's manager in one call
-(`GroupManager.grow`); anything else goes through the coordinator.
+(`RequestRecord`): a few integer comparisons (`RequestRecord.try_fast_allocate`; inline
+in `commit_batch`, where a call per request would cost more than the check). Counts and
+token ids are checked once per batch at C speed (`validate.all_counts`,
+`validate.all_valid_token_lists`); a batch holding a bad value goes request by request
+through the checked path, which names the culprit. A step that crosses one group's
+limits goes to that group's manager in one call (`GroupManager.grow`); anything else
+goes through the coordinator.
 """
 
 from __future__ import annotations
