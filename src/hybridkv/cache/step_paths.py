@@ -135,8 +135,7 @@ class StepPaths(CacheViews):
         if (
             records is None
             or not all_valid_token_lists(new_token_ids)
-            or not all_counts(num_accepted_tokens)
-            or max(num_accepted_tokens, default=0) > self._max_accept
+            or not all_counts(num_accepted_tokens, self._max_accept)
         ):
             get = self._requests.get
             for req_id, accepted, new in zip(

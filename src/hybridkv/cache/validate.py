@@ -95,13 +95,14 @@ _LIST_TYPES = frozenset((list, tuple))
 _INT_TYPES = frozenset((int,))
 
 
-def all_counts(values: Sequence[int]) -> bool:
-    """True if every value is a plain int in [0, 2^63) (C speed; bools, numpy integers
-    and floats say False, and `check_count` then judges each)."""
+def all_counts(values: Sequence[int], upper: int = MAX_TOKEN_ID) -> bool:
+    """True if every value is a plain int in [0, ``upper``] (C speed; bools, numpy
+    integers, floats and larger values say False, and the checked path then judges
+    each)."""
     return (
         _INT_TYPES.issuperset(map(type, values))
         and min(values, default=0) >= 0
-        and max(values, default=0) <= MAX_TOKEN_ID
+        and max(values, default=0) <= upper
     )
 
 
