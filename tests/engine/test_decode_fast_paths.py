@@ -16,8 +16,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from hybridkv.engine import delta_rule, state_batched  # noqa: E402
+from hybridkv.engine import delta_rule, kv_quant, state_batched  # noqa: E402
 from hybridkv.engine.context import StateCache, StateSlots, make_batch  # noqa: E402
+from hybridkv.engine.scratch import Scratch  # noqa: E402
 from hybridkv.engine.state_batched import SlotRun, state_parts  # noqa: E402
 from hybridkv.engine.state_ops import gated_delta_rule_capture  # noqa: E402
 from tests.exactness.test_batched_kernels import gdn_layer  # noqa: E402
@@ -208,3 +209,49 @@ def test_slot_runs_split_greedily_and_give_up_past_the_limit():
     assert runs_for([9, 7, 5, 3, 1]) is None  # five one-row runs: past MAX_SLOT_RUNS = 4
     assert runs_for([4, 4]) is None  # two rows on one slot
     assert runs_for([4, 6], [[(1, 4)], [(1, 7)]]) is None  # a row writes another slot
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_decode_kernel_with_scratch_buffer_is_bit_identical(seed):
+    """The products written into a reused buffer strided as the state (`engine.scratch`)
+    give exactly the fresh-tensor results: outputs and updated states, `torch.equal`."""
+    gen = torch.Generator().manual_seed(seed)
+    rows, heads, dk, dv = 6, 8, 64, 64
+    q, k = (torch.randn(rows, 1, heads, dk, generator=gen) for _ in range(2))
+    v = torch.randn(rows, 1, heads, dv, generator=gen)
+    g, beta = -torch.rand(rows, 1, heads, generator=gen), torch.rand(rows, 1, heads, generator=gen)
+    stored = torch.randn(rows, heads, dv, dk, generator=gen) * 0.3
+    qp, kp, vp, gp, bp = delta_rule.prepare(q, k, v, g, beta)
+    plain_state, scratch_state = stored.clone(), stored.clone()
+    want = delta_rule.delta_rule_decode_(qp, kp, vp, gp, bp, plain_state)
+    buffers = Scratch()
+    work = buffers.take("w", tuple(stored.shape), torch.float32, stored.device)
+    work.fill_(float("nan"))  # stale contents must not matter
+    got = delta_rule.delta_rule_decode_(qp, kp, vp, gp, bp, scratch_state, work.transpose(-1, -2))
+    assert torch.equal(got, want)
+    assert torch.equal(scratch_state, plain_state)
+
+
+def test_scratch_reuses_and_grows_its_buffers():
+    buffers = Scratch()
+    a = buffers.take("k", (4, 8), torch.float32, torch.device("cpu"))
+    b = buffers.take("k", (3, 8), torch.float32, torch.device("cpu"))
+    assert b.data_ptr() == a.data_ptr() and b.shape == (3, 8)  # reused, not reallocated
+    c = buffers.take("k", (40, 8), torch.float32, torch.device("cpu"))
+    assert c.shape == (40, 8) and c.is_contiguous()  # grown
+    assert buffers.take("v", (4, 8), torch.float32, torch.device("cpu")).data_ptr() != (
+        c.data_ptr()
+    )  # names do not share
+    assert buffers.num_bytes() >= (40 + 4) * 8 * 4
+
+
+def test_kv_block_gather_into_scratch_equals_fresh_gather():
+    gen = torch.Generator().manual_seed(3)
+    pages = torch.randn(12, 4, 2, 8, generator=gen)
+    blocks = torch.tensor([[3, 5, 5], [7, 1, 2]])
+    pad = (torch.tensor([0, 0]), torch.tensor([9, 10]))
+    fresh = kv_quant.load_blocks(pages, blocks, 11, pad, torch.float32, None)
+    out = torch.full((6, 4, 2, 8), float("nan"))
+    reused = kv_quant.load_blocks(pages, blocks, 11, pad, torch.float32, None, out=out)
+    assert torch.equal(fresh, reused)
+    assert not pages.isnan().any()  # the pad zeroing touched the copy only

@@ -156,7 +156,9 @@ def paged_attention(
         queries = part.layout.pad(q).transpose(1, 2)  # [R, H, Lq, D]
         if part.key_blocks is not None and part.pad_keys is not None:
             num_keys = int(part.mask.shape[-1])
-            keys, values = load_kv_blocks(cache, part.key_blocks, num_keys, part.pad_keys, q.dtype)
+            keys, values = load_kv_blocks(
+                cache, part.key_blocks, num_keys, part.pad_keys, q.dtype, batch.scratch
+            )
         else:
             keys, values = load_kv(cache, part.keys, q.dtype)  # [R, K, Hkv, D]
         keys, values = keys.transpose(1, 2), values.transpose(1, 2)  # [R, Hkv, K, D]

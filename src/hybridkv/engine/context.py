@@ -120,6 +120,9 @@ class ForwardBatch:
     # Per-step index tensors that every layer of a group shares (padded layouts, key
     # indices, state write points), built by the first layer that needs them.
     memo: dict[Any, Any] = field(default_factory=dict, compare=False, repr=False)
+    # The runner's work buffers, kept across steps (`engine.scratch`); None: fresh
+    # tensors (tests, the reference paths).
+    scratch: Any = field(default=None, compare=False, repr=False)
 
     @property
     def num_reqs(self) -> int:
@@ -268,9 +271,11 @@ def make_batch(
     state_slots: dict[str, StateSlots] | None = None,
     logits_indices: torch.Tensor | None = None,
     device: torch.device | str = "cpu",
+    scratch: Any = None,
 ) -> ForwardBatch:
     """Build a batch from ``(new_token_ids, num_computed_tokens)`` per request; its
-    tensors live on ``device`` (block tables and state slots are passed in built)."""
+    tensors live on ``device`` (block tables and state slots are passed in built;
+    ``scratch``: the runner's `engine.scratch.Scratch`)."""
     ids: list[int] = []
     positions: list[int] = []
     starts = [0]
@@ -288,4 +293,5 @@ def make_batch(
         block_tables=block_tables or {},
         state_slots=state_slots or {},
         logits_indices=logits_indices,
+        scratch=scratch,
     )

@@ -13,6 +13,7 @@ import torch
 
 from hybridkv.engine import kv_quant
 from hybridkv.engine.context import KVCache
+from hybridkv.engine.scratch import Scratch
 
 PageIndex = tuple[torch.Tensor, torch.Tensor]  # (block ids, offsets), both shape S
 
@@ -37,14 +38,24 @@ def load_kv_blocks(
     num_keys: int,
     pad_cells: PageIndex,
     dtype: torch.dtype,
+    scratch: Scratch | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """K and V of whole blocks ``blocks [R, B]`` as ``[R, num_keys, Hkv, D]`` tensors of
     ``dtype`` (``num_keys <= B * block_size``), zero at the ``pad_cells`` (row, key)
     pairs. One block copy per page instead of one per token: measured 0.4 vs 1.4 ms for
     32 rows of 320 keys (2 heads x 64, float32, one thread)."""
+    key_out = value_out = None
+    if scratch is not None:  # gather into buffers kept across steps (`engine.scratch`)
+        count = blocks.numel()
+        key_out = scratch.take("key", (count, *cache.key.shape[1:]), cache.key.dtype, blocks.device)
+        value_out = scratch.take(
+            "value", (count, *cache.value.shape[1:]), cache.value.dtype, blocks.device
+        )
     return (
-        kv_quant.load_blocks(cache.key, blocks, num_keys, pad_cells, dtype, cache.quant),
         kv_quant.load_blocks(
-            cache.value, blocks, num_keys, pad_cells, dtype, cache.quant, value=True
+            cache.key, blocks, num_keys, pad_cells, dtype, cache.quant, out=key_out
+        ),
+        kv_quant.load_blocks(
+            cache.value, blocks, num_keys, pad_cells, dtype, cache.quant, value=True, out=value_out
         ),
     )

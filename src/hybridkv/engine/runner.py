@@ -31,6 +31,7 @@ from hybridkv.cache import CacheManager
 from hybridkv.engine.block_tables import DeviceBlockTables
 from hybridkv.engine.context import BlockTable, ForwardBatch, StateSlots, WritePoint, make_batch
 from hybridkv.engine.models.common import CausalLM, HiddenStates
+from hybridkv.engine.scratch import Scratch
 from hybridkv.engine.tensors import CacheTensors, group_key
 from hybridkv.engine.tree_batch import TreeLayout
 from hybridkv.errors import EngineError
@@ -126,6 +127,7 @@ class ModelRunner:
         self.attention_groups = [g for g in mine if not g.is_state]
         self.state_groups = [g for g in mine if g.is_state]
         self.tables = DeviceBlockTables.for_plan(plan, self.device) if tables is None else tables
+        self.scratch = Scratch()  # work buffers kept across steps
 
     def build_batch(self, steps: Sequence[StepInput]) -> ForwardBatch:
         tables: dict[str, BlockTable] = {}
@@ -152,6 +154,7 @@ class ModelRunner:
             slots,
             torch.tensor(indices, dtype=torch.long, device=self.device),
             self.device,
+            self.scratch,
         )
         if any(s.parents is not None for s in steps):  # token trees (`tree_batch`)
             starts = [(s.num_computed, len(s.token_ids)) for s in steps]

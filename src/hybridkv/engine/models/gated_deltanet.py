@@ -254,6 +254,7 @@ class GatedDeltaNet:
                         g_grid[run.rows],
                         beta_grid[run.rows],
                         view,
+                        _work(batch, view),
                     )
                     for run, view in zip(part.slot_runs, ssm_views, strict=True)
                 ]
@@ -262,9 +263,10 @@ class GatedDeltaNet:
                 continue
             if grid.max_len == 1 and part.uniform_k == 1:  # decode: gathered, stored layout
                 stored = gather_state(cache.ssm, part).float().contiguous()
-                grid.unpad_into(
-                    core, delta_rule.delta_rule_decode_(q, k, v, g_grid, beta_grid, stored)
+                out = delta_rule.delta_rule_decode_(
+                    q, k, v, g_grid, beta_grid, stored, _work(batch, stored)
                 )
+                grid.unpad_into(core, out)
                 write_conv(cache.conv, part, history)
                 write_ssm_rows(cache.ssm, part, stored)
                 continue
@@ -318,3 +320,13 @@ class GatedDeltaNet:
             return out.mul_(self.norm_weight).mul_(F.silu(gate))
         out = self.norm_weight * out
         return (out * F.silu(gate.float())).to(x.dtype)
+
+
+def _work(batch: ForwardBatch, stored: torch.Tensor) -> torch.Tensor | None:
+    """The decode kernel's product buffer from the runner's scratch (None without one):
+    ``[R, H, dk, dv]``, laid out as the stored ``[R, H, dv, dk]`` state (a transposed
+    view), which is the layout a fresh product takes: the same loops, the same sums."""
+    if batch.scratch is None:
+        return None
+    shape = tuple(stored.shape)
+    return batch.scratch.take("delta_rule", shape, torch.float32, stored.device).transpose(-1, -2)
