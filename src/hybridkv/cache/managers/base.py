@@ -193,6 +193,14 @@ class GroupManager:
     def allocate(self, state: Any, c: int, n: int, lookahead: int, num_new: int) -> list[BlockId]:
         """Take exactly ``num_new`` blocks (``== num_new_blocks(state, c, n, lookahead)``,
         which the caller computed to check the pool) and lay out the step."""
+        return self.place(state, c, n, lookahead, self.pool.take_many(num_new) if num_new else [])
+
+    def place(
+        self, state: Any, c: int, n: int, lookahead: int, new: list[BlockId]
+    ) -> list[BlockId]:
+        """`allocate` with its ``num_new`` blocks already taken, in the order
+        `BlockPool.take_many` hands them out (the coordinator takes every group's blocks
+        of a step in one pool call); returns ``new``."""
         raise NotImplementedError
 
     def grow(
@@ -240,6 +248,11 @@ class GroupManager:
         return None
 
     def release_all(self, state: Any) -> None:
+        self.pool.release_many(self.detach(state))
+
+    def detach(self, state: Any) -> list[BlockId]:
+        """Empty ``state`` and return every block `release_all` releases, in its order
+        (the caller releases them: a request's groups in one pool call, under lru)."""
         raise NotImplementedError
 
     def keep_turn_end(

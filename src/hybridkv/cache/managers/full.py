@@ -251,10 +251,9 @@ class FullAttentionManager(GroupManager):
         blocks += new
         return _new_limits(GroupDelta, (start, new, None)), new
 
-    def allocate(
-        self, state: TableBlocks, c: int, n: int, lookahead: int, num_new: int
+    def place(
+        self, state: TableBlocks, c: int, n: int, lookahead: int, new: list[BlockId]
     ) -> list[BlockId]:
-        new = self.pool.take_many(num_new)
         state.blocks += new
         return new
 
@@ -340,6 +339,17 @@ class FullAttentionManager(GroupManager):
         state.blocks = []
         state.num_cached = 0
         state.first_live = 0
+
+    def detach(self, state: TableBlocks) -> list[BlockId]:
+        # `release_all`'s order: the table tail first, then a pinned copy source
+        out = state.blocks[::-1]
+        if state.copy_src:
+            out.append(state.copy_src)
+            state.copy_src, state.copy_tokens = NULL_BLOCK, 0
+        state.blocks = []
+        state.num_cached = 0
+        state.first_live = 0
+        return out
 
     def held(self, state: TableBlocks) -> list[BlockId]:
         blocks = state.blocks

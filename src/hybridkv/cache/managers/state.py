@@ -219,15 +219,14 @@ class StateManager(GroupManager):
             new = need_write + spec_slots + len(positions) - len(state.spares)
         return new
 
-    def allocate(
-        self, state: StateBlocks, c: int, n: int, lookahead: int, num_new: int
+    def place(
+        self, state: StateBlocks, c: int, n: int, lookahead: int, new: list[BlockId]
     ) -> list[BlockId]:
         memo, self._memo = self._memo, None
         if memo is not None and memo[0] is state and memo[1:4] == (c, n, lookahead):
             need_write, _, positions = memo[4]
         else:
             need_write, _, positions = self._layout(state, c, n, lookahead)
-        new = self.pool.take_many(num_new) if num_new else []
         state.spares.extend(new)
         state.write = state.spares.pop(0) if need_write else state.running
         state.ckpts = [(pos, state.spares.pop()) for pos in positions]
@@ -344,12 +343,13 @@ class StateManager(GroupManager):
         self.counters.checkpoints_stored += 1
         return True
 
-    def release_all(self, state: StateBlocks) -> None:
-        self.pool.release_many(self.held(state)[::-1])
+    def detach(self, state: StateBlocks) -> list[BlockId]:
+        out = self.held(state)[::-1]
         state.running = state.write = None
         state.spares = []
         state.ckpts = []
         state.junction = 0
+        return out
 
     def held(self, state: StateBlocks) -> list[BlockId]:
         out = [] if state.running is None else [state.running]
