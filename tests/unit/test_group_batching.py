@@ -12,6 +12,7 @@ import random
 import pytest
 
 from hybridkv.cache import CacheManager
+from hybridkv.cache.managers import UNBOUNDED, FastLimits
 from hybridkv.cache.toy import ToyGroup, toy_plan
 
 GROUPS = [
@@ -96,3 +97,29 @@ def test_a_tight_pool_evicts_the_same_blocks_either_way() -> None:
     per_group = _manager("lru", one_pool=False, num_blocks=40)
     assert _replay(bulk, 5) == _replay(per_group, 5)
     assert bulk.stats().num_evictions > 0
+
+
+def test_fast_bounds_are_fast_limits_with_unbounded_for_none() -> None:
+    """Full attention B 4 holding 3 blocks, 2 cached (c = 10): the table ends at 12 and
+    the third block fills at 12; no bound on verified tokens or drafts. The state group
+    (interval 4, 3 spec states) after the same steps: its boundary at 12 bounds verified
+    tokens and, written in place, the commit; it holds all 3 spec slots (sticky spares),
+    so drafts are not bounded."""
+    cm = CacheManager(toy_plan([ToyGroup("full", 4), ToyGroup("state", 4)], num_spec_tokens=3))
+    cm.add_request("a", list(range(1, 10)))
+    cm.lookup("a")
+    cm.allocate("a", 9)
+    cm.commit("a", 0, [10])
+    cm.allocate("a", 1, 1)
+    cm.commit("a", 0, [11])  # c = 10
+    r = cm._requests["a"]
+    full, state = cm._managers
+    assert full.fast_limits(r.states[0], 10) == FastLimits(12, None, None, 12)
+    assert full.fast_bounds(r.states[0], 10) == (12, UNBOUNDED, UNBOUNDED, 12)
+    limits = state.fast_limits(r.states[1], 10)
+    assert limits == FastLimits(None, 12, None, 12)
+    assert state.fast_bounds(r.states[1], 10) == tuple(
+        UNBOUNDED if x is None else x for x in limits
+    )
+    assert (r.fast_end, r.fast_verified, r.commit_below) == (12, 12, 12)
+    cm.check_invariants()

@@ -69,6 +69,12 @@ class FastLimits(NamedTuple):
 
 NO_GROWTH: tuple[None, tuple[BlockId, ...]] = (None, ())
 
+# "No bound" in `GroupManager.fast_bounds` (a `FastLimits` field of None): above any
+# token count (< 2^63 by the validators' bound, sums of a few stay below 2^64), so that
+# the request record takes minima and compares plain ints.
+UNBOUNDED = 1 << 62
+Bounds = tuple[int, int, int, int]  # `FastLimits` as ints, None -> UNBOUNDED
+
 
 class Counters:
     """Mutable statistics shared by the managers and the facade."""
@@ -276,6 +282,11 @@ class GroupManager:
 
     def fast_limits(self, state: Any, c: int) -> FastLimits:
         """This group's bounds on the fast path for ``state`` at ``c`` computed tokens."""
+        return FastLimits(*(None if x == UNBOUNDED else x for x in self.fast_bounds(state, c)))
+
+    def fast_bounds(self, state: Any, c: int) -> Bounds:
+        """`fast_limits` as a plain tuple of ints (``UNBOUNDED`` for None): what the
+        request record caches after every slow step (no named tuple, no None tests)."""
         raise NotImplementedError
 
     def slots(self, state: Any, c: int, n: int, lookahead: int) -> StepSlots:

@@ -59,12 +59,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from hybridkv.cache.managers.base import FastLimits, GroupManager, StepSlots
+from hybridkv.cache.managers.base import UNBOUNDED, Bounds, GroupManager, StepSlots
 from hybridkv.cache.turn_end import find_turn_end, store_turn_end
 from hybridkv.errors import InvariantError
 from hybridkv.ids import BlockId
-
-_new_limits = tuple.__new__
 
 
 @dataclass
@@ -359,28 +357,26 @@ class StateManager(GroupManager):
         out += [block for _, block in state.ckpts]
         return out
 
-    def fast_limits(self, state: StateBlocks, c: int) -> FastLimits:
+    def fast_bounds(self, state: StateBlocks, c: int) -> Bounds:
         # Allocate: a private running block is written in place (any n), a cached one
         # (or none yet) needs a write block for any step past c; drafts need spares;
         # a step reaching the next boundary may need a checkpoint block.
         # Commit: `settle_fast` only swaps running and a spec slot, so the step must
         # have written in place, and stop before the boundary (which gets cached).
-        boundary = (c // self.block_size + 1) * self.block_size if self.checkpoints else None
-        if boundary is not None and c < state.junction < boundary:
-            boundary = state.junction  # turn_end: a junction inside the interval
-        spares = len(state.spares)
-        in_place = state.write == state.running and not state.ckpts
+        # end, verified, lookahead, commit_below
+        if self.checkpoints:
+            boundary = (c // self.block_size + 1) * self.block_size
+            if c < state.junction < boundary:
+                boundary = state.junction  # turn_end: a junction inside the interval
+        else:
+            boundary = UNBOUNDED
         running = state.running
-        private = running is not None and running not in self.pool.hashes  # _running_private
-        # end, verified, lookahead, commit_below (tuple.__new__: see `FullAttentionManager`)
-        return _new_limits(
-            FastLimits,
-            (
-                None if private else c,
-                boundary,
-                None if spares >= self.num_spec_states else spares,
-                (boundary if in_place else c) if c > 0 else 0,
-            ),
+        spares = len(state.spares)
+        return (
+            UNBOUNDED if running is not None and running not in self.pool.hashes else c,
+            boundary,
+            UNBOUNDED if spares >= self.num_spec_states else spares,
+            0 if not c else boundary if state.write == running and not state.ckpts else c,
         )
 
     def check_state(self, state: StateBlocks, c: int) -> None:
