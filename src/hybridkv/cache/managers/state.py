@@ -249,32 +249,44 @@ class StateManager(GroupManager):
         if self._settles_in_place(state, c, n, c2):
             self.settle_fast(state, accepted)
             return None
-        produced: list[tuple[int, BlockId]] = [(c + n, state.write)]
-        produced += [(c + n + 1 + i, state.spares[i]) for i in range(num_spec)]
+        write, old_spares = state.write, state.spares
+        produced: list[tuple[int, BlockId]] = [(c + n, write)]
+        produced += zip(range(c + n + 1, c + n + 1 + num_spec), old_spares[:num_spec])
         produced += state.ckpts
         new_running = produced[accepted][1]
         spares: list[BlockId] = []
         junction = state.junction if self.turn_end else 0
+        B = self.block_size
         for pos, block in produced:
             if block == new_running:
                 continue
-            if pos <= c2 and self._store_checkpoint(block, pos, hashes, tokens, pos == junction):
+            # only a boundary (or the junction) is stored: skip the call for the others
+            if (
+                pos <= c2
+                and (not pos % B or pos == junction)
+                and self._store_checkpoint(block, pos, hashes, tokens, pos == junction)
+            ):
                 self.pool.release(block)  # stays in the cache as evictable
             else:
                 spares.append(block)
         old = state.running
-        if old is not None and old != state.write:
+        if old is not None and old != write:
             self.pool.release(old)  # a read-only checkpoint this step started from
-        self._store_checkpoint(new_running, c2, hashes, tokens, c2 == junction)
+        if not c2 % B or c2 == junction:
+            self._store_checkpoint(new_running, c2, hashes, tokens, c2 == junction)
         state.running = new_running
-        state.write = new_running if not self.pool.is_cached(new_running) else None
-        state.spares = spares + state.spares[num_spec:]
+        state.write = None if new_running in self.pool.hashes else new_running
+        spares += old_spares[num_spec:]
+        state.spares = spares
         state.ckpts = []
         if state.junction and c2 >= state.junction:
             state.junction = 0
         # duplicates of cached checkpoints come back as spares: keep only the budget
-        while state.spares and len(self.held(state)) > self.budget_blocks:
-            self.pool.release(state.spares.pop())
+        # (`held` is now the running block and the spares)
+        excess = 1 + len(spares) - self.budget_blocks
+        while spares and excess > 0:
+            self.pool.release(spares.pop())
+            excess -= 1
         return None
 
     def settle_fast(self, state: StateBlocks, accepted: int) -> None:
