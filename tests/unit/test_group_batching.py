@@ -12,8 +12,11 @@ import random
 import pytest
 
 from hybridkv.cache import CacheManager
+from hybridkv.cache.block import NULL_BLOCK
+from hybridkv.cache.block_pool import BlockPool
 from hybridkv.cache.managers import UNBOUNDED, FastLimits
 from hybridkv.cache.toy import ToyGroup, toy_plan
+from hybridkv.plan.types import PoolPlan
 
 GROUPS = [
     ToyGroup("full", 4),
@@ -123,3 +126,34 @@ def test_fast_bounds_are_fast_limits_with_unbounded_for_none() -> None:
     )
     assert (r.fast_end, r.fast_verified, r.commit_below) == (12, 12, 12)
     cm.check_invariants()
+
+
+@pytest.mark.parametrize("case", ["fresh", "one_cached", "null", "key_taken", "one_block"])
+def test_cache_table_in_one_update_equals_the_loop(case: str) -> None:
+    """`BlockPool.cache_table` without events stores a prefill chunk's blocks with one
+    dict update per index; with events (or a null, cached or duplicate entry in the
+    range, or a short range) it takes the per-block loop. Both leave the pool exactly
+    alike: blocks 2..9 of table [1..10] (B 4, unit 2) under the chain hashes at their
+    ends (block j + 1 of the table ends at 4(j + 1), key hashes[2(j + 1) - 1])."""
+    plan_ = PoolPlan(pool_id=0, page_bytes=1, num_pages=16, num_tensors=1, group_ids=(0,))
+    hashes = [bytes([i]) for i in range(24)]
+    pools = [BlockPool(plan_, None), BlockPool(plan_, [])]  # bulk, loop (events on)
+    first, last = (1, 2) if case == "one_block" else (1, 9)
+    for pool in pools:
+        table = [pool.take() for _ in range(10)]  # [1..10]
+        if case == "one_cached":
+            pool.cache(table[9], 0, b"other", 40)
+            pool.cache(table[2], 0, b"another", 12)
+        if case == "null":
+            table[1] = NULL_BLOCK
+        if case == "key_taken":
+            pool.cache(table[9], 0, hashes[5], 40)  # the key of table[2] (end 12)
+        pool.cache_table(0, table, first, last, hashes, 2, 4)
+    bulk, loop = pools
+    assert bulk.index == loop.index and bulk.hashes == loop.hashes
+    assert list(bulk.hash_group) == list(loop.hash_group)
+    assert list(bulk.hash_end) == list(loop.hash_end)
+    assert bulk.num_stored == loop.num_stored
+    if case == "fresh":
+        assert bulk.index[0] == {hashes[2 * (j + 1) - 1]: j + 1 for j in range(1, 9)}
+        assert [bulk.hash_end[b] for b in range(2, 10)] == [8, 12, 16, 20, 24, 28, 32, 36]

@@ -201,18 +201,18 @@ class Coordinator:
         pending = self.pools[0].take_many(total) if total else []
         start = 0
         for g, count in zip(todo, counts, strict=True):
-            if not count and not managers[g].is_state:
-                continue  # a table that needs no block: nothing to lay out
             manager = managers[g]
+            if not count and not manager.is_state:
+                continue  # a table that needs no block: nothing to lay out
             if self._one_pool:
                 new = manager.place(states[g], c, n, lookahead, pending[start : start + count])
                 start += count
             else:
                 new = manager.allocate(states[g], c, n, lookahead, count)
             if new:
-                taken[g] = tuple(new)
-                if not touch:
-                    delta = manager.delta(states[g], new, False)
+                ids = taken[g] = tuple(new)
+                if not touch and not manager.is_state:  # state groups: slots, no delta
+                    delta = manager.delta(states[g], ids, False)
                     if delta is not None:
                         deltas[g] = delta
         if touch:

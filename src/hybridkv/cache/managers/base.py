@@ -247,7 +247,7 @@ class GroupManager:
         """`settle_fast` for the states of several groups of this kind at once (one
         call per request and kind on the fast path; the rule must not need ``self``)."""
 
-    def delta(self, state: Any, new_blocks: list[BlockId], whole: bool) -> GroupDelta | None:
+    def delta(self, state: Any, new_blocks: Sequence[BlockId], whole: bool) -> GroupDelta | None:
         """What an engine's persistent table of this group must apply after `allocate`
         took ``new_blocks`` (``whole``: the request was just admitted). None: nothing
         (state groups hand out slots, see `StateManager.slots`)."""

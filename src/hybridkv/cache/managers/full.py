@@ -257,7 +257,7 @@ class FullAttentionManager(GroupManager):
         state.blocks += new
         return new
 
-    def delta(self, state: TableBlocks, new_blocks: list[BlockId], whole: bool) -> GroupDelta:
+    def delta(self, state: TableBlocks, new_blocks: Sequence[BlockId], whole: bool) -> GroupDelta:
         # GroupDelta(start, new_blocks, None), built the cheap way (`_new_limits`)
         if whole:
             return _new_limits(GroupDelta, (0, tuple(state.blocks), None))

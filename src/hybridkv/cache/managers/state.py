@@ -251,7 +251,8 @@ class StateManager(GroupManager):
             return None
         write, old_spares = state.write, state.spares
         produced: list[tuple[int, BlockId]] = [(c + n, write)]
-        produced += zip(range(c + n + 1, c + n + 1 + num_spec), old_spares[:num_spec])
+        spec = range(c + n + 1, c + n + 1 + num_spec)
+        produced += zip(spec, old_spares[:num_spec], strict=True)  # S spares once drafted
         produced += state.ckpts
         new_running = produced[accepted][1]
         spares: list[BlockId] = []
