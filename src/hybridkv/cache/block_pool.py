@@ -33,6 +33,10 @@ from hybridkv.errors import InvariantError
 from hybridkv.ids import BlockId
 from hybridkv.plan.types import PoolPlan
 
+# From this many blocks, `cache_table`'s C-speed checks and dict updates cost less than
+# its per-block loop (a prefill chunk of full attention; a few blocks of 304 do not pay)
+_BULK_CACHE = 8
+
 
 class BlockPool:
     """Reference counts, free queue and per-group hash indexes of one pool."""
@@ -239,6 +243,29 @@ class BlockPool:
         blocks), skipping null blocks and blocks already cached; in one loop."""
         index, own, events = self.index[group_id], self.hashes, self.events
         hash_group, hash_end = self.hash_group, self.hash_end
+        if events is None and last - first >= _BULK_CACHE:
+            # A prefill chunk's blocks, the common case: none null, none cached, no key
+            # in the index yet (checked at C speed). The loop below would store every
+            # one; the dicts take them in one update each (chain keys of distinct
+            # positions are distinct, so no key repeats), and only the arrays need a loop
+            table = blocks[first:last]
+            step = units_per_block
+            keys = hashes[(first + 1) * step - 1 : last * step : step]
+            if (
+                len(keys) == len(table)
+                and NULL_BLOCK not in table
+                and not any(map(own.__contains__, table))
+                and not any(map(index.__contains__, keys))
+            ):
+                index.update(zip(keys, table, strict=False))  # lengths checked above
+                own.update(zip(table, keys, strict=False))
+                end = first * block_size
+                for block in table:
+                    end += block_size
+                    hash_group[block] = group_id
+                    hash_end[block] = end
+                self.num_stored += len(table)
+                return
         stored = 0
         for j in range(first, last):
             block = blocks[j]

@@ -194,15 +194,25 @@ class Coordinator:
                     manager.adopt(state)
         deltas: dict[int, GroupDelta] = {}
         taken: dict[int, tuple[BlockId, ...]] = {}
+        # One pool: every group's blocks in one `take_many`, sliced in group order (the
+        # same blocks, order and evictions as one call per group; the counts were
+        # computed before any take, and no take can evict a block a group holds)
+        total = sum(counts) if self._one_pool else 0
+        pending = self.pools[0].take_many(total) if total else []
+        start = 0
         for g, count in zip(todo, counts, strict=True):
-            if not count and not managers[g].is_state:
-                continue  # a table that needs no block: nothing to lay out
             manager = managers[g]
-            new = manager.allocate(states[g], c, n, lookahead, count)
+            if not count and not manager.is_state:
+                continue  # a table that needs no block: nothing to lay out
+            if self._one_pool:
+                new = manager.place(states[g], c, n, lookahead, pending[start : start + count])
+                start += count
+            else:
+                new = manager.allocate(states[g], c, n, lookahead, count)
             if new:
-                taken[g] = tuple(new)
-                if not touch:
-                    delta = manager.delta(states[g], new, False)
+                ids = taken[g] = tuple(new)
+                if not touch and not manager.is_state:  # state groups: slots, no delta
+                    delta = manager.delta(states[g], ids, False)
                     if delta is not None:
                         deltas[g] = delta
         if touch:
@@ -257,5 +267,15 @@ class Coordinator:
     def release_all(self, states: list[Any]) -> None:
         # Groups in reverse so that, in a shared pool, the first group's blocks are
         # freed last and thus evicted last.
-        for manager, state in zip(reversed(self.managers), reversed(states), strict=True):
+        managers = self.managers
+        if self._one_pool and len(managers) > 1 and not self.pools[0].free.chain:
+            # lru: one `release_many` of every group's blocks in that order releases
+            # exactly as one per group (cached ones linked in order, fresh ones stacked
+            # in order); chain counts a tick of its loop clock per call, so it keeps them
+            blocks: list[BlockId] = []
+            for manager, state in zip(reversed(managers), reversed(states), strict=True):
+                blocks += manager.detach(state)
+            self.pools[0].release_many(blocks)
+            return
+        for manager, state in zip(reversed(managers), reversed(states), strict=True):
             manager.release_all(state)

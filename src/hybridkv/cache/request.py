@@ -2,7 +2,7 @@
 
 Besides tokens, chain hashes and one state per group, a running request keeps each
 group's `FastLimits` (what that group's manager says a step may do without its slow
-path) and their minimum over groups::
+path), as the plain ints of `GroupManager.fast_bounds`, and their minimum over groups::
 
     allocate(n, L) needs no block in any group while   c + n + L <= min end_tokens
                                                        c + n     <= min verified_tokens
@@ -33,17 +33,10 @@ from array import array
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from hybridkv.cache.managers import FastLimits, GroupManager
+from hybridkv.cache.managers import Bounds, GroupManager
 from hybridkv.errors import InvariantError
 
-# Internal encoding of "no bound" (a `FastLimits` field of None) in the cached minima,
-# so that the fast path compares plain ints. Never leaves this module.
-_UNBOUNDED = 1 << 62
-_NO_FAST = FastLimits(end_tokens=0, verified_tokens=0, lookahead_tokens=0, commit_below=0)
-
-
-def _num(value: int | None) -> int:
-    return _UNBOUNDED if value is None else value
+_NO_FAST: Bounds = (0, 0, 0, 0)
 
 
 class RequestRecord:
@@ -96,7 +89,7 @@ class RequestRecord:
         self.pending_states: tuple[int, list[Any]] | None = None
         # per group: table positions [lo, hi) nulled since the last delta handed out
         self.nulled: dict[int, tuple[int, int]] | None = None
-        self.limits: list[FastLimits] = []
+        self.limits: list[Bounds] = []
         self.clear_limits()
 
     # ------------------------------------------------------------------ fast path
@@ -123,12 +116,13 @@ class RequestRecord:
     def clear_limits(self) -> None:
         """No fast path (no blocks held)."""
         self.fast_end = self.fast_verified = self.fast_lookahead = self.commit_below = 0
+        # per group: `GroupManager.fast_bounds` (ints, `UNBOUNDED` for no bound), and
+        # the same values per kind of bound, for C-speed minima
         self.limits = []
-        # the limits as ints, per group (None -> _UNBOUNDED), for C-speed minima
-        self.end_limits: list[int] = []
-        self.verified_limits: list[int] = []
-        self.lookahead_limits: list[int] = []
-        self.commit_limits: list[int] = []
+        self.end_limits: tuple[int, ...] = ()
+        self.verified_limits: tuple[int, ...] = ()
+        self.lookahead_limits: tuple[int, ...] = ()
+        self.commit_limits: tuple[int, ...] = ()
 
     def start(self, managers: Sequence[GroupManager], states: list[Any]) -> None:
         """Hold ``states`` (one per group), as the first allocate after a lookup does."""
@@ -139,33 +133,20 @@ class RequestRecord:
             if m.moves_on_fast_commit:
                 by_kind.setdefault(type(m), []).append(s)
         self.settlers = [(kind.settle_fast_all, group) for kind, group in by_kind.items()]
-        num = len(managers)
-        self.limits = [_NO_FAST] * num
-        self.end_limits = [0] * num
-        self.verified_limits = [0] * num
-        self.lookahead_limits = [0] * num
-        self.commit_limits = [0] * num
+        self.limits = [_NO_FAST] * len(managers)
 
     def refresh_limits(self, managers: Sequence[GroupManager], groups: Sequence[int]) -> None:
         """Recompute the limits of ``groups`` (indexes into ``managers``), then the minimum."""
         limits, c, states = self.limits, self.num_computed, self.states
-        if len(limits) == 1:  # one group: its limits are the minimum (no per-group ints)
-            x = limits[0] = managers[0].fast_limits(states[0], c)
-            end, ver, spec, below = x
-            self.fast_end = _UNBOUNDED if end is None else end
-            self.fast_verified = _UNBOUNDED if ver is None else ver
-            self.fast_lookahead = _UNBOUNDED if spec is None else spec
-            self.commit_below = _UNBOUNDED if below is None else below
+        if len(limits) == 1:  # one group: its limits are the minimum (no per-kind tuples)
+            x = limits[0] = managers[0].fast_bounds(states[0], c)
+            self.fast_end, self.fast_verified, self.fast_lookahead, self.commit_below = x
             return
-        ends, verified = self.end_limits, self.verified_limits
-        lookahead, commit = self.lookahead_limits, self.commit_limits
         for g in groups:
-            x = limits[g] = managers[g].fast_limits(states[g], c)
-            end, ver, spec, below = x
-            ends[g] = _UNBOUNDED if end is None else end
-            verified[g] = _UNBOUNDED if ver is None else ver
-            lookahead[g] = _UNBOUNDED if spec is None else spec
-            commit[g] = _UNBOUNDED if below is None else below
+            limits[g] = managers[g].fast_bounds(states[g], c)
+        ends, verified, lookahead, commit = zip(*limits, strict=True)
+        self.end_limits, self.verified_limits = ends, verified
+        self.lookahead_limits, self.commit_limits = lookahead, commit
         self.fast_end, self.fast_verified = min(ends), min(verified)
         self.fast_lookahead, self.commit_below = min(lookahead), min(commit)
 
@@ -183,18 +164,18 @@ class RequestRecord:
                 raise InvariantError(f"request {self.req_id!r} holds no blocks but has limits")
             return
         for g, (manager, cached) in enumerate(zip(managers, self.limits, strict=True)):
-            fresh = manager.fast_limits(self.states[g], self.num_computed)
+            fresh = manager.fast_bounds(self.states[g], self.num_computed)
             if fresh != cached:
                 raise InvariantError(
                     f"request {self.req_id!r} group {g}: cached fast limits {cached} but the "
                     f"manager says {fresh} at {self.num_computed} computed tokens"
                 )
-        as_ints = [[_num(x[i]) for x in self.limits] for i in range(4)]
-        minima = [min(values) for values in as_ints]
+        per_kind = [tuple(x[i] for x in self.limits) for i in range(4)]
+        minima = [min(values) for values in per_kind]
         if self.nulled is not None:
             minima[0] = 0  # a delta is owed: the next allocate takes the slow path
         stored = [self.end_limits, self.verified_limits, self.lookahead_limits, self.commit_limits]
-        if (len(self.limits) > 1 and as_ints != stored) or tuple(minima) != (
+        if (len(self.limits) > 1 and per_kind != stored) or tuple(minima) != (
             self.fast_end,
             self.fast_verified,
             self.fast_lookahead,

@@ -309,7 +309,12 @@ class StepPaths(CacheViews):
         tokens = r.tokens
         if self.caching and (len(r.hashes) + 1) * self._unit <= c2:  # a unit to hash
             self.coordinator.hasher.extend(r.hashes, r.root, tokens, c2)
-        groups = r.groups_to_commit(c2, self._is_state_group)
+        # one group: the failed fast commit says it has work (`groups_to_commit`)
+        groups = (
+            self._all_groups
+            if len(self._is_state_group) == 1
+            else r.groups_to_commit(c2, self._is_state_group)
+        )
         hot = self._track_hot and r.req_id in self._hit_requests
         if hot:
             self._set_hot(True)

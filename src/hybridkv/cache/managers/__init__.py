@@ -5,7 +5,7 @@ Adding a layer kind is one spec class, one manager class and one row here.
 
 from __future__ import annotations
 
-from hybridkv.cache.managers.base import Counters, FastLimits, GroupManager
+from hybridkv.cache.managers.base import UNBOUNDED, Bounds, Counters, FastLimits, GroupManager
 from hybridkv.cache.managers.chunked import ChunkedLocalManager
 from hybridkv.cache.managers.full import FullAttentionManager, TableBlocks
 from hybridkv.cache.managers.sliding import SlidingWindowManager
@@ -22,6 +22,8 @@ MANAGER_TABLE: dict[str, type[GroupManager]] = {
 
 __all__ = [
     "MANAGER_TABLE",
+    "UNBOUNDED",
+    "Bounds",
     "ChunkedLocalManager",
     "Counters",
     "FastLimits",

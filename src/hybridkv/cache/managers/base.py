@@ -69,6 +69,12 @@ class FastLimits(NamedTuple):
 
 NO_GROWTH: tuple[None, tuple[BlockId, ...]] = (None, ())
 
+# "No bound" in `GroupManager.fast_bounds` (a `FastLimits` field of None): above any
+# token count (< 2^63 by the validators' bound, sums of a few stay below 2^64), so that
+# the request record takes minima and compares plain ints.
+UNBOUNDED = 1 << 62
+Bounds = tuple[int, int, int, int]  # `FastLimits` as ints, None -> UNBOUNDED
+
 
 class Counters:
     """Mutable statistics shared by the managers and the facade."""
@@ -193,6 +199,14 @@ class GroupManager:
     def allocate(self, state: Any, c: int, n: int, lookahead: int, num_new: int) -> list[BlockId]:
         """Take exactly ``num_new`` blocks (``== num_new_blocks(state, c, n, lookahead)``,
         which the caller computed to check the pool) and lay out the step."""
+        return self.place(state, c, n, lookahead, self.pool.take_many(num_new) if num_new else [])
+
+    def place(
+        self, state: Any, c: int, n: int, lookahead: int, new: list[BlockId]
+    ) -> list[BlockId]:
+        """`allocate` with its ``num_new`` blocks already taken, in the order
+        `BlockPool.take_many` hands them out (the coordinator takes every group's blocks
+        of a step in one pool call); returns ``new``."""
         raise NotImplementedError
 
     def grow(
@@ -233,13 +247,18 @@ class GroupManager:
         """`settle_fast` for the states of several groups of this kind at once (one
         call per request and kind on the fast path; the rule must not need ``self``)."""
 
-    def delta(self, state: Any, new_blocks: list[BlockId], whole: bool) -> GroupDelta | None:
+    def delta(self, state: Any, new_blocks: Sequence[BlockId], whole: bool) -> GroupDelta | None:
         """What an engine's persistent table of this group must apply after `allocate`
         took ``new_blocks`` (``whole``: the request was just admitted). None: nothing
         (state groups hand out slots, see `StateManager.slots`)."""
         return None
 
     def release_all(self, state: Any) -> None:
+        self.pool.release_many(self.detach(state))
+
+    def detach(self, state: Any) -> list[BlockId]:
+        """Empty ``state`` and return every block `release_all` releases, in its order
+        (the caller releases them: a request's groups in one pool call, under lru)."""
         raise NotImplementedError
 
     def keep_turn_end(
@@ -263,6 +282,11 @@ class GroupManager:
 
     def fast_limits(self, state: Any, c: int) -> FastLimits:
         """This group's bounds on the fast path for ``state`` at ``c`` computed tokens."""
+        return FastLimits(*(None if x == UNBOUNDED else x for x in self.fast_bounds(state, c)))
+
+    def fast_bounds(self, state: Any, c: int) -> Bounds:
+        """`fast_limits` as a plain tuple of ints (``UNBOUNDED`` for None): what the
+        request record caches after every slow step (no named tuple, no None tests)."""
         raise NotImplementedError
 
     def slots(self, state: Any, c: int, n: int, lookahead: int) -> StepSlots:

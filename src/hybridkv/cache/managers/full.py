@@ -21,7 +21,7 @@ from typing import ClassVar
 from hybridkv.cache.block import NULL_BLOCK
 from hybridkv.cache.delta import GroupDelta
 from hybridkv.cache.junction import find_partial, is_copy_source, note_children
-from hybridkv.cache.managers.base import NO_GROWTH, FastLimits, GroupManager
+from hybridkv.cache.managers.base import NO_GROWTH, UNBOUNDED, Bounds, GroupManager
 from hybridkv.cache.turn_end import find_turn_end, store_turn_end
 from hybridkv.errors import InvariantError
 from hybridkv.ids import BlockId
@@ -251,14 +251,13 @@ class FullAttentionManager(GroupManager):
         blocks += new
         return _new_limits(GroupDelta, (start, new, None)), new
 
-    def allocate(
-        self, state: TableBlocks, c: int, n: int, lookahead: int, num_new: int
+    def place(
+        self, state: TableBlocks, c: int, n: int, lookahead: int, new: list[BlockId]
     ) -> list[BlockId]:
-        new = self.pool.take_many(num_new)
         state.blocks += new
         return new
 
-    def delta(self, state: TableBlocks, new_blocks: list[BlockId], whole: bool) -> GroupDelta:
+    def delta(self, state: TableBlocks, new_blocks: Sequence[BlockId], whole: bool) -> GroupDelta:
         # GroupDelta(start, new_blocks, None), built the cheap way (`_new_limits`)
         if whole:
             return _new_limits(GroupDelta, (0, tuple(state.blocks), None))
@@ -341,6 +340,17 @@ class FullAttentionManager(GroupManager):
         state.num_cached = 0
         state.first_live = 0
 
+    def detach(self, state: TableBlocks) -> list[BlockId]:
+        # `release_all`'s order: the table tail first, then a pinned copy source
+        out = state.blocks[::-1]
+        if state.copy_src:
+            out.append(state.copy_src)
+            state.copy_src, state.copy_tokens = NULL_BLOCK, 0
+        state.blocks = []
+        state.num_cached = 0
+        state.first_live = 0
+        return out
+
     def held(self, state: TableBlocks) -> list[BlockId]:
         blocks = state.blocks
         held = [b for b in blocks if b != NULL_BLOCK] if NULL_BLOCK in blocks else blocks[:]
@@ -355,26 +365,22 @@ class FullAttentionManager(GroupManager):
             return None
         return state.copy_src, state.blocks[k], state.copy_tokens
 
-    def fast_limits(self, state: TableBlocks, c: int) -> FastLimits:
+    def fast_bounds(self, state: TableBlocks, c: int) -> Bounds:
         # Allocate: the table's slots. Commit: the next block to fill (to cache it) and
         # the next position where a block leaves the window (to release it); 0 while a
         # junction copy's source is pinned (the next commit unpins it: slow path).
-        # end_tokens, verified_tokens, lookahead_tokens, commit_below (tuple.__new__:
-        # a third of the named tuple's own constructor, on every slow step)
+        # end_tokens, verified_tokens, lookahead_tokens, commit_below
         B = self.block_size
         end = len(state.blocks) * B
-        if not self.releases:  # full attention: no window arithmetic
-            if state.copy_src:
-                return _new_limits(FastLimits, (end, None, None, 0))
-            return _new_limits(
-                FastLimits, (end, None, None, (state.num_cached + 1) * B if self.caching else None)
-            )
-        fill = (state.num_cached + 1) * B if self.caching else None
-        release = self.next_release(state.first_live)
-        commit_below = release if fill is None else fill if release is None else min(fill, release)
         if state.copy_src:
-            commit_below = 0
-        return _new_limits(FastLimits, (end, None, None, commit_below))
+            return end, UNBOUNDED, UNBOUNDED, 0
+        fill = (state.num_cached + 1) * B if self.caching else UNBOUNDED
+        if not self.releases:  # full attention: no window arithmetic
+            return end, UNBOUNDED, UNBOUNDED, fill
+        release = self.next_release(state.first_live)
+        if release is not None and release < fill:
+            fill = release
+        return end, UNBOUNDED, UNBOUNDED, fill
 
     def check_state(self, state: TableBlocks, c: int) -> None:
         for j, block in enumerate(state.blocks):

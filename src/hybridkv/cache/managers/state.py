@@ -59,12 +59,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from hybridkv.cache.managers.base import FastLimits, GroupManager, StepSlots
+from hybridkv.cache.managers.base import UNBOUNDED, Bounds, GroupManager, StepSlots
 from hybridkv.cache.turn_end import find_turn_end, store_turn_end
 from hybridkv.errors import InvariantError
 from hybridkv.ids import BlockId
-
-_new_limits = tuple.__new__
 
 
 @dataclass
@@ -219,15 +217,14 @@ class StateManager(GroupManager):
             new = need_write + spec_slots + len(positions) - len(state.spares)
         return new
 
-    def allocate(
-        self, state: StateBlocks, c: int, n: int, lookahead: int, num_new: int
+    def place(
+        self, state: StateBlocks, c: int, n: int, lookahead: int, new: list[BlockId]
     ) -> list[BlockId]:
         memo, self._memo = self._memo, None
         if memo is not None and memo[0] is state and memo[1:4] == (c, n, lookahead):
             need_write, _, positions = memo[4]
         else:
             need_write, _, positions = self._layout(state, c, n, lookahead)
-        new = self.pool.take_many(num_new) if num_new else []
         state.spares.extend(new)
         state.write = state.spares.pop(0) if need_write else state.running
         state.ckpts = [(pos, state.spares.pop()) for pos in positions]
@@ -252,32 +249,45 @@ class StateManager(GroupManager):
         if self._settles_in_place(state, c, n, c2):
             self.settle_fast(state, accepted)
             return None
-        produced: list[tuple[int, BlockId]] = [(c + n, state.write)]
-        produced += [(c + n + 1 + i, state.spares[i]) for i in range(num_spec)]
+        write, old_spares = state.write, state.spares
+        produced: list[tuple[int, BlockId]] = [(c + n, write)]
+        spec = range(c + n + 1, c + n + 1 + num_spec)
+        produced += zip(spec, old_spares[:num_spec], strict=True)  # S spares once drafted
         produced += state.ckpts
         new_running = produced[accepted][1]
         spares: list[BlockId] = []
         junction = state.junction if self.turn_end else 0
+        B = self.block_size
         for pos, block in produced:
             if block == new_running:
                 continue
-            if pos <= c2 and self._store_checkpoint(block, pos, hashes, tokens, pos == junction):
+            # only a boundary (or the junction) is stored: skip the call for the others
+            if (
+                pos <= c2
+                and (not pos % B or pos == junction)
+                and self._store_checkpoint(block, pos, hashes, tokens, pos == junction)
+            ):
                 self.pool.release(block)  # stays in the cache as evictable
             else:
                 spares.append(block)
         old = state.running
-        if old is not None and old != state.write:
+        if old is not None and old != write:
             self.pool.release(old)  # a read-only checkpoint this step started from
-        self._store_checkpoint(new_running, c2, hashes, tokens, c2 == junction)
+        if not c2 % B or c2 == junction:
+            self._store_checkpoint(new_running, c2, hashes, tokens, c2 == junction)
         state.running = new_running
-        state.write = new_running if not self.pool.is_cached(new_running) else None
-        state.spares = spares + state.spares[num_spec:]
+        state.write = None if new_running in self.pool.hashes else new_running
+        spares += old_spares[num_spec:]
+        state.spares = spares
         state.ckpts = []
         if state.junction and c2 >= state.junction:
             state.junction = 0
         # duplicates of cached checkpoints come back as spares: keep only the budget
-        while state.spares and len(self.held(state)) > self.budget_blocks:
-            self.pool.release(state.spares.pop())
+        # (`held` is now the running block and the spares)
+        excess = 1 + len(spares) - self.budget_blocks
+        while spares and excess > 0:
+            self.pool.release(spares.pop())
+            excess -= 1
         return None
 
     def settle_fast(self, state: StateBlocks, accepted: int) -> None:
@@ -344,12 +354,13 @@ class StateManager(GroupManager):
         self.counters.checkpoints_stored += 1
         return True
 
-    def release_all(self, state: StateBlocks) -> None:
-        self.pool.release_many(self.held(state)[::-1])
+    def detach(self, state: StateBlocks) -> list[BlockId]:
+        out = self.held(state)[::-1]
         state.running = state.write = None
         state.spares = []
         state.ckpts = []
         state.junction = 0
+        return out
 
     def held(self, state: StateBlocks) -> list[BlockId]:
         out = [] if state.running is None else [state.running]
@@ -359,28 +370,26 @@ class StateManager(GroupManager):
         out += [block for _, block in state.ckpts]
         return out
 
-    def fast_limits(self, state: StateBlocks, c: int) -> FastLimits:
+    def fast_bounds(self, state: StateBlocks, c: int) -> Bounds:
         # Allocate: a private running block is written in place (any n), a cached one
         # (or none yet) needs a write block for any step past c; drafts need spares;
         # a step reaching the next boundary may need a checkpoint block.
         # Commit: `settle_fast` only swaps running and a spec slot, so the step must
         # have written in place, and stop before the boundary (which gets cached).
-        boundary = (c // self.block_size + 1) * self.block_size if self.checkpoints else None
-        if boundary is not None and c < state.junction < boundary:
-            boundary = state.junction  # turn_end: a junction inside the interval
-        spares = len(state.spares)
-        in_place = state.write == state.running and not state.ckpts
+        # end, verified, lookahead, commit_below
+        if self.checkpoints:
+            boundary = (c // self.block_size + 1) * self.block_size
+            if c < state.junction < boundary:
+                boundary = state.junction  # turn_end: a junction inside the interval
+        else:
+            boundary = UNBOUNDED
         running = state.running
-        private = running is not None and running not in self.pool.hashes  # _running_private
-        # end, verified, lookahead, commit_below (tuple.__new__: see `FullAttentionManager`)
-        return _new_limits(
-            FastLimits,
-            (
-                None if private else c,
-                boundary,
-                None if spares >= self.num_spec_states else spares,
-                (boundary if in_place else c) if c > 0 else 0,
-            ),
+        spares = len(state.spares)
+        return (
+            UNBOUNDED if running is not None and running not in self.pool.hashes else c,
+            boundary,
+            UNBOUNDED if spares >= self.num_spec_states else spares,
+            0 if not c else boundary if state.write == running and not state.ckpts else c,
         )
 
     def check_state(self, state: StateBlocks, c: int) -> None:
