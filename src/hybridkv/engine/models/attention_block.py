@@ -27,7 +27,7 @@ from hybridkv.engine.models.common import (
     bind_norm,
     inv_sqrt,
 )
-from hybridkv.engine.models.fused import fusable, fuse
+from hybridkv.engine.models.fused import can_fuse, fuse
 from hybridkv.engine.models.rope import Rope
 from hybridkv.engine.tree_batch import rope_positions
 from hybridkv.errors import EngineError
@@ -101,7 +101,7 @@ class Attention:
         weights = [self.q_proj, self.k_proj, self.v_proj]
         biases = [self.q_bias, self.k_bias, self.v_bias]
         all_or_none = len({b is None for b in biases}) == 1
-        if self.qkv_proj is None and all_or_none and fusable(weights):
+        if self.qkv_proj is None and all_or_none and can_fuse([w.shape[0] for w in weights]):
             self.qkv_proj, (self.q_proj, self.k_proj, self.v_proj) = fuse(weights)
             if self.q_bias is not None:
                 present = [b for b in biases if b is not None]

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from hybridkv.engine.context import ForwardBatch, LayerCache
 from hybridkv.engine.loader import Checkpoint
-from hybridkv.engine.models.fused import fusable, fuse
+from hybridkv.engine.models.fused import can_fuse, fuse
 from hybridkv.errors import EngineError
 
 FULL_ATTENTION = "full_attention"
@@ -284,7 +284,8 @@ class GatedMLP:
     gate_up: torch.Tensor | None = None  # set in __post_init__ when fusable
 
     def __post_init__(self) -> None:
-        if self.gate_up is None and fusable([self.gate, self.up]):
+        inter = self.gate.shape[0]
+        if self.gate_up is None and can_fuse([inter, self.up.shape[0]]):
             self.gate_up, (self.gate, self.up) = fuse([self.gate, self.up])
 
     @classmethod

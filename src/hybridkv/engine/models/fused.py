@@ -30,15 +30,6 @@ def can_fuse(sizes: Sequence[int]) -> bool:
     return len(sizes) > 1 and all(s >= MIN_PART_ROWS and s % PART_MULTIPLE == 0 for s in sizes)
 
 
-def fusable(weights: Sequence[torch.Tensor]) -> bool:
-    """True if these weights may be stacked: `can_fuse` sizes, and float32 on the CPU,
-    where the products were measured bit-identical (other dtypes and CUDA's matmul
-    heuristics were not checked, so they keep one product per projection)."""
-    return all(w.dtype == torch.float32 and w.device.type == "cpu" for w in weights) and (
-        can_fuse([w.shape[0] for w in weights])
-    )
-
-
 def fuse(weights: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """The stacked weight and each part as a view of it (so memory is not doubled)."""
     stacked = torch.cat(list(weights), dim=0)
