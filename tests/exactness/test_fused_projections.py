@@ -15,7 +15,6 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 import torch.nn.functional as F  # noqa: E402
 from exactness_harness import engine_greedy, hf_greedy, prompts_for, save_tiny  # noqa: E402
-from llm_support import COMMON  # noqa: E402
 
 from hybridkv.engine import LLM  # noqa: E402
 from hybridkv.engine.models import load_model  # noqa: E402
@@ -101,8 +100,13 @@ def fusable_qwen3_5(tmp_path_factory):
     # sizes where every projection fuses: q 4 x 64 x 2 (gated) = 512, k / v 128,
     # Gated DeltaNet qkv 2 x 32 x 2 + 4 x 16 = 192 and z 64, MLP 128 + 128
     config = transformers.Qwen3_5TextConfig(
-        **{**COMMON, "head_dim": 64},
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
         num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
         linear_num_key_heads=2,
         linear_num_value_heads=4,
         linear_key_head_dim=32,
