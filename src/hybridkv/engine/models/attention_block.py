@@ -27,7 +27,6 @@ from hybridkv.engine.models.common import (
     bind_norm,
     inv_sqrt,
 )
-from hybridkv.engine.models.fused import can_fuse, fuse
 from hybridkv.engine.models.rope import Rope
 from hybridkv.engine.tree_batch import rope_positions
 from hybridkv.errors import EngineError
@@ -92,20 +91,6 @@ class Attention:
     sinks: torch.Tensor | None = None  # [num_heads]
     key_multiplier: float | None = None  # Falcon-H1: k_proj output scaled before rope
     kv_scales: tuple[float, float] | None = None  # fp8 checkpoints' k_scale / v_scale
-    # q/k/v as one product where that changes no bit (`models.fused`), set in
-    # __post_init__: the stacked weight and bias
-    qkv_proj: torch.Tensor | None = None
-    qkv_bias: torch.Tensor | None = None
-
-    def __post_init__(self) -> None:
-        weights = [self.q_proj, self.k_proj, self.v_proj]
-        biases = [self.q_bias, self.k_bias, self.v_bias]
-        all_or_none = len({b is None for b in biases}) == 1
-        if self.qkv_proj is None and all_or_none and can_fuse([w.shape[0] for w in weights]):
-            self.qkv_proj, (self.q_proj, self.k_proj, self.v_proj) = fuse(weights)
-            if self.q_bias is not None:
-                present = [b for b in biases if b is not None]
-                self.qkv_bias, (self.q_bias, self.k_bias, self.v_bias) = fuse(present)
 
     @classmethod
     def load(
@@ -179,21 +164,13 @@ class Attention:
             raise EngineError(f"attention layer got a {type(cache).__name__}, expected KVCache")
         s = self.shape
         num_tokens = x.shape[0]
-        if self.qkv_proj is not None:
-            q_out, kv_out = self.q_proj.shape[0], self.k_proj.shape[0]
-            qkv = F.linear(x, self.qkv_proj, self.qkv_bias)
-            q_flat, k_flat, v_flat = qkv.split([q_out, kv_out, kv_out], dim=-1)
-        else:
-            q_flat = F.linear(x, self.q_proj, self.q_bias)
-            k_flat = F.linear(x, self.k_proj, self.k_bias)
-            v_flat = F.linear(x, self.v_proj, self.v_bias)
-        q = q_flat.view(num_tokens, s.num_heads, -1)
+        q = F.linear(x, self.q_proj, self.q_bias).view(num_tokens, s.num_heads, -1)
         gate = None
         if s.gated:
             q, gate = q[..., : s.head_dim], q[..., s.head_dim :]
             gate = gate.reshape(num_tokens, -1)
-        k = k_flat.view(num_tokens, s.num_kv_heads, s.head_dim)
-        v = v_flat.view(num_tokens, s.num_kv_heads, s.head_dim)
+        k = F.linear(x, self.k_proj, self.k_bias).view(num_tokens, s.num_kv_heads, s.head_dim)
+        v = F.linear(x, self.v_proj, self.v_bias).view(num_tokens, s.num_kv_heads, s.head_dim)
         if self.key_multiplier is not None:
             k = k * self.key_multiplier
         if self.q_norm is not None and self.k_norm is not None:

@@ -17,7 +17,6 @@ import torch.nn.functional as F
 
 from hybridkv.engine.context import ForwardBatch, LayerCache
 from hybridkv.engine.loader import Checkpoint
-from hybridkv.engine.models.fused import can_fuse, fuse
 from hybridkv.errors import EngineError
 
 FULL_ATTENTION = "full_attention"
@@ -274,19 +273,12 @@ def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
 
 @dataclass
 class GatedMLP:
-    """``down(act(gate(x)) * up(x))``; gate and up as one product where that changes no
-    bit (`models.fused`)."""
+    """``down(act(gate(x)) * up(x))``."""
 
     gate: torch.Tensor
     up: torch.Tensor
     down: torch.Tensor
     act: Callable[[torch.Tensor], torch.Tensor]
-    gate_up: torch.Tensor | None = None  # set in __post_init__ when fusable
-
-    def __post_init__(self) -> None:
-        inter = self.gate.shape[0]
-        if self.gate_up is None and can_fuse([inter, self.up.shape[0]]):
-            self.gate_up, (self.gate, self.up) = fuse([self.gate, self.up])
 
     @classmethod
     def load(cls, ckpt: Checkpoint, prefix: str, hidden: int, inter: int, act: str) -> GatedMLP:
@@ -300,17 +292,12 @@ class GatedMLP:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         # In place where the activation allows: one [T, inter] buffer instead of three
         # (the same values: silu then one product, as the out-of-place form computes).
-        if self.gate_up is not None:
-            both = F.linear(x, self.gate_up)
-            inter = self.gate.shape[0]
-            hidden, up = both[..., :inter], both[..., inter:]
-        else:
-            hidden, up = F.linear(x, self.gate), None
+        hidden = F.linear(x, self.gate)
         if self.act is F.silu:
             F.silu(hidden, inplace=True)
         else:
             hidden = self.act(hidden)
-        hidden.mul_(F.linear(x, self.up) if up is None else up)
+        hidden.mul_(F.linear(x, self.up))
         return F.linear(hidden, self.down)
 
 

@@ -22,7 +22,6 @@ from hybridkv.engine import delta_rule
 from hybridkv.engine.context import ForwardBatch, LayerCache, StateCache
 from hybridkv.engine.loader import Checkpoint, cfg_get, cfg_require
 from hybridkv.engine.models.common import STATE, LayerDesc
-from hybridkv.engine.models.fused import can_fuse, fuse
 from hybridkv.engine.state_batched import (
     SHORT_MAX_TOKENS,
     capture_steps,
@@ -95,18 +94,7 @@ def qwen3_5_projector(ckpt: Checkpoint, prefix: str, s: GDNShape) -> Projector:
     w_z = ckpt.take(f"{prefix}.in_proj_z.weight", (s.value_dim, s.hidden_size))
     w_b = ckpt.take(f"{prefix}.in_proj_b.weight", (s.num_v_heads, s.hidden_size))
     w_a = ckpt.take(f"{prefix}.in_proj_a.weight", (s.num_v_heads, s.hidden_size))
-    if not can_fuse([s.conv_dim, s.value_dim]):
-        return lambda x: (F.linear(x, w_qkv), F.linear(x, w_z), F.linear(x, w_b), F.linear(x, w_a))
-    # qkv and z as one product (`models.fused`: no bit changes); b and a (one row per
-    # value head) stay apart: fused, their narrow products would round differently
-    w_qkvz, _ = fuse([w_qkv, w_z])
-    sizes = [s.conv_dim, s.value_dim]
-
-    def project_fused(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        mixed, z = F.linear(x, w_qkvz).split(sizes, dim=-1)
-        return mixed, z, F.linear(x, w_b), F.linear(x, w_a)
-
-    return project_fused  # type: ignore[return-value]
+    return lambda x: (F.linear(x, w_qkv), F.linear(x, w_z), F.linear(x, w_b), F.linear(x, w_a))
 
 
 def qwen3_next_projector(ckpt: Checkpoint, prefix: str, s: GDNShape) -> Projector:
