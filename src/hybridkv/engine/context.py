@@ -30,6 +30,7 @@ from typing import Any, TypeVar
 import torch
 
 from hybridkv.engine.kv_quant import KVQuant
+from hybridkv.engine.scratch import Scratch
 from hybridkv.errors import EngineError
 
 _T = TypeVar("_T")
@@ -122,7 +123,7 @@ class ForwardBatch:
     memo: dict[Any, Any] = field(default_factory=dict, compare=False, repr=False)
     # The runner's work buffers, kept across steps (`engine.scratch`); None: fresh
     # tensors (tests, the reference paths).
-    scratch: Any = field(default=None, compare=False, repr=False)
+    scratch: Scratch | None = field(default=None, compare=False, repr=False)
 
     @property
     def num_reqs(self) -> int:
@@ -271,11 +272,11 @@ def make_batch(
     state_slots: dict[str, StateSlots] | None = None,
     logits_indices: torch.Tensor | None = None,
     device: torch.device | str = "cpu",
-    scratch: Any = None,
+    scratch: Scratch | None = None,
 ) -> ForwardBatch:
     """Build a batch from ``(new_token_ids, num_computed_tokens)`` per request; its
     tensors live on ``device`` (block tables and state slots are passed in built;
-    ``scratch``: the runner's `engine.scratch.Scratch`)."""
+    ``scratch``: the runner's work buffers)."""
     ids: list[int] = []
     positions: list[int] = []
     starts = [0]

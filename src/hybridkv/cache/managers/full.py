@@ -329,19 +329,9 @@ class FullAttentionManager(GroupManager):
         state.first_live = first
         return (lo, hi) if hi > lo else None
 
-    def release_all(self, state: TableBlocks) -> None:
-        # Tail first: the end of a sequence is the least likely to be shared, so it
-        # is evicted first.
-        self.pool.release_many(reversed(state.blocks))
-        if state.copy_src:  # admitted, never committed: the copy source is still pinned
-            self.pool.release(state.copy_src)
-            state.copy_src, state.copy_tokens = NULL_BLOCK, 0
-        state.blocks = []
-        state.num_cached = 0
-        state.first_live = 0
-
     def detach(self, state: TableBlocks) -> list[BlockId]:
-        # `release_all`'s order: the table tail first, then a pinned copy source
+        # Tail first: the end of a sequence is the least likely to be shared, so it is
+        # evicted first; then a copy source still pinned (admitted, never committed).
         out = state.blocks[::-1]
         if state.copy_src:
             out.append(state.copy_src)
