@@ -123,6 +123,11 @@ class GroupManager:
         self.junction_rule = False  # state groups: set by `CacheManager` checkpoint_rules
         self.turn_end = False  # turn_end rule (`cache.turn_end`): set by `CacheManager`
         assert group.block_size % unit_tokens == 0
+        self.init_kind()
+
+    def init_kind(self) -> None:
+        """A kind's own attributes, set once the common ones are (a hook rather than an
+        ``__init__(*args, **kwargs)`` override: typed, and compilable by mypyc)."""
 
     # -- hashing helpers -----------------------------------------------------------
     def key(self, hashes: Sequence[bytes], tokens: Sequence[int], end_tokens: int) -> bytes:

@@ -22,8 +22,7 @@ from hybridkv.spec.layers import ChunkedLocalSpec
 class ChunkedLocalManager(FullAttentionManager):
     releases = True
 
-    def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
-        super().__init__(*args, **kwargs)
+    def init_kind(self) -> None:
         assert isinstance(self.group.spec, ChunkedLocalSpec)
         self.chunk_tokens = self.group.spec.attention_chunk_size
 

@@ -26,8 +26,7 @@ from hybridkv.spec.layers import SlidingWindowSpec
 class SlidingWindowManager(FullAttentionManager):
     releases = True
 
-    def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
-        super().__init__(*args, **kwargs)
+    def init_kind(self) -> None:
         assert isinstance(self.group.spec, SlidingWindowSpec)
         self.window_tokens = self.group.spec.sliding_window
 

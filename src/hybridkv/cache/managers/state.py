@@ -84,8 +84,7 @@ class StateManager(GroupManager):
     is_state = True
     moves_on_fast_commit = True
 
-    def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
-        super().__init__(*args, **kwargs)
+    def init_kind(self) -> None:
         self.num_spec_states = self.group.num_spec_states
         self.every_boundary = self.group.state_mode == "all"
         self.checkpoints = self.group.state_mode in ("align", "all") and self.caching
