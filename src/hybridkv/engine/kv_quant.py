@@ -124,8 +124,9 @@ def load_blocks(
         out = page.to(dtype)
     else:
         out = dequantize(page, dtype, quant.value_scale if value else quant.key_scale)
-    # `picked` is a copy (fresh or a scratch buffer), so zeroing in place never touches the
-    # pages. By index, not masked_fill_ over the grid: the pad cells are a few per row in decode (a
-    # broadcast masked_fill_ over [32, 320, 2, 64] measured 1.5 ms, the load itself 0.8).
+    # `picked` is a copy (fresh or a scratch buffer), so zeroing in place never touches
+    # the pages. By index, not masked_fill_ over the grid: the pad cells are a few per row
+    # in decode (a broadcast masked_fill_ over [32, 320, 2, 64] measured 1.5 ms, the load
+    # itself 0.8).
     out[pad_cells] = 0.0
     return out
