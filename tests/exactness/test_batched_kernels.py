@@ -270,3 +270,22 @@ def test_chunked_delta_rule_matches_recurrence(seed, chunk_tokens):
         for p, (row, kk) in enumerate(zip(rows, ks, strict=True)):
             if row == r:
                 torch.testing.assert_close(captured[p], states[kk], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("length", [5, 64, 100])
+def test_chunked_capture_of_each_row_end_is_bit_identical_to_indexed(monkeypatch, length):
+    """A point at every row's end skips the row indexing (`_each_row_once`); same bits."""
+    gen = torch.Generator().manual_seed(length)
+    rows_n, heads, dk, dv = 4, 2, 8, 8
+    q, k = (torch.randn(rows_n, length, heads, dk, generator=gen) for _ in range(2))
+    v = torch.randn(rows_n, length, heads, dv, generator=gen)
+    g = -torch.rand(rows_n, length, heads, generator=gen)
+    beta = torch.rand(rows_n, length, heads, generator=gen)
+    stored = torch.randn(rows_n, heads, dv, dk, generator=gen)
+    args = (*delta_rule.prepare(q, k, v, g, beta), stored.transpose(-1, -2))
+    rows, ks = torch.arange(rows_n), [length] * rows_n
+    fast = delta_rule.delta_rule_chunked(*args, rows, ks)
+    assert delta_rule._each_row_once(rows, rows_n)
+    monkeypatch.setattr(delta_rule, "_each_row_once", lambda prow, num_rows: False)
+    indexed = delta_rule.delta_rule_chunked(*args, rows, ks)
+    assert torch.equal(fast[0], indexed[0]) and torch.equal(fast[1], indexed[1])
