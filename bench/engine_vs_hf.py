@@ -11,7 +11,12 @@ needs no padding. Runs alternate (engine, transformers, engine, ...); each engin
 builds a fresh `LLM` (untimed) so no run hits a previous run's prefix cache.
 
     python bench/engine_vs_hf.py [--reps 3] [--cases 1,8,32,shared32] [--threads 2]
+                                 [--device cpu|cuda]
     hybridkv bench engine_vs_hf -- --reps 3
+
+``--device cuda`` runs both sides on the GPU (weights, caches, inputs), timed with
+``torch.cuda.synchronize()`` around each run; `scripts/gpu_check.sh` runs it. There the
+CPU-seconds ratio only measures the host side.
 
 Printed per case: median wall seconds and range per side, the ratio (transformers time /
 engine time: > 1 means the engine is faster), the same ratio of process CPU seconds
@@ -36,6 +41,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 import transformers
@@ -49,6 +55,7 @@ PROMPT_TOKENS = 256
 SHARED_PREFIX_TOKENS = 224
 NEW_TOKENS = 64
 VOCAB = 4096
+T = TypeVar("T")
 
 
 def build_model(folder: Path, seed: int = 0) -> torch.nn.Module:
@@ -90,7 +97,7 @@ def make_prompts(case: str, seed: int = 1) -> list[list[int]]:
 
 
 def run_hf(model: torch.nn.Module, prompts: Sequence[Sequence[int]]) -> list[list[int]]:
-    ids = torch.tensor([list(p) for p in prompts], dtype=torch.long)
+    ids = torch.tensor([list(p) for p in prompts], dtype=torch.long, device=model.device)
     with torch.no_grad():
         out = model.generate(
             ids,
@@ -113,17 +120,20 @@ class EngineRun:
     hit_tokens: int
 
 
-def run_engine(folder: Path, prompts: Sequence[Sequence[int]], max_batched: int) -> EngineRun:
+def run_engine(
+    folder: Path, prompts: Sequence[Sequence[int]], max_batched: int, device: str = "cpu"
+) -> EngineRun:
     llm = LLM(
         folder,
         memory_bytes=1 << 30,
         max_num_seqs=max(len(prompts), 1),
         max_num_batched_tokens=max_batched,
         max_model_len=PROMPT_TOKENS + NEW_TOKENS,
+        device=device,
     )
-    start, cpu_start = time.perf_counter(), time.process_time()
-    results = llm.generate(prompts, max_new_tokens=NEW_TOKENS, ignore_eos=True)
-    seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
+    results, seconds, cpu_seconds = timed(
+        lambda: llm.generate(prompts, max_new_tokens=NEW_TOKENS, ignore_eos=True), device
+    )
     stats = llm.stats()
     return EngineRun(
         [r.token_ids for r in results],
@@ -134,10 +144,14 @@ def run_engine(folder: Path, prompts: Sequence[Sequence[int]], max_batched: int)
     )
 
 
-def timed(fn: Callable[[], list[list[int]]]) -> tuple[list[list[int]], float, float]:
-    """``fn()``, its wall seconds and its process CPU seconds (all threads)."""
+def timed(fn: Callable[[], T], device: str = "cpu") -> tuple[T, float, float]:
+    """``fn()``, its wall seconds and its process CPU seconds (all threads); on CUDA
+    the device is synchronised before the clocks start and before they stop."""
+    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
+    sync()
     start, cpu_start = time.perf_counter(), time.process_time()
     out = fn()
+    sync()
     return out, time.perf_counter() - start, time.process_time() - cpu_start
 
 
@@ -150,6 +164,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--cases", default="1,8,32,shared32")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (both sides)")
     parser.add_argument(
         "--max-batched-tokens",
         type=int,
@@ -161,7 +176,7 @@ def main() -> None:
     console = Console(width=150)
     table = Table(
         title=f"LLM.generate vs transformers generate: {PROMPT_TOKENS}-token prompts, "
-        f"{NEW_TOKENS} new tokens, greedy, fp32, {args.threads} threads, "
+        f"{NEW_TOKENS} new tokens, greedy, fp32, {args.device}, {args.threads} threads, "
         f"median \\[min-max] of {args.reps} alternating runs"
     )
     for col in (
@@ -178,7 +193,7 @@ def main() -> None:
         table.add_column(col)
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
-        hf = build_model(folder)
+        hf = build_model(folder).to(args.device)
         for case in args.cases.split(","):
             prompts = make_prompts(case)
             engine_s: list[float] = []
@@ -187,10 +202,10 @@ def main() -> None:
             runs: list[EngineRun] = []
             hf_tokens: list[list[int]] = []
             for _ in range(args.reps):
-                run = run_engine(folder, prompts, args.max_batched_tokens)
+                run = run_engine(folder, prompts, args.max_batched_tokens, args.device)
                 runs.append(run)
                 engine_s.append(run.seconds)
-                hf_tokens, seconds, cpu = timed(lambda p=prompts: run_hf(hf, p))  # type: ignore[misc]
+                hf_tokens, seconds, cpu = timed(lambda p=prompts: run_hf(hf, p), args.device)  # type: ignore[misc]
                 hf_s.append(seconds)
                 hf_cpu.append(cpu)
             same = sum(r == h for r, h in zip(runs[-1].tokens, hf_tokens, strict=True))

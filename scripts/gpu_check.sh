@@ -4,8 +4,10 @@
 #   1. versions and the CUDA device
 #   2. pytest tests/gpu -m gpu   (LLM on CUDA vs transformers on CUDA; speculative vs plain)
 #   3. hybridkv demo --json --device cuda   (small batch)
-# Exit status: 0 when both steps pass, else the first failing step's status. Each step
-# is capped with `timeout` so the whole script stays well under 2 minutes.
+#   4. bench/engine_vs_hf.py --device cuda   (throughput table against transformers on
+#      CUDA, 3 alternating reps, token-exact check per case)
+# Exit status: 0 when every step passes, else the first failing step's status. Each step
+# is capped with `timeout` so the whole script stays under 6 minutes.
 set -x
 set -u
 cd "$(dirname "$0")/.."
@@ -50,6 +52,13 @@ else
     [ "$status" -eq 0 ] && status=$demo_status
 fi
 
+# Both sides on the GPU, fp32, the CPU benchmark's model and prompts. Threads: 1 (the
+# host only launches kernels); tokens are compared per case.
+timeout 240 "$PY" bench/engine_vs_hf.py --device cuda --threads 1 --reps 3
+bench_status=$?
+[ "$bench_status" -ne 0 ] && [ "$status" -eq 0 ] && status=$bench_status
+
 set +x
-echo "gpu_check: pytest exit $pytest_status, demo exit $demo_status, $(( $(date +%s) - start )) s"
+echo "gpu_check: pytest exit $pytest_status, demo exit $demo_status," \
+    "bench exit $bench_status, $(( $(date +%s) - start )) s"
 exit "$status"
