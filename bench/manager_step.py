@@ -21,7 +21,8 @@ evicted on both sides, loose enough that no allocation fails and no hit is lost 
 would change the work). The work counters of both sides
 (steps, request-steps, tokens, drafts, hit tokens, allocate calls, evictions) are
 printed so that anyone can see the work was equal. ``--reps`` alternating repetitions
-(ours, vLLM, ours, ...); medians with the range.
+(ours, vLLM, ours, ...); medians with the range, and the ratio of each back-to-back pair
+(median [range]), which the host's drift over minutes affects less.
 
 Floor: unit costs measured here (a fast-path call of a few int comparisons, one
 block's take/append/release, sha256 of one hash unit) times the work counters: what a
@@ -444,6 +445,13 @@ def _report(
             theirs = statistics.median(fn(r) for r in ref)
             ratios.append(f"{theirs / mine:.2f}x" if mine else "-")
         table.add_row("vLLM / hybridkv", *ratios)
+        # Each rep's ratio against the run next to it (ours i, vLLM i ran back to back):
+        # the host's load drifts over minutes, and a pair shares most of it.
+        paired = []
+        for _, fn in columns:
+            values = [fn(b) / fn(a) for a, b in zip(ours, ref, strict=False) if fn(a)]
+            paired.append(_fmt(values, "x") if values else "-")
+        table.add_row("per pair", *paired)
     ours_decode = statistics.median(columns[1][1](r) for r in ours)
     table.add_row(
         "pure-Python floor",
@@ -484,8 +492,8 @@ def _report(
 
 
 # ---------------------------------------------------------------------- main
-def _fmt(values: list[float]) -> str:
-    return f"{statistics.median(values):.2f} [{min(values):.2f}-{max(values):.2f}]"
+def _fmt(values: list[float], unit: str = "") -> str:
+    return f"{statistics.median(values):.2f}{unit} [{min(values):.2f}-{max(values):.2f}]"
 
 
 def _tight_pool(sizing: dict, attempt: Callable[[int], dict | None], slack: float) -> int:
