@@ -29,7 +29,6 @@ from hybridkv.plan.types import LayerRef, PlanOptions
 from hybridkv.spec.attention import ChunkedLocalSpec, SlidingWindowSpec
 from hybridkv.spec.layers import MLASpec
 
-BLOCK_ALIGN_TOKENS = 16  # attention kernels (FlashAttention, FlashInfer) want multiples of 16
 SPLIT_STATE_INTERVAL_NO_ATTENTION = 256  # checkpoint interval of attention-free models
 MAX_HIT_GRANULARITY_FACTOR = 8  # cap: lcm of block sizes <= 8 x the largest block
 SLAB_ALIGN_BYTES = 16  # layer pages inside a slab start 16-byte aligned (any dtype view)
@@ -92,7 +91,8 @@ def _shared_for_page(
     sizes: dict[int, int] = {}
     for index, cls in enumerate(_attention(classes)):
         per_token = cls.bytes_per_token()
-        block = (page_bytes // per_token) // BLOCK_ALIGN_TOKENS * BLOCK_ALIGN_TOKENS
+        align = options.block_align_tokens
+        block = (page_bytes // per_token) // align * align
         if block == 0:
             return None
         sizes[index] = block
@@ -132,14 +132,14 @@ def shared_layout_candidates(classes: list[LayerClass], options: PlanOptions) ->
                     f"layout shared: block size {options.block_size} gives the "
                     f"{main_attn.model} attention layers a page of {page} bytes, smaller than "
                     f"the largest state page ({max_state} bytes); use --block-size >= "
-                    f"{round_up(need, BLOCK_ALIGN_TOKENS)} or --layout split"
+                    f"{round_up(need, options.block_align_tokens)} or --layout split"
                 )
             pages = [page]
     else:
         pages = [max_state] if max_state else []
         for cls in attention:
             per_token = cls.bytes_per_token()
-            block = round_up(max(cdiv(max_state, per_token), 1), BLOCK_ALIGN_TOKENS)
+            block = round_up(max(cdiv(max_state, per_token), 1), options.block_align_tokens)
             pages.append(block * per_token)
     drafts = []
     for page in sorted(set(pages)):
@@ -152,7 +152,7 @@ def shared_layout_candidates(classes: list[LayerClass], options: PlanOptions) ->
                 if main_blocks != {options.block_size}:
                     continue  # user block not a multiple of 16: cannot be honoured exactly
             drafts.append(draft)
-    if options.block_size is None:
+    if options.block_size is None and options.packing == "any":
         drafts += slab_layout_candidates(classes, options)
     if options.max_block_size is not None:
         drafts = [
@@ -184,14 +184,14 @@ def _divisors(count: int) -> list[int]:
 
 
 def _best_attention_fit(
-    per_token: int, count: int, slab: int, max_block: int | None
+    per_token: int, count: int, slab: int, max_block: int | None, align: int
 ) -> tuple[int, int] | None:
     """(layers per group, block size) filling ``slab`` best; on equal fill, the
     smallest block. None when no divisor of ``count`` leaves a 16-token block (within
     ``max_block`` when given)."""
     best: tuple[float, int, int] | None = None
     for n in _divisors(count):
-        block = (slab // (n * per_token)) // BLOCK_ALIGN_TOKENS * BLOCK_ALIGN_TOKENS
+        block = (slab // (n * per_token)) // align * align
         if block == 0 or (max_block is not None and block > max_block):
             continue
         fill = n * block * per_token / slab
@@ -207,7 +207,11 @@ def _slab_for(classes: list[LayerClass], options: PlanOptions, slab: int) -> Lay
     for index, cls in enumerate(classes):
         if not cls.is_state:
             fit = _best_attention_fit(
-                cls.bytes_per_token(), len(cls.layers), slab, options.max_block_size
+                cls.bytes_per_token(),
+                len(cls.layers),
+                slab,
+                options.max_block_size,
+                options.block_align_tokens,
             )
             if fit is None:
                 return None
@@ -256,7 +260,7 @@ def split_layout(classes: list[LayerClass], options: PlanOptions) -> LayoutDraft
     user's block size), state pages of exactly the state size, no padding. State
     checkpoints (align mode) every smallest multiple of the attention block whose
     attention page holds the state page: the same hit granularity as vLLM's rule."""
-    block = options.block_size or BLOCK_ALIGN_TOKENS
+    block = options.block_size or options.block_align_tokens
     max_state = _max_state_page(classes, options)
     main_attn = _main_attention(classes)
     if main_attn is not None:
@@ -326,9 +330,10 @@ def vllm_layout(classes: list[LayerClass], options: PlanOptions) -> LayoutDraft:
         default=0,
     )
     main_attn = _main_attention([c for c in classes if c.has_main])
-    block = options.block_size or BLOCK_ALIGN_TOKENS
+    align = options.block_align_tokens
+    block = options.block_size or align
     if main_state and main_attn is not None:
-        need = round_up(cdiv(main_state, main_attn.bytes_per_token()), BLOCK_ALIGN_TOKENS)
+        need = round_up(cdiv(main_state, main_attn.bytes_per_token()), align)
         if options.block_size is not None and options.block_size < need:
             raise PlanError(
                 f"layout vllm: block size {options.block_size} is below the {need} tokens "

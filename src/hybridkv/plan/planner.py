@@ -15,7 +15,14 @@ from hybridkv.plan.layouts import (
     split_layout,
     vllm_layout,
 )
-from hybridkv.plan.types import LAYOUTS, SPEC_METHODS, STATE_MODES, CachePlan, PlanOptions
+from hybridkv.plan.types import (
+    LAYOUTS,
+    PACKINGS,
+    SPEC_METHODS,
+    STATE_MODES,
+    CachePlan,
+    PlanOptions,
+)
 from hybridkv.spec.model import ModelSpec
 
 HEAD_METHODS = ("mtp", "eagle")  # drafters whose layers ride on the main model's positions
@@ -53,7 +60,15 @@ def _validate(options: PlanOptions, draft: ModelSpec | None) -> None:
         raise PlanError("spec_method='draft' needs a draft model (--draft MODEL)")
     if options.state_mode in ("align", "all") and not options.prefix_caching:
         raise bad("state_mode", options.state_mode, "only makes sense with prefix caching on")
-    for field in ("tp", "max_num_seqs", "max_num_batched_tokens", "memory_bytes"):
+    if options.packing not in PACKINGS:
+        raise bad("packing", options.packing, f"use one of {', '.join(PACKINGS)}")
+    for field in (
+        "tp",
+        "max_num_seqs",
+        "max_num_batched_tokens",
+        "memory_bytes",
+        "block_align_tokens",
+    ):
         value = getattr(options, field)
         if not isinstance(value, int) or value < 1:
             raise bad(field, value, "must be a positive integer")

@@ -44,6 +44,8 @@ from hybridkv.spec.layers import (
 LAYOUTS = ("auto", "shared", "split", "vllm")
 SPEC_METHODS = ("draft", "eagle", "mtp", "ngram", "suffix")
 STATE_MODES = ("align", "all", "none")  # see `hybridkv.cache.managers.state`
+PACKINGS = ("any", "tensor")  # "tensor": no slab-packed pools (engines with one page per tensor)
+DEFAULT_BLOCK_ALIGN_TOKENS = 16  # GPU attention kernels (FlashAttention, FlashInfer)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -67,6 +69,10 @@ class PlanOptions:
     target_len: int | None = None  # None: max_model_len
     typical_len: int | None = None  # None: min(8192, max_model_len)
     max_block_size: int | None = None  # cap on attention blocks (prefix-hit granularity)
+    # Attention block sizes are multiples of this (the attention kernel's block unit:
+    # 16 for GPU kernels, 32 for vLLM's CPU attention backend).
+    block_align_tokens: int = DEFAULT_BLOCK_ALIGN_TOKENS
+    packing: str = "any"  # see PACKINGS
 
     @property
     def resolved_state_mode(self) -> str:

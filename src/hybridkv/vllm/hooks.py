@@ -1,0 +1,144 @@
+"""The seat inside vLLM: where its hybrid block-size rule runs, hybridkv's plan runs too.
+
+vLLM calls ``Platform._align_hybrid_block_size(vllm_config, backend_cls)`` once per
+process that builds a model's cache (0.32 and 0.33, CPU and CUDA platforms alike), after
+the attention backend is known and before any KV-cache spec is made. We let vLLM's rule
+run first (its answer is the fallback, and it tells us its page arithmetic), then ask
+`hybridkv.vllm.planning` for a block size and padding within what vLLM's workers accept,
+check that both sides compute the same page sizes, and write the answer into the same
+three fields vLLM's rule writes (``block_size``, ``mamba_block_size``,
+``mamba_page_size_padded``). When hybridkv's attention page is the smaller one, vLLM's
+own `unify_kv_cache_spec_page_size` pads it (a strided view), so nothing else changes.
+
+Only vLLM's public objects are read; nothing of vLLM's is copied.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from hybridkv.errors import HybridKVError
+from hybridkv.vllm.planning import VllmChoice, VllmFacts, choose_block_size
+
+logger = logging.getLogger("vllm.hybridkv")
+_MARK = "_hybridkv_wrapped"
+LAST_CHOICE: list[VllmChoice] = []  # the choice made in this process, for tests and benchmarks
+
+
+def _dtype_name(dtype: Any) -> str:
+    """torch dtype or vLLM's dtype string -> hybridkv's dtype name."""
+    text = str(dtype).removeprefix("torch.")
+    return {"fp8": "fp8_e4m3", "float8_e4m3fn": "fp8_e4m3", "float8_e5m2": "fp8_e5m2"}.get(
+        text, text
+    )
+
+
+def _kernel_align_tokens(backend_cls: Any) -> int:
+    """The attention kernel's block unit; padded pages rule out kernel-block splitting,
+    so only backends that take any multiple of a unit qualify."""
+    from vllm.v1.attention.backend import MultipleOf
+
+    sizes = backend_cls.get_supported_kernel_block_sizes()
+    units = [s.base for s in sizes if isinstance(s, MultipleOf)]
+    if not units:
+        raise HybridKVError(
+            f"attention backend {backend_cls.__name__} takes only fixed kernel block sizes "
+            f"{sizes}; hybridkv plans need a block unit"
+        )
+    return min(units)
+
+
+def _state_page_bytes(vllm_config: Any) -> tuple[int, Any]:
+    """vLLM's unpadded state page (the largest, if a model has several layouts) and the
+    model class, from the model's own classmethods."""
+    from vllm.model_executor.models import ModelRegistry
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    model_config = vllm_config.model_config
+    model_cls, _ = ModelRegistry.resolve_model_cls(
+        model_config.architecture, model_config=model_config
+    )
+    if hasattr(model_cls, "get_mamba_specs_from_config"):
+        page = max(s.page_size_bytes for s in model_cls.get_mamba_specs_from_config(vllm_config))
+        return page, model_cls
+    spec = MambaSpec(
+        shapes=model_cls.get_mamba_state_shape_from_config(vllm_config),
+        dtypes=model_cls.get_mamba_state_dtype_from_config(vllm_config),
+        block_size=-1,
+    )
+    return spec.page_size_bytes, model_cls
+
+
+def collect_facts(
+    vllm_config: Any, backend_cls: Any, pre_block_size: int, user_block_size: int | None
+) -> VllmFacts:
+    """Read what vLLM resolved (after its own rule ran) into `VllmFacts`."""
+    cache = vllm_config.cache_config
+    model_config = vllm_config.model_config
+    state_page, model_cls = _state_page_bytes(vllm_config)
+    vllm_page = cache.mamba_page_size_padded or state_page  # vLLM's attention page
+    conv_dtype, *rest = model_cls.get_mamba_state_dtype_from_config(vllm_config)
+    ssm_dtype = rest[0] if rest else conv_dtype
+    spec = vllm_config.speculative_config
+    kv_dtype = model_config.dtype if cache.cache_dtype == "auto" else cache.cache_dtype
+    return VllmFacts(
+        hf_config=model_config.hf_config.to_dict(),
+        max_model_len=model_config.max_model_len,
+        kv_dtype=_dtype_name(kv_dtype),
+        conv_dtype=_dtype_name(conv_dtype),
+        ssm_dtype=_dtype_name(ssm_dtype),
+        attn_bytes_per_token=vllm_page // cache.block_size,
+        state_page_bytes=state_page,
+        kernel_align_tokens=_kernel_align_tokens(backend_cls),
+        vllm_block_size=cache.block_size,
+        # vLLM rounds to the larger of the kernel unit and the block size it had before
+        # its hybrid rule ran (its platform default: 128 on CPU, 16 on CUDA)
+        vllm_align_tokens=max(_kernel_align_tokens(backend_cls), pre_block_size),
+        state_mode=str(cache.mamba_cache_mode),
+        prefix_caching=bool(cache.enable_prefix_caching),
+        spec_method=getattr(spec, "method", None) if spec is not None else None,
+        num_spec_tokens=int(getattr(spec, "num_speculative_tokens", 0) or 0) if spec else 0,
+        user_block_size=user_block_size,
+    )
+
+
+def apply_choice(vllm_config: Any, choice: VllmChoice) -> None:
+    cache = vllm_config.cache_config
+    cache.block_size = choice.block_size
+    if cache.mamba_cache_mode == "align":
+        cache.mamba_block_size = choice.block_size
+    cache.mamba_page_size_padded = choice.state_page_padded
+
+
+def _wrap(original: Any) -> Any:
+    def aligned(cls: Any, vllm_config: Any, backend_cls: Any) -> None:
+        cache = vllm_config.cache_config
+        user_block = cache.block_size if cache.user_specified_block_size else None
+        pre_block = cache.block_size
+        original(cls, vllm_config, backend_cls)
+        if cache.block_size == pre_block and cache.mamba_page_size_padded is None:
+            return  # vLLM's rule changed nothing (no state pages, or pages already equal)
+        try:
+            facts = collect_facts(vllm_config, backend_cls, pre_block, user_block)
+            choice = choose_block_size(facts)
+        except HybridKVError as err:
+            logger.warning("hybridkv: keeping vLLM's block-size rule: %s", err)
+            return
+        apply_choice(vllm_config, choice)
+        LAST_CHOICE[:] = [choice]
+        logger.info(choice.log_line(facts.max_model_len))
+
+    setattr(aligned, _MARK, True)
+    return aligned
+
+
+def install() -> bool:
+    """Wrap vLLM's hybrid block-size rule once per process; True when newly wrapped."""
+    from vllm.platforms.interface import Platform
+
+    current = Platform.__dict__["_align_hybrid_block_size"].__func__
+    if getattr(current, _MARK, False):
+        return False
+    Platform._align_hybrid_block_size = classmethod(_wrap(current))  # type: ignore[method-assign,assignment]
+    return True
