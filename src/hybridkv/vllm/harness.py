@@ -1,0 +1,124 @@
+"""A long-lived vLLM engine driven by JSON lines, for tests and benchmarks.
+
+Run it with the python of a virtualenv that has vLLM (``scripts/install_vllm_cpu.sh``)::
+
+    VLLM_PLUGINS=hybridkv python -m hybridkv.vllm.harness '{"model": "DIR", ...}'   # plugin
+    VLLM_PLUGINS=none     python -m hybridkv.vllm.harness '{"model": "DIR", ...}'   # stock
+
+The argument holds the engine's settings (see `ENGINE_DEFAULTS`); vLLM's
+``VLLM_PLUGINS`` decides whether hybridkv's plugin loads, so both sides run the same
+code. Each stdin line is one command; each answer is one stdout line starting with
+``HKV `` and a JSON object (vLLM's own log goes to stderr):
+
+* ``{"op": "generate", "prompts": [[ids]], "max_tokens": N, "reset": true}`` -> token ids
+  out, ``num_cached_tokens`` per request, seconds (the whole ``LLM.generate`` call).
+* ``{"op": "chat", "sessions": S, "turns": T, "first_tokens": F, "user_tokens": U,
+  "max_tokens": N, "seed": 0}`` -> multi-turn chat: every session's next prompt is its
+  previous prompt + the reply + U new tokens; per turn, the prefix-hit tokens vLLM reports
+  and the token-exact bound (the previous context minus its last token, whose KV the
+  previous turn never computed), and the seconds of each turn's ``generate``.
+* ``{"op": "quit"}``.
+
+The prompts are random token ids (seeded), so any checkpoint of any vocabulary works.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import sys
+import time
+from typing import Any
+
+ENGINE_DEFAULTS: dict[str, Any] = {
+    "dtype": "bfloat16",  # vLLM's CPU Gated DeltaNet kernels need bf16
+    "max_model_len": 2048,
+    "max_num_seqs": 64,
+    "enable_prefix_caching": True,
+    "enforce_eager": True,  # no torch.compile warm-up (~70 s); the tests time nothing
+    "seed": 0,
+    "skip_tokenizer_init": True,
+}
+MARK = "HKV "
+
+
+def _answer(payload: dict[str, Any]) -> None:
+    sys.stdout.write(MARK + json.dumps(payload) + "\n")
+    sys.stdout.flush()
+
+
+def _generate(llm: Any, prompts: list[list[int]], max_tokens: int) -> tuple[list[Any], float]:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
+    start = time.perf_counter()
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    return outs, time.perf_counter() - start
+
+
+def _chat(llm: Any, cmd: dict[str, Any], vocab: int) -> dict[str, Any]:
+    rng = random.Random(cmd.get("seed", 0))
+    sessions, turns = int(cmd["sessions"]), int(cmd["turns"])
+    user, max_tokens = int(cmd["user_tokens"]), int(cmd["max_tokens"])
+
+    def fresh(n: int) -> list[int]:
+        return [rng.randrange(1, vocab) for _ in range(n)]
+
+    prompts = [fresh(int(cmd["first_tokens"])) for _ in range(sessions)]
+    bounds = [0] * sessions
+    per_turn = []
+    for _ in range(turns):
+        outs, seconds = _generate(llm, prompts, max_tokens)
+        per_turn.append(
+            {
+                "seconds": seconds,
+                "prompt_tokens": sum(len(p) for p in prompts),
+                "hit_tokens": sum(o.num_cached_tokens or 0 for o in outs),
+                "bound_tokens": sum(bounds),
+                "outputs": [list(o.outputs[0].token_ids) for o in outs],
+            }
+        )
+        bounds = [
+            len(p) + len(o.outputs[0].token_ids) - 1 for p, o in zip(prompts, outs, strict=True)
+        ]
+        prompts = [
+            p + list(o.outputs[0].token_ids) + fresh(user)
+            for p, o in zip(prompts, outs, strict=True)
+        ]
+    return {"turns": per_turn}
+
+
+def main() -> None:  # vLLM spawns its engine: keep all work under main()
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; its default takes most RAM
+    settings = {**ENGINE_DEFAULTS, **json.loads(sys.argv[1])}
+    from vllm import LLM
+
+    start = time.perf_counter()
+    llm = LLM(**settings)
+    vocab = int(llm.llm_engine.model_config.get_vocab_size())
+    _answer({"ready": True, "start_seconds": time.perf_counter() - start, "vocab": vocab})
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        if cmd["op"] == "quit":
+            break
+        if cmd.get("reset", True):
+            llm.reset_prefix_cache()
+        if cmd["op"] == "generate":
+            outs, seconds = _generate(llm, cmd["prompts"], int(cmd["max_tokens"]))
+            _answer(
+                {
+                    "outputs": [list(o.outputs[0].token_ids) for o in outs],
+                    "cached": [o.num_cached_tokens or 0 for o in outs],
+                    "seconds": seconds,
+                }
+            )
+        elif cmd["op"] == "chat":
+            _answer(_chat(llm, cmd, vocab))
+        else:
+            _answer({"error": f"unknown op {cmd['op']!r}"})
+
+
+if __name__ == "__main__":
+    main()

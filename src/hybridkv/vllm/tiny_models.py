@@ -1,0 +1,53 @@
+"""Tiny random-weight checkpoints in geometries vLLM's CPU engine runs, for tests and
+benchmarks (needs torch and transformers; no download).
+
+``qwen3_next``: 8 layers, 6 Gated DeltaNet + 2 gated full attention, MoE with 4 experts,
+head size 64 (vLLM's CPU attention takes 64, not 48; its Qwen3-Next needs a MoE layer),
+vocabulary 4096. The geometry is the one vLLM's CPU engine was first run on here; its
+state page (137,216 bytes with fp32 ssm state) is what makes vLLM pad 43% at 2048 tokens.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+QWEN3_NEXT = {
+    "vocab_size": 4096,
+    "hidden_size": 512,
+    "intermediate_size": 1280,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "linear_num_key_heads": 4,
+    "linear_num_value_heads": 8,
+    "linear_key_head_dim": 64,
+    "linear_value_head_dim": 64,
+    "layer_types": ["linear_attention"] * 3
+    + ["full_attention"]
+    + ["linear_attention"] * 3
+    + ["full_attention"],
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 256,
+    "shared_expert_intermediate_size": 256,
+    "max_position_embeddings": 4096,
+}
+
+
+def write_tiny_qwen3_next(folder: str | Path, seed: int = 0) -> Path:
+    """Write the tiny Qwen3-Next (config.json + safetensors) to ``folder``."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    config = transformers.Qwen3NextConfig(**QWEN3_NEXT)
+    model = transformers.Qwen3NextForCausalLM(config).eval()
+    model.save_pretrained(str(folder))
+    return Path(folder)
+
+
+if __name__ == "__main__":
+    import sys
+
+    print(write_tiny_qwen3_next(sys.argv[1]))
