@@ -10,7 +10,7 @@ import subprocess
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TextIO
+from typing import IO, Any
 
 from hybridkv.errors import HybridKVError
 from hybridkv.vllm.harness import MARK
@@ -61,7 +61,7 @@ class EngineProcess:
         env: dict[str, str] | None = None,
     ) -> None:
         self.plugin = plugin
-        self._log: TextIO = tempfile.NamedTemporaryFile(  # noqa: SIM115 (lives with self)
+        self._log: IO[str] = tempfile.NamedTemporaryFile(  # noqa: SIM115 (lives with self)
             "w+", prefix="vllm-", suffix=".log", delete=False
         )
         child_env = {**os.environ, **(env or {})}

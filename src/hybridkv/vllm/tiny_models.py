@@ -10,8 +10,9 @@ state page (137,216 bytes with fp32 ssm state) is what makes vLLM pad 43% at 204
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
-QWEN3_NEXT = {
+QWEN3_NEXT: dict[str, Any] = {
     "vocab_size": 4096,
     "hidden_size": 512,
     "intermediate_size": 1280,
