@@ -33,3 +33,10 @@ def engine(python: str, settings: dict[str, object], *, plugin: bool) -> Iterato
         yield proc
     finally:
         proc.close()
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma3(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from hybridkv.vllm.tiny_models import write_tiny_gemma3
+
+    return write_tiny_gemma3(tmp_path_factory.mktemp("tiny_gemma3"))
