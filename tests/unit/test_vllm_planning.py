@@ -106,6 +106,11 @@ def test_unknown_dtype_and_method_are_refused_with_the_name() -> None:
         choose_block_size(dataclasses.replace(FACTS, spec_method="medusa", num_spec_tokens=2))
 
 
+def test_a_separate_draft_model_keeps_vllm_rule_with_the_reason() -> None:
+    with pytest.raises(PlanError, match="separate draft model"):
+        choose_block_size(dataclasses.replace(FACTS, spec_method="draft_model", num_spec_tokens=3))
+
+
 def test_a_user_block_size_is_honoured_or_refused() -> None:
     """--block-size 288 (page 147,456 B) pads the state page; 128 cannot hold it."""
     choice = choose_block_size(dataclasses.replace(FACTS, user_block_size=288))

@@ -39,7 +39,6 @@ NOMINAL_KV_BYTES = 1 << 30  # capacity is compared per GiB: vLLM sizes its pool 
 SPEC_METHODS = {
     "ngram": "ngram",
     "suffix": "suffix",
-    "draft_model": "draft",
     "eagle": "eagle",
     "eagle3": "eagle",
     "mtp": "mtp",
@@ -105,6 +104,14 @@ def _dtype(name: str, what: str) -> DType:
 
 
 def _options(facts: VllmFacts, **values: Any) -> PlanOptions:
+    if facts.spec_method == "draft_model":
+        # vLLM sets one block size for main and draft layers here and reconciles the
+        # draft's pages later (`unify_kv_cache_spec_page_size`); planning the pair needs
+        # the grouping step, which this hook does not see
+        raise PlanError(
+            "a separate draft model's layers are grouped after this step; the block-size "
+            "hook plans main models with n-gram / suffix / EAGLE / MTP drafts only"
+        )
     method = SPEC_METHODS.get(facts.spec_method) if facts.spec_method else None
     if facts.spec_method and method is None:
         raise PlanError(f"speculative method {facts.spec_method!r} is not mapped to hybridkv's")

@@ -78,6 +78,55 @@ def write_tiny_qwen3_next(folder: str | Path, seed: int = 0) -> Path:
     return Path(folder)
 
 
+def write_seed_configs(folder: str | Path, num_experts: int = 32) -> tuple[Path, Path]:
+    """config.json folders of the seed pair for a dummy-weight run (``load_format
+    "dummy"``): Qwen3-Coder-Next's KV and state geometry (hybridkv's preset) with the
+    rest of Qwen3-Next-80B-A3B's config, its MoE cut to ``num_experts`` experts so that the
+    dummy weights fit one GPU (experts do not touch the KV cache), and dense Qwen3-4B as
+    the draft. Needs only the standard library."""
+    import json
+
+    from hybridkv.models.registry import META_KEY, load_config
+
+    main_config, _ = load_config("qwen3-coder-next-80b-a3b")
+    main_config = {k: v for k, v in main_config.items() if k != META_KEY}
+    main_config.update(  # Qwen3-Next-80B-A3B's config.json (Hugging Face), experts cut
+        architectures=["Qwen3NextForCausalLM"],
+        vocab_size=151936,
+        intermediate_size=5120,
+        num_experts=num_experts,
+        num_experts_per_tok=10,
+        moe_intermediate_size=512,
+        shared_expert_intermediate_size=512,
+        decoder_sparse_step=1,
+        norm_topk_prob=True,
+        rms_norm_eps=1e-6,
+        rope_theta=10000000,
+        partial_rotary_factor=0.25,
+        tie_word_embeddings=False,
+        dtype="bfloat16",
+        max_position_embeddings=262144,
+    )
+    draft_config, _ = load_config("qwen3-4b")
+    draft_config = {k: v for k, v in draft_config.items() if k != META_KEY}
+    draft_config.update(  # Qwen3-4B's config.json
+        architectures=["Qwen3ForCausalLM"],
+        vocab_size=151936,
+        intermediate_size=9728,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000,
+        tie_word_embeddings=True,
+        dtype="bfloat16",
+    )
+    out = []
+    for name, config in (("main", main_config), ("draft", draft_config)):
+        path = Path(folder) / name
+        path.mkdir(parents=True, exist_ok=True)
+        (path / "config.json").write_text(json.dumps(config, indent=1))
+        out.append(path)
+    return out[0], out[1]
+
+
 if __name__ == "__main__":
     import sys
 
