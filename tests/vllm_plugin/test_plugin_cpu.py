@@ -53,6 +53,19 @@ def test_vllm_uses_the_plan_hybridkv_reports(stock: Any, ours: Any) -> None:
     assert mine.kv_tokens > theirs.kv_tokens
 
 
+def test_vllm_block_count_is_hybridkv_plans(stock: Any, ours: Any) -> None:
+    """The number of blocks vLLM allocates is the one hybridkv's plan gives for the same
+    1 GiB (2 tensors of 137,216-byte pages; stock: 196,608-byte pages)."""
+    from hybridkv.vllm.planning import choose_block_size
+    from tests.unit.test_vllm_planning import FACTS
+
+    choice = choose_block_size(FACTS)
+    assert ours.ready["block_size"] == choice.block_size == 256
+    assert abs(ours.ready["num_blocks"] - choice.ours.pools[0].num_pages) <= 1
+    assert abs(stock.ready["num_blocks"] - choice.theirs.pools[0].num_pages) <= 1
+    assert ours.ready["num_blocks"] > stock.ready["num_blocks"]
+
+
 def test_greedy_outputs_equal_stock(stock: Any, ours: Any) -> None:
     """Same prompts, greedy: the block size changed (384 -> 256), the tokens did not."""
     rng = random.Random(1)

@@ -98,7 +98,16 @@ def main() -> None:  # vLLM spawns its engine: keep all work under main()
     start = time.perf_counter()
     llm = LLM(**settings)
     vocab = int(llm.llm_engine.model_config.get_vocab_size())
-    _answer({"ready": True, "start_seconds": time.perf_counter() - start, "vocab": vocab})
+    cache = llm.llm_engine.vllm_config.cache_config  # synced back from the engine core
+    _answer(
+        {
+            "ready": True,
+            "start_seconds": time.perf_counter() - start,
+            "vocab": vocab,
+            "num_blocks": cache.num_gpu_blocks,
+            "block_size": cache.block_size,
+        }
+    )
     for line in sys.stdin:
         cmd = json.loads(line)
         if cmd["op"] == "quit":
