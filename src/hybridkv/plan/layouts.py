@@ -167,6 +167,8 @@ def shared_layout_candidates(classes: list[LayerClass], options: PlanOptions) ->
                 f"--max-block-size {options.max_block_size} (largest state page "
                 f"{max_state} bytes); raise it, or use --layout split (16-token blocks)"
             )
+    if options.one_group_models:
+        drafts = [d for d in drafts if _keeps_one_group(d, options)]
     few = [d for d in drafts if len(d.groups) <= MAX_GROUPS]
     drafts = few or sorted(drafts, key=lambda d: len(d.groups))[:1]
     if not drafts:
@@ -179,18 +181,34 @@ def shared_layout_candidates(classes: list[LayerClass], options: PlanOptions) ->
     return drafts
 
 
+def _keeps_one_group(draft: LayoutDraft, options: PlanOptions) -> bool:
+    """No class of a `PlanOptions.one_group_models` model is cut into several groups."""
+    counts: dict[int, int] = {}
+    for group in draft.groups:
+        if group.cls.model in options.one_group_models:
+            counts[id(group.cls)] = counts.get(id(group.cls), 0) + 1
+    return all(n == 1 for n in counts.values())
+
+
 def _divisors(count: int) -> list[int]:
     return [n for n in range(1, count + 1) if count % n == 0]
 
 
+def _group_sizes(cls: LayerClass, options: PlanOptions) -> list[int]:
+    """Layers per group a class may be cut into: any divisor of its layer count, or
+    all of them when its model must keep one group (`PlanOptions.one_group_models`)."""
+    count = len(cls.layers)
+    return [count] if cls.model in options.one_group_models else _divisors(count)
+
+
 def _best_attention_fit(
-    per_token: int, count: int, slab: int, max_block: int | None, align: int
+    per_token: int, sizes: list[int], slab: int, max_block: int | None, align: int
 ) -> tuple[int, int] | None:
     """(layers per group, block size) filling ``slab`` best; on equal fill, the
-    smallest block. None when no divisor of ``count`` leaves a 16-token block (within
-    ``max_block`` when given)."""
+    smallest block. None when no group size in ``sizes`` leaves a 16-token block
+    (within ``max_block`` when given)."""
     best: tuple[float, int, int] | None = None
-    for n in _divisors(count):
+    for n in sizes:
         block = (slab // (n * per_token)) // align * align
         if block == 0 or (max_block is not None and block > max_block):
             continue
@@ -208,7 +226,7 @@ def _slab_for(classes: list[LayerClass], options: PlanOptions, slab: int) -> Lay
         if not cls.is_state:
             fit = _best_attention_fit(
                 cls.bytes_per_token(),
-                len(cls.layers),
+                _group_sizes(cls, options),
                 slab,
                 options.max_block_size,
                 options.block_align_tokens,
@@ -225,7 +243,7 @@ def _slab_for(classes: list[LayerClass], options: PlanOptions, slab: int) -> Lay
         if cls.is_state:
             raw = cls.state_page_bytes(options.num_spec_states)
             page = round_up(raw, SLAB_ALIGN_BYTES)
-            fitting = [n for n in _divisors(len(cls.layers)) if n * page <= slab]
+            fitting = [n for n in _group_sizes(cls, options) if n * page <= slab]
             if not fitting:
                 return None
             per_group, block = max(fitting), interval

@@ -73,6 +73,10 @@ class PlanOptions:
     # 16 for GPU kernels, 32 for vLLM's CPU attention backend).
     block_align_tokens: int = DEFAULT_BLOCK_ALIGN_TOKENS
     packing: str = "any"  # see PACKINGS
+    # Models ("main" / "draft") whose layers of one kind must share one block table:
+    # vLLM's draft proposer reads every draft layer through one KV-cache group
+    # (`validate_same_kv_cache_group`, vllm/v1/spec_decode/llm_base_proposer.py, 0.33).
+    one_group_models: tuple[str, ...] = ()
 
     @property
     def resolved_state_mode(self) -> str:
