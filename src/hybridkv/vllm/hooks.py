@@ -20,6 +20,7 @@ from typing import Any
 
 from hybridkv.errors import HybridKVError
 from hybridkv.vllm.planning import VllmChoice, VllmFacts, choose_block_size
+from hybridkv.vllm.versions import installed_vllm
 
 logger = logging.getLogger("vllm.hybridkv")
 _MARK = "_hybridkv_wrapped"
@@ -133,12 +134,46 @@ def _wrap(original: Any) -> Any:
     return aligned
 
 
-def install() -> bool:
-    """Wrap vLLM's hybrid block-size rule once per process; True when newly wrapped."""
+def _wrap_builder_cls(original: Any) -> Any:
+    """vLLM 0.33 resolves its KV-cache config builder here; where the platform keeps
+    vLLM's default builder, hybridkv's subclass of it answers instead (a platform's own
+    builder is left alone)."""
+    from hybridkv.vllm.builder import BUILDER_QUALNAME
+
+    def resolve(cls: Any, vllm_config: Any) -> str:
+        name = original(cls, vllm_config)
+        return BUILDER_QUALNAME if name == DEFAULT_BUILDER_QUALNAME else name
+
+    setattr(resolve, _MARK, True)
+    return resolve
+
+
+DEFAULT_BUILDER_QUALNAME = "vllm.v1.core.kv_cache_planning.DefaultKVCacheConfigBuilder"
+
+
+def _install_builder() -> bool:
+    """vLLM 0.33.x only (the builder interface is experimental there): hybridkv groups
+    the KV cache through `hybridkv.vllm.builder`. True when newly installed."""
+    found = installed_vllm()
+    if found is None or found.distribution != "vllm" or not found.version.startswith("0.33."):
+        return False
     from vllm.platforms.interface import Platform
 
-    current = Platform.__dict__["_align_hybrid_block_size"].__func__
+    current = Platform.__dict__["get_kv_cache_config_builder_cls"].__func__
     if getattr(current, _MARK, False):
         return False
+    Platform.get_kv_cache_config_builder_cls = classmethod(_wrap_builder_cls(current))  # type: ignore[method-assign,assignment]
+    return True
+
+
+def install() -> bool:
+    """Wrap vLLM's hybrid block-size rule once per process (and, on vLLM 0.33.x, its
+    KV-cache config builder resolution); True when anything was newly wrapped."""
+    from vllm.platforms.interface import Platform
+
+    newly = _install_builder()
+    current = Platform.__dict__["_align_hybrid_block_size"].__func__
+    if getattr(current, _MARK, False):
+        return newly
     Platform._align_hybrid_block_size = classmethod(_wrap(current))  # type: ignore[method-assign,assignment]
     return True
