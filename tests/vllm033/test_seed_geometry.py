@@ -16,6 +16,7 @@ Runs only in vLLM 0.33's venv (``scripts/install_vllm033.sh``)::
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 from dataclasses import dataclass
@@ -67,8 +68,8 @@ class Seed:
     attention_backend: Any
 
 
-@pytest.fixture(scope="module")
-def seed(tmp_path_factory: pytest.TempPathFactory) -> Seed:
+def build_seed(root: Path, *, prefix_caching: bool) -> Seed:
+    """The seed geometry's VllmConfig and per-layer specs, as vLLM 0.33 makes them."""
     import torch
     from vllm.config import (
         CacheConfig,
@@ -84,7 +85,6 @@ def seed(tmp_path_factory: pytest.TempPathFactory) -> Seed:
     from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
     from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, get_kv_quant_mode
 
-    root = tmp_path_factory.mktemp("seed")
     main = _write_config(root / "main", "qwen3-coder-next-80b-a3b", MAIN_EXTRA)
     draft = _write_config(root / "draft", "qwen3-4b", DRAFT_EXTRA)
     model = ModelConfig(
@@ -94,7 +94,7 @@ def seed(tmp_path_factory: pytest.TempPathFactory) -> Seed:
     config = VllmConfig(
         model_config=model,
         parallel_config=parallel,
-        cache_config=CacheConfig(cache_dtype=FP8, enable_prefix_caching=False),
+        cache_config=CacheConfig(cache_dtype=FP8, enable_prefix_caching=prefix_caching),
         speculative_config=SpeculativeConfig(
             model=str(draft),
             method="draft_model",
@@ -151,6 +151,11 @@ def seed(tmp_path_factory: pytest.TempPathFactory) -> Seed:
     return Seed(config, specs, draft_names, FlashAttentionBackend)
 
 
+@pytest.fixture(scope="module", params=[True, False], ids=["prefix-caching", "no-caching"])
+def seed(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Seed:
+    return build_seed(tmp_path_factory.mktemp("seed"), prefix_caching=request.param)
+
+
 def _plan_through_vllm(seed: Seed, layout: str, monkeypatch: pytest.MonkeyPatch) -> Any:
     """vLLM 0.33's engine-core sequence: resolve the layout, group, size, place."""
     import copy
@@ -205,10 +210,10 @@ def _draft_group_check(kv_config: Any, draft_names: set[str]) -> None:
     SpecDecodeBaseProposer.validate_same_kv_cache_group(proposer, kv_config)  # type: ignore[arg-type]
 
 
-def _hybridkv_own_count() -> int:
+def _hybridkv_own_count(prefix_caching: bool) -> int:
     """`hybridkv plan qwen3-coder-next-80b-a3b --draft qwen3-4b --spec-method draft
-    --num-spec 3 --kv-dtype fp8_e4m3 --memory 60GiB --max-model-len 32768
-    --no-prefix-caching`: requests at 32K."""
+    --num-spec 3 --kv-dtype fp8_e4m3 --memory 60GiB --max-model-len 32768` (with
+    ``--no-prefix-caching`` when off): requests at 32K, hybridkv's best plan."""
     from hybridkv.models import load_model_spec
     from hybridkv.plan import PlanOptions, plan
     from hybridkv.spec.dtypes import DType
@@ -219,7 +224,7 @@ def _hybridkv_own_count() -> int:
         kv_dtype=DType(FP8),
         memory_bytes=KV_MEMORY_BYTES,
         max_model_len=MAX_MODEL_LEN,
-        prefix_caching=False,
+        prefix_caching=prefix_caching,
     )
     ours = plan(load_model_spec("qwen3-coder-next-80b-a3b"), load_model_spec("qwen3-4b"), options)
     return ours.capacity.max_concurrency
@@ -230,20 +235,27 @@ def test_stock_vllm_pads_and_spreads_the_draft(seed: Seed, monkeypatch: pytest.M
     config, kv_config = _plan_through_vllm(seed, "LBNHC", monkeypatch)
     requests, padding = _numbers(config, kv_config)
     assert padding > 0.05
-    assert requests < _hybridkv_own_count()
+    assert requests < _hybridkv_own_count(seed.vllm_config.cache_config.enable_prefix_caching)
     with pytest.raises(AssertionError, match="same kv cache group"):
         _draft_group_check(kv_config, seed.draft_names)
 
 
 def test_seed_geometry_plans_through_hybridkv(seed: Seed, monkeypatch: pytest.MonkeyPatch) -> None:
     import torch
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.core.kv_cache_utils import (
+        generate_scheduler_kv_cache_config,
+        resolve_kv_cache_block_sizes,
+    )
     from vllm.v1.kv_cache_layout import KVCacheLayout
     from vllm.v1.worker.utils import allocate_kv_cache
 
+    from hybridkv.plan import plan
     from hybridkv.vllm.builder import (
         LAST_GROUPING,
         HybridKVConfigBuilder,
         kernel_align_tokens,
+        model_specs,
         plan_groups,
     )
 
@@ -260,8 +272,27 @@ def test_seed_geometry_plans_through_hybridkv(seed: Seed, monkeypatch: pytest.Mo
         f"{100 * stock_padding:.2f}%; with hybridkv {requests:.2f} requests, padding "
         f"{100 * padding:.2f}%; {LAST_GROUPING[0].log_line(MAX_MODEL_LEN)}"
     )
+    caching = config.cache_config.enable_prefix_caching
     assert padding == 0.0
-    assert int(requests) >= _hybridkv_own_count() > int(stock_requests)
+    assert int(requests) >= _hybridkv_own_count(caching) > int(stock_requests)
+    # the pool vLLM sizes is the one hybridkv's plan reports for the same memory
+    choice = LAST_GROUPING[0]
+    main, draft = model_specs(config, choice.plan.options.spec_method)
+    same = plan(main, draft, dataclasses.replace(choice.plan.options, memory_bytes=KV_MEMORY_BYTES))
+    assert kv_config.num_blocks == same.pools[0].num_pages
+    # vLLM's scheduler-side manager takes the groups (block sizes per group differ)
+    scheduler_config = generate_scheduler_kv_cache_config([kv_config])
+    config.cache_config.block_size = min(
+        g.kv_cache_spec.block_size for g in scheduler_config.kv_cache_groups
+    )
+    scheduler_block, hash_block = resolve_kv_cache_block_sizes(scheduler_config, config)
+    KVCacheManager(
+        scheduler_config,
+        max_model_len=MAX_MODEL_LEN,
+        scheduler_block_size=scheduler_block,
+        hash_block_size=hash_block,
+        enable_caching=caching,
+    )
     _draft_group_check(kv_config, seed.draft_names)
     covered = [name for t in kv_config.kv_cache_tensors for name in t.layers]
     assert sorted(covered) == sorted(seed.specs)
@@ -307,3 +338,32 @@ def test_plugin_installs_the_builder_on_033_only(monkeypatch: pytest.MonkeyPatch
     assert hooks._install_builder()
     assert not hooks._install_builder()  # once per process
     assert isinstance(get_kv_cache_config_builder(None), HybridKVConfigBuilder)
+
+
+def test_layer_outer_layout_keeps_vllms_grouping(
+    seed: Seed, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM's default preference (layer-outer LBNHC) cannot hold packed groups: the
+    builder falls back to vLLM's own grouping and logs why."""
+    import logging
+
+    from hybridkv.vllm.builder import LAST_GROUPING
+
+    _, stock = _plan_through_vllm(seed, "LBNHC", monkeypatch)
+    _with_hybridkv(monkeypatch)
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    logger = logging.getLogger("vllm.hybridkv")
+    logger.addHandler(handler)
+    LAST_GROUPING.clear()
+    try:
+        _, kv_config = _plan_through_vllm(seed, "LBNHC", monkeypatch)
+    finally:
+        logger.removeHandler(handler)
+    assert not LAST_GROUPING
+    assert [g.layer_names for g in kv_config.kv_cache_groups] == [
+        g.layer_names for g in stock.kv_cache_groups
+    ]
+    assert kv_config.num_blocks == stock.num_blocks
+    assert any("LBNHC is layer-outer" in r.getMessage() for r in records)

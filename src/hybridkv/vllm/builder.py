@@ -100,19 +100,19 @@ def _layer_key(name: str, spec: KVCacheSpec) -> tuple[str, int]:
 
 
 def kernel_align_tokens(vllm_config: Any) -> int:
-    """The attention kernels' block unit (lcm over backends); block-outer pages are
-    never split into kernel blocks, so hybridkv's blocks must be multiples of it."""
+    """The attention kernels' block unit (lcm over this process's attention layers);
+    block-outer pages are never split into kernel blocks, so hybridkv's blocks must be
+    multiples of it. Without layers here (no model built in this process): 16, the
+    unit of vLLM's CUDA kernels (FlashAttention, FlashInfer: ``MultipleOf(16)``)."""
+    from vllm.config import get_layers_from_vllm_config
+    from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+
     from hybridkv.vllm.hooks import _kernel_align_tokens
 
-    try:
-        from vllm.v1.attention.backends.utils import get_current_attn_backends
-
-        backends = [b for b in get_current_attn_backends(vllm_config) if not b.is_ssm()]
-    except Exception:  # no model built in this process: nothing to ask
-        backends = []
-    if not backends:
-        return DEFAULT_BLOCK_ALIGN_TOKENS  # FlashAttention / FlashInfer take 16-multiples
-    return math.lcm(*(_kernel_align_tokens(b) for b in backends))
+    layers = get_layers_from_vllm_config(vllm_config, AttentionLayerBase)  # type: ignore[type-abstract]
+    backends = {layer.get_attn_backend() for layer in layers.values()}
+    units = [_kernel_align_tokens(b) for b in backends if not b.is_ssm()]
+    return math.lcm(*units) if units else DEFAULT_BLOCK_ALIGN_TOKENS
 
 
 def _check_supported(vllm_config: Any, specs: dict[str, KVCacheSpec]) -> None:
@@ -130,7 +130,9 @@ def _check_supported(vllm_config: Any, specs: dict[str, KVCacheSpec]) -> None:
         raise PlanError("HiSparse owns its own grouping")
     if vllm_config.model_config.supports_kv_cache_grouping:
         raise PlanError("the model declares its own KV-cache grouping")
-    others = sorted({type(s).__name__ for s in specs.values()} - {"FullAttentionSpec", "MambaSpec"})
+    others = sorted(
+        {type(s).__name__ for s in specs.values() if type(s) not in (FullAttentionSpec, MambaSpec)}
+    )
     if others:
         raise PlanError(f"spec types {others} are not mapped to hybridkv's layer specs")
     if vllm_config.parallel_config.decode_context_parallel_size > 1:
@@ -182,7 +184,7 @@ def _options(vllm_config: Any, specs: dict[str, KVCacheSpec], align: int) -> Pla
     )
 
 
-def _models(vllm_config: Any, method: str | None) -> tuple[Any, Any]:
+def model_specs(vllm_config: Any, method: str | None) -> tuple[Any, Any]:
     from hybridkv.models import load_model_spec
 
     def spec_of(model_config: Any, what: str) -> Any:
@@ -214,8 +216,7 @@ def _group_spec(
             padded = group.padded_page_bytes if group.padded_page_bytes > raw else None
             block = group.block_size if state_mode == "align" else spec.block_size
             layer_specs[name] = dataclasses.replace(spec, block_size=block, page_size_padded=padded)
-        else:
-            assert isinstance(spec, FullAttentionSpec)
+        elif isinstance(spec, FullAttentionSpec):
             one = dataclasses.replace(spec, block_size=1, page_size_padded=None)
             if one.page_size_bytes * group.block_size != group.page_bytes:
                 raise PlanError(
@@ -225,6 +226,8 @@ def _group_spec(
             layer_specs[name] = dataclasses.replace(
                 spec, block_size=group.block_size, page_size_padded=None
             )
+        else:
+            raise PlanError(f"layer {name}: spec {type(spec).__name__} is not mapped")
     merged = UniformTypeKVCacheSpecs.from_specs(layer_specs)
     if merged is None:
         raise PlanError(f"hybridkv's group {group.group_id} mixes layer kinds vLLM cannot merge")
@@ -238,7 +241,7 @@ def plan_groups(
     vLLM's own grouping should stay."""
     _check_supported(vllm_config, specs)
     options = _options(vllm_config, specs, align)
-    main, draft = _models(vllm_config, options.spec_method)
+    main, draft = model_specs(vllm_config, options.spec_method)
     ours = plan(main, draft, options=options)
     if len(ours.pools) != 1:
         raise PlanError(f"hybridkv's plan has {len(ours.pools)} pools; vLLM's workers take one")
