@@ -18,10 +18,11 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
+from typer.core import TyperCommand
 
 from hybridkv import cli_options as o
 from hybridkv.errors import HybridKVError
-from hybridkv.plan.report import LEGEND, short_kind
+from hybridkv.plan.report import short_kind
 
 app = typer.Typer(
     add_completion=False,
@@ -134,52 +135,118 @@ def plan_command(
 
 @app.command("models")
 def models_command(as_json: o.Json = False) -> None:
-    """List the built-in model presets (name, family, layer mix, source)."""
+    """List the built-in models: the presets and the demo checkpoints (name, family,
+    layer mix, Hugging Face id, source). Each name works as MODEL in plan / simulate."""
 
     def body() -> None:
-        from hybridkv.models import list_presets
-
-        presets = list_presets()
+        rows = model_rows()
         if as_json:
-            emit_json(
-                [
-                    {
-                        "name": p.name,
-                        "family": p.family,
-                        "model_type": p.model_type,
-                        "hf_id": p.hf_id,
-                        "layer_mix": p.layer_mix,
-                        "source": p.source,
-                    }
-                    for p in presets
-                ]
-            )
+            emit_json(rows)
             return
         console = Console()
-        table = Table(title=f"{len(presets)} presets", title_justify="left")
+        table = Table(
+            title=f"{len(rows)} models ({len(rows) - len(DEMO_ROWS)} presets, "
+            f"{len(DEMO_ROWS)} demo checkpoints)",
+            title_justify="left",
+        )
         if console.width >= WIDE_COLUMNS:
-            for col in ("name", "family", "layer mix", "hf id"):
-                table.add_column(col, no_wrap=col in ("name", "hf id"))
-            for p in presets:
-                table.add_row(p.name, p.family, short_mix(p.layer_mix), p.hf_id)
+            for col in ("name", "family", "layer mix", "hf id", "source"):
+                table.add_column(col, no_wrap=col in ("name", "hf id"), overflow="fold")
+            for r in rows:
+                table.add_row(
+                    r["name"], r["family"], short_mix(r["layer_mix"]), r["hf_id"], short_source(r)
+                )
         else:  # stacked: the name and its Hugging Face id in one cell, never cut
             table.add_column("name / hf id", no_wrap=True)
-            table.add_column("family: layer mix", overflow="fold")
-            for p in presets:
+            table.add_column("family: layer mix / source", overflow="fold")
+            for r in rows:
                 table.add_row(
-                    f"{p.name}\n[dim]{p.hf_id}[/dim]", f"{p.family}: {short_mix(p.layer_mix)}"
+                    f"{escape(r['name'])}\n[dim]{escape(r['hf_id'])}[/dim]",
+                    f"{r['family']}: {short_mix(r['layer_mix'])}\n"
+                    f"[dim]{escape(short_source(r))}[/dim]",
                 )
-        console.print(table, LEGEND, highlight=False)
-        return
+        console.print(table, highlight=False)
+        console.print(kinds_legend(rows), highlight=False)
 
     run_guarded(as_json, body)
 
 
 WIDE_COLUMNS = 120  # below this, `hybridkv models` stacks name and hf id
+# The demo checkpoints `hybridkv demo` / `serve demo` run, listed beside the presets.
+DEMO_ROWS = {"demo": "main", "demo-draft": "draft"}
+
+
+def model_rows() -> list[dict[str, Any]]:
+    """Every preset, then the demo checkpoints (source: their folder, which holds the
+    config, weights and Hugging Face tokenizer files)."""
+    from hybridkv.demo import DEMO_CHECKPOINTS
+    from hybridkv.models import list_presets, load_model_spec
+    from hybridkv.models.registry import TABLE
+
+    rows: list[dict[str, Any]] = [
+        {
+            "name": p.name,
+            "family": p.family,
+            "model_type": p.model_type,
+            "hf_id": p.hf_id,
+            "layer_mix": p.layer_mix,
+            "source": list(p.source),
+        }
+        for p in list_presets()
+    ]
+    for name in DEMO_ROWS:
+        folder = DEMO_CHECKPOINTS[name]
+        spec = load_model_spec(folder)
+        rows.append(
+            {
+                "name": name,
+                "family": TABLE[spec.model_type].family,
+                "model_type": spec.model_type,
+                "hf_id": "",
+                "layer_mix": spec.layer_mix(),
+                "source": [f"built-in demo checkpoint: {folder}"],
+            }
+        )
+    return rows
+
+
+def short_source(row: dict[str, Any]) -> str:
+    """Each source's name without its path and notes ('huggingface/transformers: src/...
+    @abc (...)' -> 'huggingface/transformers'); `--json` has them whole."""
+    if row["name"] in DEMO_ROWS:
+        return f"built in: {row['source'][0].rpartition(': ')[2]}"
+    labels = []
+    for source in row["source"]:
+        label = source
+        for cut in (": ", " @", " ("):
+            label = label.split(cut)[0]
+        if "not verified" in source.lower():
+            label += " (unverified)"
+        labels.append(label)
+    return "; ".join(labels) or "-"
+
+
+def kinds_legend(rows: list[dict[str, Any]]) -> str:
+    """The abbreviations the layer-mix column uses, and only those."""
+    names = {
+        "full": "full attention",
+        "swa": "sliding-window attention",
+        "chunk": "chunked local attention",
+        "mla": "multi-head latent attention",
+        "gdn": "Gated DeltaNet",
+        "mamba2": "Mamba2",
+        "mamba1": "Mamba1",
+        "sconv": "short conv",
+        "kda": "Kimi delta attention",
+        "light": "lightning attention",
+    }
+    used = {short_kind(part.partition(" ")[2]) for r in rows for part in r["layer_mix"].split(", ")}
+    shown = [f"{k} = {v}" for k, v in names.items() if k in used and k != v.lower()]
+    return "layer kinds: " + ", ".join(shown) + "; full sources: hybridkv models --json"
 
 
 def short_mix(layer_mix: str) -> str:
-    """'12 full_attention, 36 state:gated_delta_net' -> '12 full, 36 gdn' (see LEGEND)."""
+    """'12 full_attention, 36 state:gated_delta_net' -> '12 full, 36 gdn'."""
     parts = []
     for part in layer_mix.split(", "):
         count, _, kind = part.partition(" ")
@@ -187,19 +254,38 @@ def short_mix(layer_mix: str) -> str:
     return ", ".join(parts)
 
 
-@app.command("bench", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+class BenchCommand(TyperCommand):
+    """`hybridkv bench --help` lists the benchmarks found, one line each."""
+
+    def format_epilog(self, ctx: Any, formatter: Any) -> None:  # typer's vendored click
+        rows = benchmark_summaries()
+        with formatter.section("Benchmarks (NAME; extra arguments go to the script)"):
+            formatter.write_dl(rows or [("(none)", "no bench/ folder found")])
+        super().format_epilog(ctx, formatter)
+
+
+@app.command(
+    "bench",
+    cls=BenchCommand,
+    context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+)
 def bench_command(
     ctx: typer.Context,
-    name: str = typer.Argument(help="a benchmark without .py, e.g. planner"),
+    name: str = typer.Argument(help="a benchmark without .py (listed below), e.g. planner"),
 ) -> None:
-    """Run one benchmark script (bench/NAME.py; installed with the package too)."""
+    """Run one benchmark script (bench/NAME.py; installed with the package too). Its
+    own options: hybridkv bench NAME --help."""
     import runpy
+
+    from hybridkv.progress import progress_bar
 
     def body() -> None:
         script = find_benchmark(name)
         sys.argv = [str(script), *ctx.args]
+        quiet = "--json" in ctx.args or "--help" in ctx.args or "-h" in ctx.args
         try:
-            runpy.run_path(str(script), run_name="__main__")
+            with progress_bar(f"bench {name}", None, quiet=quiet):
+                runpy.run_path(str(script), run_name="__main__")
         except ModuleNotFoundError as err:
             if (err.name or "").split(".")[0] in ENGINE_MODULES:
                 raise
@@ -221,6 +307,25 @@ def benchmark_dirs() -> list[Path]:
         Path(site.getuserbase()) / "share" / "hybridkv" / "bench",
     ]
     return [d for d in candidates if d.is_dir()]
+
+
+def benchmark_summaries() -> list[tuple[str, str]]:
+    """(name, the first line of its docstring's first paragraph) per benchmark script,
+    read without running it."""
+    import ast
+
+    rows: dict[str, str] = {}
+    for folder in benchmark_dirs():
+        for script in sorted(folder.glob("*.py")):
+            if script.stem.startswith("_") or script.stem in rows:
+                continue
+            try:
+                doc = ast.get_docstring(ast.parse(script.read_text(encoding="utf-8"))) or ""
+            except (OSError, SyntaxError, ValueError):
+                doc = ""
+            paragraph = " ".join(doc.split("\n\n")[0].split())
+            rows[script.stem] = paragraph.split(". ")[0].rstrip(".") or "(no description)"
+    return sorted(rows.items())
 
 
 def find_benchmark(name: str) -> Path:

@@ -334,13 +334,15 @@ class PlanArgs:
         return PlanOptions().memory_bytes
 
     def resolve(self) -> tuple[ModelSpec, ModelSpec | None, PlanOptions]:
+        from hybridkv.demo import DEMO_CHECKPOINTS
         from hybridkv.models import load_model_spec
 
         method, draft_name, k = self._speculative()
-        main = load_model_spec(self.model)
+        # `demo` / `demo-draft` (listed by `hybridkv models`) name the built-in folders
+        main = load_model_spec(DEMO_CHECKPOINTS.get(self.model, self.model))
         draft: ModelSpec | None = None
         if draft_name is not None:
-            draft = load_model_spec(draft_name)
+            draft = load_model_spec(DEMO_CHECKPOINTS.get(draft_name, draft_name))
         elif method in ("mtp", "eagle"):
             draft = main.draft_head(method=method)
         if method is None and k:

@@ -29,6 +29,7 @@ DEMO_SPEC_METHODS = ("draft", "mtp")
 DEMO_MEMORY_BYTES = 32 << 20
 DEMO_MAX_MODEL_LEN = 1024
 MAX_DEMO_REQUESTS = 1024
+PROMPT_TAIL_CHARS = 60  # the shared header is long; the report shows each prompt's end
 
 HEADER = (
     '"""Command line tool: read files, count lines, print a report."""\n'
@@ -53,12 +54,21 @@ def demo_prompts(num_requests: int) -> list[str]:
     return [HEADER + TAILS[i % len(TAILS)] for i in range(num_requests)]
 
 
+# Names of the built-in checkpoints. Each folder holds config.json, model.safetensors and
+# Hugging Face tokenizer files: point a client's tokenizer at it, e.g.
+# AutoTokenizer.from_pretrained(hybridkv.demo.DEMO_MAIN).
+DEMO_CHECKPOINTS = {
+    "demo": DEMO_MAIN,
+    "demo-main": DEMO_MAIN,
+    "demo-draft": DEMO_DRAFT,
+    "demo-mtp": DEMO_MTP,
+}
+
+
 def resolve_model(name: str) -> Path:
     """``demo`` / ``demo-main`` / ``demo-draft`` / ``demo-mtp`` (the MTP head) name the
     built-in models; else a path."""
-    builtin = {"demo": DEMO_MAIN, "demo-main": DEMO_MAIN, "demo-draft": DEMO_DRAFT}
-    builtin["demo-mtp"] = DEMO_MTP
-    return builtin.get(name, Path(name))
+    return DEMO_CHECKPOINTS.get(name, Path(name))
 
 
 @dataclass(frozen=True)
@@ -127,14 +137,10 @@ def run_demo(options: DemoOptions, progress: bool = True) -> tuple[Any, dict[str
             advance(now - done)
             done = now
 
-    if progress:
-        from rich.progress import Progress
+    from hybridkv.progress import progress_bar
 
-        with Progress(transient=True) as bar:
-            task = bar.add_task("serving", total=total)
-            serve(lambda n: bar.advance(task, n))
-    else:
-        serve(lambda n: None)
+    with progress_bar("serving", total, quiet=not progress) as advance:
+        serve(advance)
     wall_s = time.perf_counter() - start
     return llm, _report(llm, [llm.result(r) for r in requests], peak_usage, wall_s)
 
@@ -233,8 +239,21 @@ def print_report(llm: Any, report: dict[str, Any]) -> None:
         )
     for i, out in enumerate(report["outputs"]):
         console.rule(f"request {i} (prefix hit {out['prefix_hit_tokens']} tokens)")
-        console.print(out["prompt"][-60:], style="dim", end="", highlight=False)
-        console.print(out["text"], style="bold", highlight=False)
+        # labelled blocks, so that a log without colours still shows where the prompt
+        # ends and the completion starts
+        tail = out["prompt"][-PROMPT_TAIL_CHARS:]
+        console.print(
+            f"prompt (last {len(tail)} of {len(out['prompt'])} characters):",
+            style="cyan",
+            highlight=False,
+        )
+        console.print(tail, style="dim", highlight=False, markup=False)
+        console.print(
+            f">>> completion ({out['num_tokens']} tokens, finish: {out['finish_reason']}):",
+            style="cyan",
+            highlight=False,
+        )
+        console.print(out["text"], style="bold", highlight=False, markup=False)
     spec, cache, mem = report["spec"], report["prefix_cache"], report["memory"]
     shape = "" if spec["tree"] is None else f", a tree of {len(spec['tree'])} nodes"
     console.rule("summary")

@@ -53,9 +53,34 @@ def short_spec(text: str) -> str:
 
 
 def _layer_span(names: list[str]) -> str:
-    if len(names) <= 2:
-        return ",".join(names)
-    return f"{names[0]}..{names[-1].split('.')[-1]}"
+    """Layer names as runs that show every gap: main.0, main.1, main.3, main.4, draft.0
+    -> "main.0-1,3-4 draft.0" (a name without a numeric suffix is written whole)."""
+    parts: list[str] = []
+    runs: list[list[int]] = []
+    prefix: str | None = None
+
+    def flush() -> None:
+        if prefix is not None:
+            spans = [str(a) if a == b else f"{a}-{b}" for a, b in ((r[0], r[-1]) for r in runs)]
+            parts.append(f"{prefix}.{','.join(spans)}")
+
+    for name in names:
+        head, _, tail = name.rpartition(".")
+        if not head or not tail.isdigit():
+            flush()
+            prefix, runs = None, []
+            parts.append(name)
+            continue
+        index = int(tail)
+        if head != prefix:
+            flush()
+            prefix, runs = head, [[index]]
+        elif runs[-1][-1] + 1 == index:
+            runs[-1].append(index)
+        else:
+            runs.append([index])
+    flush()
+    return " ".join(parts)
 
 
 def _row_key(g: GroupPlan) -> tuple[object, ...]:

@@ -29,6 +29,7 @@ from hybridkv import cli_options as o
 from hybridkv.cli import app, emit_json, run_guarded, say_notes
 from hybridkv.errors import PlanError, TraceError
 from hybridkv.plan.types import CachePlan
+from hybridkv.progress import progress_bar
 from hybridkv.sim.trace import TraceRequest
 
 # The simulator builds one Python object per block; a plan with more pages than this
@@ -82,8 +83,9 @@ def trace_gen_command(
             num_prefixes=num_prefixes,
             max_turns=max_turns,
         )
-        requests = generate_workload(kind, opts)
-        count = write_trace(out, requests)
+        with progress_bar(f"trace-gen {kind}", None, quiet=as_json):
+            requests = generate_workload(kind, opts)
+            count = write_trace(out, requests)
         summary = {
             "kind": kind,
             "path": out,
@@ -113,14 +115,24 @@ def _render(result: dict[str, object]) -> None:
     Console().print(table)
 
 
-def _plot(result: object, path: str) -> None:
+def _need_matplotlib() -> None:
+    """Refuse ``--plot`` before the simulation runs when matplotlib is missing."""
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        import matplotlib  # noqa: F401
     except ImportError:
-        raise ValueError("--plot needs matplotlib (pip install matplotlib)") from None
+        raise ValueError(
+            "--plot needs matplotlib, which is not installed: pip install 'hybridkv[plot]' "
+            "(or pip install matplotlib), or drop --plot"
+        ) from None
+
+
+def _plot(result: object, path: str) -> None:
+    _need_matplotlib()
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     samples = result.usage_samples  # type: ignore[attr-defined]
     fig, ax = plt.subplots(figsize=(8, 3))
     ax.plot([t for t, _ in samples], [u for _, u in samples])
@@ -222,6 +234,8 @@ def simulate_command(
         from hybridkv.sim.simulator import simulate
         from hybridkv.sim.trace import read_trace
 
+        if plot:
+            _need_matplotlib()
         requests = read_trace(trace)
         if not requests:
             raise TraceError(f"trace {trace} holds no requests (every line is blank)")
@@ -230,17 +244,19 @@ def simulate_command(
         cache_plan = plan(main_spec, draft_spec, options)
         check_lengths(requests, cache_plan.capacity.max_model_len)
         check_simulated_pages(cache_plan)
-        result = simulate(
-            requests,
-            cache_plan,
-            check_every=check_every,
-            batched=batched,
-            max_steps=max_steps,
-            eviction_policy=eviction,
-            checkpoint_rules=None
-            if checkpoint_rule is None
-            else tuple(r for r in checkpoint_rule if r != "none"),
-        )
+        with progress_bar("simulate (requests finished)", len(requests), quiet=as_json) as done:
+            result = simulate(
+                requests,
+                cache_plan,
+                check_every=check_every,
+                batched=batched,
+                max_steps=max_steps,
+                eviction_policy=eviction,
+                checkpoint_rules=None
+                if checkpoint_rule is None
+                else tuple(r for r in checkpoint_rule if r != "none"),
+                on_step=lambda _, report: done(len(report.finished)),
+            )
         if plot:
             _plot(result, plot)
         payload = result.to_dict()

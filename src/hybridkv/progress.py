@@ -1,0 +1,44 @@
+"""Progress bars for long CLI work (bench, simulate, trace-gen, demo), quiet in logs.
+
+A bar shows only when stdout is a terminal and the command was not asked for ``--json``:
+piped or logged output, and machine-readable output, carry no bar at all. The bar is
+transient (it disappears when the work ends) and goes to the same console as the
+command's output, so text printed meanwhile lands above it.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+
+def bar_enabled(quiet: bool = False) -> bool:
+    """Whether a bar would show: not ``quiet`` (``--json``) and stdout is a terminal."""
+    return not quiet and sys.stdout.isatty()
+
+
+@contextmanager
+def progress_bar(
+    description: str, total: float | None, *, quiet: bool = False
+) -> Iterator[Callable[[float], None]]:
+    """Yields ``advance(n)``; ``total=None`` is a bar without an end (elapsed time only)."""
+    if not bar_enabled(quiet):
+        yield lambda n: None
+        return
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        SpinnerColumn,
+        TextColumn,
+        TimeElapsedColumn,
+    )
+
+    columns = [SpinnerColumn(), TextColumn("{task.description}"), BarColumn()]
+    if total is not None:
+        columns.append(MofNCompleteColumn())
+    columns.append(TimeElapsedColumn())
+    with Progress(*columns, transient=True) as bar:
+        task = bar.add_task(description, total=total)
+        yield lambda n: bar.advance(task, n)
