@@ -32,7 +32,7 @@ def test_bench_help_lists_every_benchmark_with_its_docstring() -> None:
     assert len(scripts) >= 5
     lines = result.output.splitlines()
     for script in scripts:
-        doc = ast.get_docstring(ast.parse(script.read_text()))
+        doc = ast.get_docstring(ast.parse(script.read_text())) or "(no description)"
         first_words = " ".join(doc.split()[:4])
         row = next((line for line in lines if line.strip().startswith(script.stem + " ")), None)
         assert row is not None, f"{script.stem} missing from bench --help"
