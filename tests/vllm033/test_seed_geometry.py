@@ -16,9 +16,12 @@ Runs only in vLLM 0.33's venv (``scripts/install_vllm033.sh``)::
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import json
+import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -188,6 +191,20 @@ def _with_hybridkv(monkeypatch: pytest.MonkeyPatch) -> None:
     assert hooks._install_builder()
 
 
+@contextlib.contextmanager
+def _hybridkv_warnings() -> Iterator[list[logging.LogRecord]]:
+    """What the plugin logs meanwhile (vLLM's loggers do not reach pytest's caplog)."""
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    logger = logging.getLogger("vllm.hybridkv")
+    logger.addHandler(handler)
+    try:
+        yield records
+    finally:
+        logger.removeHandler(handler)
+
+
 def _numbers(config: Any, kv_config: Any) -> tuple[float, float]:
     """(requests at max_model_len by vLLM's own rule, padding fraction of all blocks)."""
     from vllm.v1.core.kv_cache_utils import get_max_concurrency_for_kv_cache_config
@@ -254,6 +271,7 @@ def test_seed_geometry_plans_through_hybridkv(seed: Seed, monkeypatch: pytest.Mo
     from hybridkv.vllm.builder import (
         LAST_GROUPING,
         HybridKVConfigBuilder,
+        iter_layer_specs,
         kernel_align_tokens,
         model_specs,
         plan_groups,
@@ -294,6 +312,10 @@ def test_seed_geometry_plans_through_hybridkv(seed: Seed, monkeypatch: pytest.Mo
         enable_caching=caching,
     )
     _draft_group_check(kv_config, seed.draft_names)
+    for group in kv_config.kv_cache_groups:  # state blocks stay what every worker keeps
+        for spec in iter_layer_specs(group):
+            if type(spec).__name__ == "MambaSpec":
+                assert spec.block_size == config.cache_config.mamba_block_size
     covered = [name for t in kv_config.kv_cache_tensors for name in t.layers]
     assert sorted(covered) == sorted(seed.specs)
     # The worker's allocator lays a few blocks out on CPU: every layer's page of block b
@@ -345,25 +367,54 @@ def test_layer_outer_layout_keeps_vllms_grouping(
 ) -> None:
     """vLLM's default preference (layer-outer LBNHC) cannot hold packed groups: the
     builder falls back to vLLM's own grouping and logs why."""
-    import logging
-
     from hybridkv.vllm.builder import LAST_GROUPING
 
     _, stock = _plan_through_vllm(seed, "LBNHC", monkeypatch)
     _with_hybridkv(monkeypatch)
-    records: list[logging.LogRecord] = []
-    handler = logging.Handler()
-    handler.emit = records.append  # type: ignore[method-assign]
-    logger = logging.getLogger("vllm.hybridkv")
-    logger.addHandler(handler)
     LAST_GROUPING.clear()
-    try:
+    with _hybridkv_warnings() as records:
         _, kv_config = _plan_through_vllm(seed, "LBNHC", monkeypatch)
-    finally:
-        logger.removeHandler(handler)
     assert not LAST_GROUPING
     assert [g.layer_names for g in kv_config.kv_cache_groups] == [
         g.layer_names for g in stock.kv_cache_groups
     ]
     assert kv_config.num_blocks == stock.num_blocks
     assert any("LBNHC is layer-outer" in r.getMessage() for r in records)
+
+
+@pytest.fixture(scope="module")
+def seed_flashinfer_align(tmp_path_factory: pytest.TempPathFactory) -> Seed:
+    """Prefix caching on Hopper: FlashInfer's GDN prefill exports checkpoints every 64
+    tokens, so vLLM's rule rounds blocks to 64 (`Platform._align_hybrid_block_size`):
+    attention and Mamba blocks of 1152 tokens, state pages padded to 1152 x 1024 B."""
+
+    seed = build_seed(tmp_path_factory.mktemp("seed64"), prefix_caching=True)
+    page = 1152 * 1024  # main attention page at 1152 tokens (2 KV heads x 256 x fp8)
+    specs = {
+        name: dataclasses.replace(spec, block_size=1152, page_size_padded=page)
+        if type(spec).__name__ == "MambaSpec"
+        else dataclasses.replace(spec, block_size=1152)
+        for name, spec in seed.specs.items()
+    }
+    seed.vllm_config.cache_config.block_size = 1152
+    seed.vllm_config.cache_config.mamba_block_size = 1152
+    return dataclasses.replace(seed, specs=specs)
+
+
+def test_flashinfer_checkpoint_grid_keeps_vllms_grouping(
+    seed_flashinfer_align: Seed, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """hybridkv's 0%-padding plan checkpoints states every 3360 tokens, not a multiple
+    of the 1152-token Mamba block every worker keeps: vLLM's grouping stays, and why is
+    logged (no silent change to where states are saved)."""
+    from hybridkv.vllm.builder import LAST_GROUPING
+
+    seed = seed_flashinfer_align
+    _, stock = _plan_through_vllm(seed, "BLNHC", monkeypatch)
+    _with_hybridkv(monkeypatch)
+    LAST_GROUPING.clear()
+    with _hybridkv_warnings() as records:
+        _, kv_config = _plan_through_vllm(seed, "BLNHC", monkeypatch)
+    assert not LAST_GROUPING
+    assert kv_config.num_blocks == stock.num_blocks
+    assert any("Mamba block size 1152" in r.getMessage() for r in records)

@@ -214,8 +214,16 @@ def _group_spec(
                     f"{group.page_bytes}; the specs disagree (dtypes or speculative rows)"
                 )
             padded = group.padded_page_bytes if group.padded_page_bytes > raw else None
-            block = group.block_size if state_mode == "align" else spec.block_size
-            layer_specs[name] = dataclasses.replace(spec, block_size=block, page_size_padded=padded)
+            # The state block stays vLLM's: every worker reads it from its own
+            # cache_config.mamba_block_size (checkpoint columns, prefill checkpoint
+            # grid). In align mode hybridkv's checkpoint interval must be a multiple of
+            # it, so every prefix hit hybridkv plans for lands on a saved state.
+            if state_mode == "align" and group.block_size % spec.block_size:
+                raise PlanError(
+                    f"hybridkv checkpoints states every {group.block_size} tokens, not a "
+                    f"multiple of vLLM's Mamba block size {spec.block_size}"
+                )
+            layer_specs[name] = dataclasses.replace(spec, page_size_padded=padded)
         elif isinstance(spec, FullAttentionSpec):
             one = dataclasses.replace(spec, block_size=1, page_size_padded=None)
             if one.page_size_bytes * group.block_size != group.page_bytes:
