@@ -155,8 +155,17 @@ def build_seed(root: Path, *, prefix_caching: bool) -> Seed:
 
 
 @pytest.fixture(scope="module", params=[True, False], ids=["prefix-caching", "no-caching"])
-def seed(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Seed:
-    return build_seed(tmp_path_factory.mktemp("seed"), prefix_caching=request.param)
+def seed(request: pytest.FixtureRequest, seeds: dict[bool, Seed]) -> Seed:
+    return seeds[request.param]
+
+
+@pytest.fixture(scope="module")
+def seeds(tmp_path_factory: pytest.TempPathFactory) -> dict[bool, Seed]:
+    """Both seeds, built once (a VllmConfig takes seconds: vLLM inspects the model)."""
+    return {
+        caching: build_seed(tmp_path_factory.mktemp("seed"), prefix_caching=caching)
+        for caching in (True, False)
+    }
 
 
 def _plan_through_vllm(seed: Seed, layout: str, monkeypatch: pytest.MonkeyPatch) -> Any:
@@ -383,12 +392,13 @@ def test_layer_outer_layout_keeps_vllms_grouping(
 
 
 @pytest.fixture(scope="module")
-def seed_flashinfer_align(tmp_path_factory: pytest.TempPathFactory) -> Seed:
+def seed_flashinfer_align(seeds: dict[bool, Seed]) -> Seed:
     """Prefix caching on Hopper: FlashInfer's GDN prefill exports checkpoints every 64
     tokens, so vLLM's rule rounds blocks to 64 (`Platform._align_hybrid_block_size`):
     attention and Mamba blocks of 1152 tokens, state pages padded to 1152 x 1024 B."""
+    import copy
 
-    seed = build_seed(tmp_path_factory.mktemp("seed64"), prefix_caching=True)
+    seed = seeds[True]
     page = 1152 * 1024  # main attention page at 1152 tokens (2 KV heads x 256 x fp8)
     specs = {
         name: dataclasses.replace(spec, block_size=1152, page_size_padded=page)
@@ -396,9 +406,10 @@ def seed_flashinfer_align(tmp_path_factory: pytest.TempPathFactory) -> Seed:
         else dataclasses.replace(spec, block_size=1152)
         for name, spec in seed.specs.items()
     }
-    seed.vllm_config.cache_config.block_size = 1152
-    seed.vllm_config.cache_config.mamba_block_size = 1152
-    return dataclasses.replace(seed, specs=specs)
+    config = copy.deepcopy(seed.vllm_config)
+    config.cache_config.block_size = 1152
+    config.cache_config.mamba_block_size = 1152
+    return dataclasses.replace(seed, vllm_config=config, specs=specs)
 
 
 def test_flashinfer_checkpoint_grid_keeps_vllms_grouping(
