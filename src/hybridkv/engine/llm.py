@@ -307,6 +307,7 @@ class LLM:
             stop_token_ids=frozenset(stop),
             priority=priority,
             cache_salt=cache_salt,
+            use_prefix_cache=params.prompt_logprobs is None,  # `SamplingParams` doc
         )
         self.stepper.add(req, params, index)
         return req
@@ -350,11 +351,16 @@ class LLM:
         ]
         while any(r.status in (Status.WAITING, Status.RUNNING) for r in requests):
             self.step()
-        return [self.result(r) for r in requests]
+        return [self.result(r, release=True) for r in requests]
 
-    def result(self, req: Request) -> GenerationResult:
+    def result(self, req: Request, *, release: bool = False) -> GenerationResult:
+        """``req``'s result so far; ``release=True`` (once it finished) also drops the
+        logprobs kept for it, so the engine holds nothing more of it."""
         spec = self.stepper.req_spec.get(req.req_id, SpecCounters())
-        return build_result(req, spec, self.tokenizer)
+        logprobs, prompt_logprobs = self.stepper.logprobs.get(req.req_id, len(req.prompt))
+        if release:
+            self.stepper.logprobs.pop(req.req_id)
+        return build_result(req, spec, self.tokenizer, logprobs, prompt_logprobs)
 
     def stats(self) -> EngineStats:
         cache = self.manager.stats()

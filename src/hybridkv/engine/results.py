@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 from hybridkv.sched import Request, Status
 
 if TYPE_CHECKING:
+    from hybridkv.engine.logprobs import TokenLogprob
     from hybridkv.engine.speculative import SpecCounters
 
 
@@ -34,7 +35,9 @@ class RequestStats:
 class GenerationResult:
     """``token_ids`` include the stop token when ``finish_reason`` is "stop" (as
     transformers' output does); "length" means ``max_new_tokens`` were generated and
-    None that the request was cancelled first."""
+    None that the request was cancelled first. ``logprobs`` (one per output token) and
+    ``prompt_logprobs`` (one per prompt token, None for the first) are set when the
+    sampling params asked for them (`hybridkv.engine.logprobs`)."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -43,6 +46,8 @@ class GenerationResult:
     stats: RequestStats
     cancelled: bool = False
     finish_reason: str | None = None
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -75,9 +80,15 @@ class EngineStats:
         return asdict(self)
 
 
-def build_result(req: Request, spec: SpecCounters, tokenizer: Any) -> GenerationResult:
+def build_result(
+    req: Request,
+    spec: SpecCounters,
+    tokenizer: Any,
+    logprobs: list[TokenLogprob] | None = None,
+    prompt_logprobs: list[TokenLogprob | None] | None = None,
+) -> GenerationResult:
     """``req``'s `GenerationResult` (text decoded when there is a tokenizer), with its
-    speculative counters ``spec``."""
+    speculative counters ``spec`` and the logprobs recorded for it."""
     text = None if tokenizer is None else tokenizer.decode(req.output)
     return GenerationResult(
         request_id=req.req_id,
@@ -97,4 +108,6 @@ def build_result(req: Request, spec: SpecCounters, tokenizer: Any) -> Generation
         ),
         cancelled=req.status is Status.CANCELLED,
         finish_reason=req.finish_reason,
+        logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
     )

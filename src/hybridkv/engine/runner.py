@@ -54,6 +54,13 @@ class StepInput:
     # Token tree over ``token_ids`` (`tree_batch`: parent per token, -1: the context);
     # None: a plain causal chunk.
     parents: tuple[int, ...] | None = None
+    # Logits at every token of the step, not only the last 1 + num_draft_tokens
+    # (prompt logprobs, `engine.logprobs`).
+    all_logits: bool = False
+
+    @property
+    def num_logit_rows(self) -> int:
+        return len(self.token_ids) if self.all_logits else 1 + self.num_draft_tokens
 
 
 def state_write_points(
@@ -147,7 +154,7 @@ class ModelRunner:
         end = 0
         for s in steps:
             end += len(s.token_ids)
-            indices.extend(range(end - 1 - s.num_draft_tokens, end))
+            indices.extend(range(end - s.num_logit_rows, end))
         batch = make_batch(
             [(list(s.token_ids), s.num_computed) for s in steps],
             tables,
@@ -194,12 +201,12 @@ class ModelRunner:
         batch = self.build_batch(steps)
         batch.check()
         logits, hidden = self.model.forward_with_hidden(batch, self.caches, capture)
-        return list(torch.split(logits, [1 + s.num_draft_tokens for s in steps])), hidden
+        return list(torch.split(logits, [s.num_logit_rows for s in steps])), hidden
 
     def execute(self, steps: Sequence[StepInput]) -> list[torch.Tensor]:
-        """Run one step; per request, logits ``[1 + num_draft_tokens, vocab]`` at its
-        last ``1 + num_draft_tokens`` tokens."""
+        """Run one step; per request, logits ``[num_logit_rows, vocab]`` at its last
+        ``1 + num_draft_tokens`` tokens (every token with ``all_logits``)."""
         batch = self.build_batch(steps)
         batch.check()
         logits = self.model.forward(batch, self.caches)
-        return list(torch.split(logits, [1 + s.num_draft_tokens for s in steps]))
+        return list(torch.split(logits, [s.num_logit_rows for s in steps]))

@@ -39,9 +39,12 @@ import torch
 
 from hybridkv.cache import CacheManager
 from hybridkv.engine.block_copy import run_copies, step_copies
+from hybridkv.engine.logits_process import process_rows
+from hybridkv.engine.logprobs import LogprobRecorder
 from hybridkv.engine.models.common import HiddenStates
 from hybridkv.engine.proposers import Proposer
 from hybridkv.engine.proposers.head import Observation
+from hybridkv.engine.proposers.tree import TreeHeadDrafter
 from hybridkv.engine.runner import ModelRunner, StepInput
 from hybridkv.engine.sampler import SamplingParams, greedy_ids, make_generator, sample
 from hybridkv.engine.speculative import Drafter, Drafts, SpecCounters
@@ -93,6 +96,7 @@ class Stepper:
         self.proposals: dict[str, list[int]] = {}
         self.spec = SpecCounters()
         self.req_spec: dict[str, SpecCounters] = {}
+        self.logprobs = LogprobRecorder()  # requests that asked for logprobs only
         self.num_steps = self.num_tokens = self.num_output = 0
         self.hits = {"attention": 0, "state": 0}
         self.num_copied = 0  # junction copy slots run (`engine.block_copy`)
@@ -106,9 +110,15 @@ class Stepper:
     # ------------------------------------------------------------------ requests
     def add(self, req: Request, params: SamplingParams, index: int = 0) -> bool:
         """Queue ``req``; False when the scheduler refused it (see `Request.refusal`)."""
+        if (params.penalized or params.filtered) and isinstance(self.drafter, TreeHeadDrafter):
+            raise EngineError(
+                "penalties, min_tokens and top_k / top_p / min_p are not supported with "
+                "token-tree drafts (spec_topk / spec_tree); use chain drafts or drop them"
+            )
         if not self.scheduler.add(req):
             return False
         self.params[req.req_id] = params
+        self.logprobs.add(req.req_id, params.logprobs, params.prompt_logprobs)
         if params.temperature > 0:
             self.generators[req.req_id] = make_generator(params.seed, index)
         return True
@@ -116,6 +126,7 @@ class Stepper:
     def cancel(self, req: Request) -> None:
         self.scheduler.cancel(req)
         self.forget(req)
+        self.logprobs.pop(req.req_id)
 
     def forget(self, req: Request) -> None:
         self.generators.pop(req.req_id, None)
@@ -175,15 +186,24 @@ class Stepper:
         results: dict[str, StepResult] = {}
         best = greedy_ids(logits)  # every row's argmax at once (greedy requests use it)
         trees = TreeSettler(self.runner, self.manager)
-        for chunk, rows, argmax in zip(chunks, logits, best, strict=True):
+        for chunk, step, rows, argmax in zip(chunks, steps, logits, best, strict=True):
             self.num_tokens += chunk.num_scheduled_tokens
+            if step.all_logits:  # prompt logprobs: every row, then the usual tail
+                req = chunk.request
+                self.logprobs.record_prompt(req.req_id, req.prompt, chunk.num_computed, rows)
+                tail = 1 + chunk.num_lookahead
+                rows, argmax = rows[rows.shape[0] - tail :], argmax[len(argmax) - tail :]
             if chunk.samples:
                 req = chunk.request
                 draft = drafts.get(req.req_id)
                 if draft is not None and draft.parents is not None:  # a token tree
                     verdict = trees.settle(chunk, argmax, draft)
+                    scored = [0, *(1 + node for node in trees.paths[req.req_id][2])]
                 else:
                     verdict = self._verify(req, rows, argmax, draft)
+                    scored = list(range(len(verdict.token_ids)))
+                if self.logprobs.wants_output(req.req_id):
+                    self.logprobs.stage(req.req_id, rows[scored], verdict.token_ids)
                 results[req.req_id] = StepResult(verdict.num_accepted, verdict.token_ids)
         if hidden is not None and trees.paths:
             hidden = trees.reorder(hidden, steps)
@@ -234,6 +254,7 @@ class Stepper:
             if req_id not in report.emitted:
                 continue
             self.num_output += len(report.emitted[req_id])
+            self.logprobs.commit(req_id, len(report.emitted[req_id]))
             if self.spec_method is not None:
                 accepted = report.accepted[req_id]
                 self.spec.add(chunk.num_lookahead, accepted)
@@ -249,7 +270,14 @@ class Stepper:
     ) -> Verdict:
         """Accepted drafts + one sampled token from the main model's ``[1 + L, vocab]``
         (``argmax``: its rows' argmax ids, for greedy requests)."""
-        temperature = self.params[req.req_id].temperature
+        params = self.params[req.req_id]
+        temperature = params.temperature
+        if params.penalized or params.filtered:  # `engine.logits_process`
+            draft_ids = [] if drafts is None else drafts.token_ids
+            stops = req.stop_token_ids
+            logits = process_rows(logits, params, req.prompt, req.output, draft_ids, stops)
+            if temperature <= 0:
+                argmax = logits.argmax(dim=-1).tolist()
         if temperature <= 0:
             draft_ids = [] if drafts is None else drafts.token_ids
             return accept_greedy(argmax[len(argmax) - 1 - len(draft_ids) :], draft_ids)
@@ -268,7 +296,8 @@ class Stepper:
             self._count_hit(req, chunk.prefix_hit)
         tokens = req.tokens[start : start + chunk.num_new_tokens]
         if not chunk.num_lookahead:
-            return StepInput(req.req_id, tokens, start)
+            every = self.logprobs.wants_prompt_rows(req.req_id, start, len(req.prompt))
+            return StepInput(req.req_id, tokens, start, all_logits=every)
         draft_ids = drafts[req.req_id].token_ids
         if len(draft_ids) != chunk.num_lookahead:
             raise EngineError(

@@ -54,6 +54,9 @@ class Request:
     num_steps: int = 0
     seq: int = -1  # arrival order, set by the scheduler (ties in the waiting queue)
     admitted: bool = False  # admitted at least once (later admissions are recomputes)
+    # False: admitted without a prefix-cache lookup (prompt logprobs need every prompt
+    # position computed); its blocks are still cached for other requests.
+    use_prefix_cache: bool = True
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:

@@ -236,8 +236,12 @@ class Scheduler:
         for req in order:
             if budget <= 0 or len(self.running) >= cfg.max_num_seqs:
                 break
-            hit = self.manager.lookup(req.req_id)
-            if inflight is not None and admission.computed_by_others(req, hit, inflight):
+            hit = self.manager.lookup(req.req_id) if req.use_prefix_cache else 0
+            if (
+                inflight is not None
+                and req.use_prefix_cache
+                and admission.computed_by_others(req, hit, inflight)
+            ):
                 deferred.append(req.req_id)
                 self.num_deferrals += 1
                 continue
@@ -252,7 +256,7 @@ class Scheduler:
             while blocks is None and alone and n > 1:
                 # Alone, a smaller chunk may fit (a window group needs a block per
                 # in-flight token); look up again: a failed allocate forgets the hit.
-                hit = self.manager.lookup(req.req_id)
+                hit = self.manager.lookup(req.req_id) if req.use_prefix_cache else 0
                 n = self._first_chunk(req, hit, max(1, n // 2))
                 blocks = self.manager.allocate(req.req_id, n)
             if blocks is None:
