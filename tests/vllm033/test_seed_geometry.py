@@ -456,3 +456,26 @@ def test_flashinfer_checkpoint_grid_keeps_vllms_grouping(
     assert config.cache_config.kv_cache_layout == "LBNHC"  # the layout order is kept too
     assert kv_config.num_blocks == stock.num_blocks
     assert any("Mamba block size 1152" in r.getMessage() for r in records)
+
+
+def test_model_without_state_layers_is_left_alone(
+    seed: Seed, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Attention layers only (here: the seed's 12 main and 36 draft attention layers):
+    nothing for hybridkv to unpad, so the layout order and vLLM's grouping stay, and
+    nothing is logged."""
+    from hybridkv.vllm.builder import LAST_GROUPING
+
+    specs = {n: s for n, s in seed.specs.items() if type(s).__name__ == "FullAttentionSpec"}
+    dense = dataclasses.replace(seed, specs=specs)
+    stock_config, stock = _plan_through_vllm(dense, None, monkeypatch)
+    _with_hybridkv(monkeypatch)
+    LAST_GROUPING.clear()
+    with _hybridkv_log() as records:
+        config, kv_config = _plan_through_vllm(dense, None, monkeypatch)
+    assert not LAST_GROUPING and not records
+    assert config.cache_config.kv_cache_layout == stock_config.cache_config.kv_cache_layout
+    assert [g.layer_names for g in kv_config.kv_cache_groups] == [
+        g.layer_names for g in stock.kv_cache_groups
+    ]
+    assert kv_config.num_blocks == stock.num_blocks

@@ -116,6 +116,12 @@ def kernel_align_tokens(vllm_config: Any) -> int:
     return math.lcm(*units) if units else DEFAULT_BLOCK_ALIGN_TOKENS
 
 
+def has_state_layers(specs: dict[str, KVCacheSpec]) -> bool:
+    """Where vLLM pads pages (state layers beside attention), hybridkv plans; a model
+    without state layers keeps vLLM's grouping and layout untouched, silently."""
+    return any(isinstance(spec, MambaSpec) for spec in specs.values())
+
+
 def _check_supported(vllm_config: Any, specs: dict[str, KVCacheSpec], layout: Any) -> None:
     if not layout.is_block_outermost:
         raise PlanError(
@@ -307,6 +313,8 @@ class HybridKVConfigBuilder(DefaultKVCacheConfigBuilder):
     def get_kv_cache_groups(
         self, vllm_config: Any, kv_cache_spec: dict[str, KVCacheSpec]
     ) -> list[KVCacheGroupSpec]:
+        if not has_state_layers(kv_cache_spec):
+            return super().get_kv_cache_groups(vllm_config, kv_cache_spec)
         try:
             groups, ours = plan_groups(vllm_config, kv_cache_spec, kernel_align_tokens(vllm_config))
         except HybridKVError as err:
@@ -361,6 +369,8 @@ def prefer_block_outermost(
         return names
     try:
         specs = get_specs()
+        if not has_state_layers(specs):
+            return names
         plan_groups(vllm_config, specs, kernel_align_tokens(vllm_config), KVCacheLayout[outer[0]])
     except (HybridKVError, NotImplementedError) as err:
         logger.info("hybridkv: keeping vLLM's KV cache layout order %s: %s", names, err)
