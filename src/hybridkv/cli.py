@@ -255,7 +255,13 @@ def short_mix(layer_mix: str) -> str:
 
 
 class BenchCommand(TyperCommand):
-    """`hybridkv bench --help` lists the benchmarks found, one line each."""
+    """`hybridkv bench --help` lists the benchmarks found, one line each; after a NAME,
+    ``--help`` goes to that script (`hybridkv bench planner --help`)."""
+
+    def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
+        if args and not args[0].startswith("-") and {"--help", "-h"} & set(args[1:]):
+            ctx.help_option_names = []  # the script's own help, not ours
+        return list(super().parse_args(ctx, args))
 
     def format_epilog(self, ctx: Any, formatter: Any) -> None:  # typer's vendored click
         rows = benchmark_summaries()
@@ -271,7 +277,9 @@ class BenchCommand(TyperCommand):
 )
 def bench_command(
     ctx: typer.Context,
-    name: str = typer.Argument(help="a benchmark without .py (listed below), e.g. planner"),
+    name: str = typer.Argument(
+        metavar="NAME", help="a benchmark without .py (listed below), e.g. planner"
+    ),
 ) -> None:
     """Run one benchmark script (bench/NAME.py; installed with the package too). Its
     own options: hybridkv bench NAME --help."""

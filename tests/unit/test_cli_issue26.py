@@ -40,6 +40,12 @@ def test_bench_help_lists_every_benchmark_with_its_docstring() -> None:
     assert not any(line.strip().startswith("_") for line in lines)  # helpers are not listed
 
 
+def test_help_after_a_benchmark_name_is_the_scripts_own() -> None:
+    result = invoke(["bench", "planner", "--help"])
+    assert result.exit_code == 0, result.output
+    assert "usage: planner.py" in result.output and "Benchmarks (NAME" not in result.output
+
+
 def test_models_shows_source_and_the_demo_checkpoints_without_the_plan_legend() -> None:
     help_text = invoke(["models", "--help"]).output
     assert "source" in help_text
