@@ -48,6 +48,7 @@ from _prefix_report import VLLM_OWN, belady_markdown, markdown, plot, render, re
 from hybridkv.errors import PlanError
 from hybridkv.models import load_model_spec
 from hybridkv.plan import PlanOptions, plan
+from hybridkv.progress import progress_bar
 from hybridkv.sim import generate_workload, simulate, workload_options
 from hybridkv.sim.belady import belady_manager
 from hybridkv.sim.junction_estimate import junction_partial_gain, record_first_hits
@@ -230,26 +231,37 @@ def selected(family: str, model_name: str, only: str | None) -> bool:
 def run(full: bool, seed: int, only: str | None = None) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     pressure = pressure_models()
-    for family, model_name, memories, methods, policies, _ in grid(full):
-        if not selected(family, model_name, only):
-            continue
-        main = pressure[model_name] if model_name in pressure else load_model_spec(model_name)
-        extra: dict[str, Any] = {}
-        if family == "roundrobin":
-            extra = {"kv_dtype": DType.FP8_E4M3, "block_size": 16}
-        for method in methods:
-            trace = study_trace(family, method, seed, full)
-            bound = reuse_bound_tokens(trace)
-            for memory in memories:
-                for policy in policies:
-                    try:
-                        row = run_one(
-                            family, model_name, main, trace, bound, method, memory, policy, **extra
-                        )
-                    except PlanError as err:  # e.g. a draft model that leaves no room
-                        print(f"skipped {family} {method} {memory} GiB {policy.name}: {err}")
-                        continue
-                    rows.append(row)
+    selection = [g for g in grid(full) if selected(g[0], g[1], only)]
+    num_cells = sum(len(g[2]) * len(g[3]) * len(g[4]) for g in selection)
+    # a transient bar on a terminal (hybridkv.progress); nothing in a log or a pipe
+    with progress_bar("prefix-policy grid", num_cells) as advance:
+        for family, model_name, memories, methods, policies, _ in selection:
+            main = pressure[model_name] if model_name in pressure else load_model_spec(model_name)
+            extra: dict[str, Any] = {}
+            if family == "roundrobin":
+                extra = {"kv_dtype": DType.FP8_E4M3, "block_size": 16}
+            for method in methods:
+                trace = study_trace(family, method, seed, full)
+                bound = reuse_bound_tokens(trace)
+                for memory in memories:
+                    for policy in policies:
+                        advance(1)
+                        try:
+                            row = run_one(
+                                family,
+                                model_name,
+                                main,
+                                trace,
+                                bound,
+                                method,
+                                memory,
+                                policy,
+                                **extra,
+                            )
+                        except PlanError as err:  # e.g. a draft model that leaves no room
+                            print(f"skipped {family} {method} {memory} GiB {policy.name}: {err}")
+                            continue
+                        rows.append(row)
     add_vs_vllm(rows)
     return rows
 

@@ -11,11 +11,17 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
 
 def bar_enabled(quiet: bool = False) -> bool:
     """Whether a bar would show: not ``quiet`` (``--json``) and stdout is a terminal."""
     return not quiet and sys.stdout.isatty()
+
+
+# The bar on screen, if any: rich allows one live display at a time, so a bar opened
+# inside another (a benchmark's grid under `hybridkv bench`) becomes a row of it.
+_ON_SCREEN: list[Any] = []
 
 
 @contextmanager
@@ -26,6 +32,14 @@ def progress_bar(
     if not bar_enabled(quiet):
         yield lambda n: None
         return
+    if _ON_SCREEN:
+        outer = _ON_SCREEN[-1]
+        task = outer.add_task(description, total=total)
+        try:
+            yield lambda n: outer.advance(task, n)
+        finally:
+            outer.remove_task(task)
+        return
     from rich.progress import (
         BarColumn,
         MofNCompleteColumn,
@@ -35,10 +49,11 @@ def progress_bar(
         TimeElapsedColumn,
     )
 
-    columns = [SpinnerColumn(), TextColumn("{task.description}"), BarColumn()]
-    if total is not None:
-        columns.append(MofNCompleteColumn())
-    columns.append(TimeElapsedColumn())
-    with Progress(*columns, transient=True) as bar:
-        task = bar.add_task(description, total=total)
-        yield lambda n: bar.advance(task, n)
+    columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn())
+    with Progress(*columns, MofNCompleteColumn(), TimeElapsedColumn(), transient=True) as bar:
+        _ON_SCREEN.append(bar)
+        try:
+            task = bar.add_task(description, total=total)
+            yield lambda n: bar.advance(task, n)
+        finally:
+            _ON_SCREEN.pop()

@@ -100,6 +100,11 @@ def test_progress_bars_stay_out_of_logs_and_json(monkeypatch: pytest.MonkeyPatch
         advance(1)
         seen.append("ok")
     assert seen == ["ok"]
+    # a bar inside a bar (a benchmark's grid under `hybridkv bench`) is a row of the outer
+    # one: rich refuses a second live display
+    with progress_bar("bench", None) as outer, progress_bar("grid", 4) as inner:
+        inner(4)
+        outer(1)
 
 
 def test_trace_gen_and_simulate_print_no_bar_when_piped(tmp_path: Path) -> None:
