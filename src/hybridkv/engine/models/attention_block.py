@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from hybridkv.engine.attention import paged_attention
 from hybridkv.engine.context import ForwardBatch, KVCache, LayerCache
@@ -28,6 +27,7 @@ from hybridkv.engine.models.common import (
     inv_sqrt,
 )
 from hybridkv.engine.models.rope import Rope
+from hybridkv.engine.packed_linear import linear
 from hybridkv.engine.tree_batch import rope_positions
 from hybridkv.errors import EngineError
 
@@ -164,13 +164,13 @@ class Attention:
             raise EngineError(f"attention layer got a {type(cache).__name__}, expected KVCache")
         s = self.shape
         num_tokens = x.shape[0]
-        q = F.linear(x, self.q_proj, self.q_bias).view(num_tokens, s.num_heads, -1)
+        q = linear(x, self.q_proj, self.q_bias).view(num_tokens, s.num_heads, -1)
         gate = None
         if s.gated:
             q, gate = q[..., : s.head_dim], q[..., s.head_dim :]
             gate = gate.reshape(num_tokens, -1)
-        k = F.linear(x, self.k_proj, self.k_bias).view(num_tokens, s.num_kv_heads, s.head_dim)
-        v = F.linear(x, self.v_proj, self.v_bias).view(num_tokens, s.num_kv_heads, s.head_dim)
+        k = linear(x, self.k_proj, self.k_bias).view(num_tokens, s.num_kv_heads, s.head_dim)
+        v = linear(x, self.v_proj, self.v_bias).view(num_tokens, s.num_kv_heads, s.head_dim)
         if self.key_multiplier is not None:
             k = k * self.key_multiplier
         if self.q_norm is not None and self.k_norm is not None:
@@ -197,7 +197,7 @@ class Attention:
         ).reshape(num_tokens, -1)
         if gate is not None:
             out = out * torch.sigmoid(gate)
-        return F.linear(out, self.o_proj, self.o_bias)
+        return linear(out, self.o_proj, self.o_bias)
 
 
 def load_kv_scales(ckpt: Checkpoint, prefix: str) -> tuple[float, float] | None:

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from hybridkv.engine.context import ForwardBatch, LayerCache
 from hybridkv.engine.loader import Checkpoint
+from hybridkv.engine.packed_linear import linear
 from hybridkv.errors import EngineError
 
 FULL_ATTENTION = "full_attention"
@@ -191,7 +192,7 @@ class CausalLM:
         return hidden
 
     def _logits(self, normed: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(normed, self.lm_head)
+        logits = linear(normed, self.lm_head)
         if self.logits_multiplier is not None:
             logits = logits * self.logits_multiplier
         if self.logits_divisor is not None:
@@ -292,17 +293,13 @@ class GatedMLP:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         # In place where the activation allows: one [T, inter] buffer instead of three
         # (the same values: silu then one product, as the out-of-place form computes).
-        hidden = F.linear(x, self.gate)
+        hidden = linear(x, self.gate)
         if self.act is F.silu:
             F.silu(hidden, inplace=True)
         else:
             hidden = self.act(hidden)
-        hidden.mul_(F.linear(x, self.up))
-        return F.linear(hidden, self.down)
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    return F.linear(x, weight, bias)
+        hidden.mul_(linear(x, self.up))
+        return linear(hidden, self.down)
 
 
 def load_lm_head(ckpt: Checkpoint, config: Mapping[str, Any], embed: torch.Tensor) -> torch.Tensor:

@@ -22,6 +22,7 @@ from hybridkv.engine import delta_rule
 from hybridkv.engine.context import ForwardBatch, LayerCache, StateCache
 from hybridkv.engine.loader import Checkpoint, cfg_get, cfg_require
 from hybridkv.engine.models.common import STATE, LayerDesc
+from hybridkv.engine.packed_linear import linear
 from hybridkv.engine.state_batched import (
     SHORT_MAX_TOKENS,
     capture_steps,
@@ -94,7 +95,7 @@ def qwen3_5_projector(ckpt: Checkpoint, prefix: str, s: GDNShape) -> Projector:
     w_z = ckpt.take(f"{prefix}.in_proj_z.weight", (s.value_dim, s.hidden_size))
     w_b = ckpt.take(f"{prefix}.in_proj_b.weight", (s.num_v_heads, s.hidden_size))
     w_a = ckpt.take(f"{prefix}.in_proj_a.weight", (s.num_v_heads, s.hidden_size))
-    return lambda x: (F.linear(x, w_qkv), F.linear(x, w_z), F.linear(x, w_b), F.linear(x, w_a))
+    return lambda x: (linear(x, w_qkv), linear(x, w_z), linear(x, w_b), linear(x, w_a))
 
 
 def qwen3_next_projector(ckpt: Checkpoint, prefix: str, s: GDNShape) -> Projector:
@@ -110,11 +111,11 @@ def qwen3_next_projector(ckpt: Checkpoint, prefix: str, s: GDNShape) -> Projecto
 
     def project(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         n = x.shape[0]
-        qkvz = F.linear(x, w_qkvz).view(n, s.num_k_heads, per_head)
+        qkvz = linear(x, w_qkvz).view(n, s.num_k_heads, per_head)
         q, k, v, z = torch.split(
             qkvz, [s.head_k_dim, s.head_k_dim, ratio * s.head_v_dim, ratio * s.head_v_dim], dim=-1
         )
-        b, a = torch.split(F.linear(x, w_ba).view(n, s.num_k_heads, 2 * ratio), ratio, dim=-1)
+        b, a = torch.split(linear(x, w_ba).view(n, s.num_k_heads, 2 * ratio), ratio, dim=-1)
         mixed = torch.cat([q.reshape(n, -1), k.reshape(n, -1), v.reshape(n, -1)], dim=-1)
         return mixed, z.reshape(n, -1), b.reshape(n, -1), a.reshape(n, -1)
 
@@ -188,7 +189,7 @@ class GatedDeltaNet:
             self._core_reference(core, mixed, g, beta, batch, cache)
         gate = z.view(-1, s.num_v_heads, s.head_v_dim)
         normed = self._gated_norm(core, gate).reshape(x.shape[0], s.value_dim)
-        return F.linear(normed, self.out_proj)
+        return linear(normed, self.out_proj)
 
     def _split_heads(
         self, conv_out: torch.Tensor, *, repeat: bool = True

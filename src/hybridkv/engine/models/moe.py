@@ -10,9 +10,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 
 from hybridkv.engine.loader import Checkpoint
+from hybridkv.engine.packed_linear import linear
 
 Act = Callable[[torch.Tensor], torch.Tensor]
 Expert = Callable[[int, torch.Tensor], torch.Tensor]  # (expert id, its tokens) -> output
@@ -39,8 +39,8 @@ def fused_glu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, act: A
 
     One matmul for gate and up, as the fused checkpoints run it: splitting the weight
     into two matmuls may round differently."""
-    gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
-    return F.linear(act(gate) * up, down)
+    gate, up = linear(x, gate_up).chunk(2, dim=-1)
+    return linear(act(gate) * up, down)
 
 
 def load_stacked_experts(

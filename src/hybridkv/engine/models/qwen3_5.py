@@ -8,11 +8,10 @@ input projections differently and may use a sparse MoE MLP with a gated shared e
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from hybridkv.engine.loader import Checkpoint, cfg_get, cfg_require
 from hybridkv.engine.models.assembly import ModelDims, PreNormLayer, causal_lm, norm_loader
@@ -26,6 +25,7 @@ from hybridkv.engine.models.gated_deltanet import (
 )
 from hybridkv.engine.models.moe import dispatch_experts, fused_glu, load_stacked_experts
 from hybridkv.engine.models.rope import make_rope, rope_parameters
+from hybridkv.engine.packed_linear import linear
 from hybridkv.errors import EngineError
 
 
@@ -41,19 +41,30 @@ class SparseMoE:
     act_name: str
     shared: GatedMLP | None
     shared_gate: torch.Tensor | None  # [1, hidden]
+    expert_gate_up: list[torch.Tensor] = field(init=False, repr=False)
+    expert_down: list[torch.Tensor] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        # One view object per expert, kept: `packed_linear.linear` packs a weight the
+        # second time it sees the same tensor, which a view taken per call never is.
+        self.expert_gate_up = list(self.gate_up.unbind(0))
+        self.expert_down = list(self.down.unbind(0))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         act = activation(self.act_name)
-        probs = torch.softmax(F.linear(x, self.router), dim=-1, dtype=torch.float)
+        probs = torch.softmax(linear(x, self.router), dim=-1, dtype=torch.float)
         weights, experts = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         weights = weights.to(x.dtype)
         out = dispatch_experts(
-            x, experts, weights, lambda e, xs: fused_glu(xs, self.gate_up[e], self.down[e], act)
+            x,
+            experts,
+            weights,
+            lambda e, xs: fused_glu(xs, self.expert_gate_up[e], self.expert_down[e], act),
         )
         if self.shared is not None and self.shared_gate is not None:
-            out = out + torch.sigmoid(F.linear(x, self.shared_gate)) * self.shared(x)
+            out = out + torch.sigmoid(linear(x, self.shared_gate)) * self.shared(x)
         return out
 
 

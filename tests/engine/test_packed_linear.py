@@ -1,0 +1,52 @@
+"""`packed_linear.linear`: bit-identical to ``F.linear``; packs bf16 CPU weights only."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hybridkv.engine import packed_linear
+from hybridkv.engine.packed_linear import linear
+
+needs_bf16 = pytest.mark.skipif(
+    not packed_linear.ENABLED, reason="this CPU/torch build has no oneDNN bf16 products"
+)
+
+
+@needs_bf16
+@pytest.mark.parametrize("rows", [1, 3, 32, 257])
+def test_packed_bf16_equals_f_linear(rows: int) -> None:
+    gen = torch.Generator().manual_seed(rows)
+    weight = torch.randn(384, 256, generator=gen).to(torch.bfloat16)
+    x = torch.randn(rows, 512, generator=gen).to(torch.bfloat16)[:, ::2]  # strided rows
+    outs = [linear(x, weight) for _ in range(3)]  # plain, then packed on the second sight
+    assert hasattr(weight, "_hybridkv_packed")
+    for out in outs:
+        assert torch.equal(out, F.linear(x, weight))
+
+
+@needs_bf16
+def test_fresh_tensors_are_never_packed() -> None:
+    stacked = torch.randn(4, 64, 32).to(torch.bfloat16)
+    x = torch.randn(2, 32).to(torch.bfloat16)
+    for _ in range(3):
+        view = stacked[1]  # a new view object per call
+        assert torch.equal(linear(x, view), F.linear(x, view))
+        assert not hasattr(view, "_hybridkv_packed")
+
+
+def test_float32_and_bias_go_to_f_linear() -> None:
+    weight = torch.randn(16, 8)
+    bias = torch.randn(16)
+    x = torch.randn(5, 8)
+    for _ in range(3):
+        assert torch.equal(linear(x, weight), F.linear(x, weight))
+        assert torch.equal(linear(x, weight, bias), F.linear(x, weight, bias))
+    assert not hasattr(weight, "_hybridkv_packed")
+    wb = weight.to(torch.bfloat16)
+    xb = x.to(torch.bfloat16)
+    for _ in range(3):
+        assert torch.equal(
+            linear(xb, wb, bias.to(torch.bfloat16)), F.linear(xb, wb, bias.bfloat16())
+        )
