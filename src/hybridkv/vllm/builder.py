@@ -348,7 +348,8 @@ def prefer_block_outermost(
     vllm_config: Any, names: list[str], get_specs: Callable[[], dict[str, KVCacheSpec]]
 ) -> list[str]:
     """A worker's supported layouts (most preferred first), with a block-outermost one
-    moved to the front when hybridkv can plan this worker's specs there.
+    moved to the front when hybridkv plans this worker's specs there with more requests
+    at ``max_model_len`` than vLLM's own grouping in the layout vLLM would pick.
 
     vLLM 0.33 resolves one layout before grouping, from every worker's list: without a
     backend preference its default puts layer-outer ``LBNHC`` first, where packed groups
@@ -358,7 +359,6 @@ def prefer_block_outermost(
     holding different layers) the list stays as it is.
     """
     import vllm.envs as envs
-    from vllm.v1.kv_cache_layout import KVCacheLayout
 
     if vllm_config.cache_config.kv_cache_layout is not None or envs.VLLM_KV_CACHE_LAYOUT:
         return names
@@ -371,8 +371,41 @@ def prefer_block_outermost(
         specs = get_specs()
         if not has_state_layers(specs):
             return names
-        plan_groups(vllm_config, specs, kernel_align_tokens(vllm_config), KVCacheLayout[outer[0]])
+        ours, theirs, stock_layout = _compare_layouts(vllm_config, names, outer[0], specs)
     except (HybridKVError, NotImplementedError) as err:
         logger.info("hybridkv: keeping vLLM's KV cache layout order %s: %s", names, err)
         return names
+    if ours <= theirs:
+        logger.info(
+            "hybridkv: keeping vLLM's KV cache layout order %s: %.4f requests per GiB in %s "
+            "either way",
+            names,
+            theirs,
+            stock_layout,
+        )
+        return names
     return [outer[0], *(name for name in names if name != outer[0])]
+
+
+def _compare_layouts(
+    vllm_config: Any, names: list[str], outer: str, specs: dict[str, KVCacheSpec]
+) -> tuple[float, float, str]:
+    """(hybridkv's requests per GiB in ``outer``, vLLM's own grouping's in the layout
+    vLLM resolves from ``names``, that layout's name), on copies of the config."""
+    import copy
+
+    from vllm.v1.attention.backends.utils import resolve_kv_cache_layout
+
+    builder = DefaultKVCacheConfigBuilder()
+    stock_config = copy.deepcopy(vllm_config)
+    stock_layout = resolve_kv_cache_layout(stock_config, [names], specs.values()).name
+    try:
+        theirs = _per_gib(
+            builder, stock_config, builder.get_kv_cache_groups(stock_config, dict(specs))
+        )[1]
+    except (AssertionError, ValueError, NotImplementedError):
+        theirs = 0.0  # vLLM refuses these specs in its own layout
+    our_config = copy.deepcopy(vllm_config)
+    our_config.cache_config.kv_cache_layout = outer
+    groups, _ = plan_groups(our_config, specs, kernel_align_tokens(vllm_config))
+    return _per_gib(builder, our_config, groups)[1], theirs, stock_layout
