@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
-import json
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -36,31 +35,6 @@ KV_MEMORY_BYTES = 60 * GIB
 MAX_MODEL_LEN = 32768
 NUM_SPEC_TOKENS = 3
 FP8 = "fp8_e4m3"
-# What the presets leave out and vLLM's config classes need (no effect on the KV cache).
-MAIN_EXTRA = {
-    "architectures": ["Qwen3NextForCausalLM"],
-    "vocab_size": 151936,
-    "intermediate_size": 5120,
-    "num_experts": 512,
-    "num_experts_per_tok": 10,
-    "moe_intermediate_size": 512,
-    "shared_expert_intermediate_size": 512,
-}
-DRAFT_EXTRA = {
-    "architectures": ["Qwen3ForCausalLM"],
-    "vocab_size": 151936,
-    "intermediate_size": 9728,
-}
-
-
-def _write_config(folder: Path, preset: str, extra: dict[str, Any]) -> Path:
-    from hybridkv.models.registry import load_config
-
-    config, _ = load_config(preset)
-    config = {k: v for k, v in config.items() if not k.startswith("_")} | extra
-    folder.mkdir(parents=True)
-    (folder / "config.json").write_text(json.dumps(config))
-    return folder
 
 
 @dataclass
@@ -88,8 +62,9 @@ def build_seed(root: Path, *, prefix_caching: bool) -> Seed:
     from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
     from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, get_kv_quant_mode
 
-    main = _write_config(root / "main", "qwen3-coder-next-80b-a3b", MAIN_EXTRA)
-    draft = _write_config(root / "draft", "qwen3-4b", DRAFT_EXTRA)
+    from hybridkv.vllm.tiny_models import write_seed_configs
+
+    main, draft = write_seed_configs(root)
     model = ModelConfig(
         model=str(main), tokenizer=str(main), skip_tokenizer_init=True, max_model_len=MAX_MODEL_LEN
     )
