@@ -66,6 +66,8 @@ def test_completion_equals_offline_generate_with_usage(client, offline):
     assert out["object"] == "text_completion" and out["id"].startswith("cmpl-")
     choice = out["choices"][0]
     assert (choice["text"], choice["token_ids"], choice["finish_reason"]) == (text, ids, reason)
+    cached = out["usage"].pop("prompt_tokens_details")["cached_tokens"]
+    assert 0 <= cached < len(prompt.encode())
     assert out["usage"] == {
         "prompt_tokens": len(prompt.encode()),
         "completion_tokens": len(ids),
@@ -90,6 +92,10 @@ def test_stream_chunks_concatenate_to_the_whole_text_and_end_with_done(client):
     reasons = [c["choices"][0]["finish_reason"] for c in text_chunks]
     assert reasons[:-1] == [None] * (len(reasons) - 1)
     assert reasons[-1] == whole["choices"][0]["finish_reason"]
+    # the stream may hit the blocks the whole request cached: only that may differ
+    assert usage_chunk["usage"]["prompt_tokens_details"]["cached_tokens"] >= 0
+    for usage in (usage_chunk["usage"], whole["usage"]):
+        usage.pop("prompt_tokens_details")
     assert usage_chunk["choices"] == [] and usage_chunk["usage"] == whole["usage"]
 
 
@@ -205,16 +211,26 @@ BAD_COMPLETIONS = [
     ({"prompt": [True]}, "prompt"),
     ({"prompt": ""}, "prompt"),
     ({"prompt": []}, "prompt"),
-    ({"prompt": ["a", "b"]}, "prompt"),
+    ({"prompt": ["a", [97]]}, "prompt"),  # texts and id lists mixed
+    ({"prompt": ["a"] * 65, "n": 2}, "n"),  # 130 choices > 128
     ({"prompt": [300]}, "prompt"),
     ({"prompt": LONG}, "prompt"),
     ({"prompt": "x" * 4000, "max_tokens": 200}, "max_tokens"),
     ({"prompt": "a", "foo": 1}, "foo"),
-    ({"prompt": "a", "n": 2}, "n"),
+    ({"prompt": "a", "n": 0}, "n"),
+    ({"prompt": "a", "echo": "yes"}, "echo"),
+    ({"prompt": "a", "best_of": 2}, "best_of"),
+    ({"prompt": "a", "top_k": -2}, "top_k"),
+    ({"prompt": "a", "min_p": 1.5}, "min_p"),
+    ({"prompt": "a", "repetition_penalty": 0}, "repetition_penalty"),
+    ({"prompt": "a", "presence_penalty": 3}, "presence_penalty"),
+    ({"prompt": "a", "max_tokens": 4, "min_tokens": 5}, "min_tokens"),
     ({"prompt": "a", "stop": 5}, "stop"),
     ({"prompt": "a", "stop": [""]}, "stop"),
-    ({"prompt": "a", "top_p": 0.5}, "top_p"),
-    ({"prompt": "a", "logprobs": 2}, "logprobs"),
+    ({"prompt": "a", "top_p": 1.5}, "top_p"),
+    ({"prompt": "a", "top_p": 0}, "top_p"),
+    ({"prompt": "a", "logprobs": 21}, "logprobs"),
+    ({"prompt": "a", "logprobs": -1}, "logprobs"),
     ({"prompt": "a", "stream": "yes"}, "stream"),
     ({"prompt": "a", "cache_salt": 7}, "cache_salt"),
     ({"prompt": "a", "cache_salt": ""}, "cache_salt"),
@@ -248,7 +264,10 @@ BAD_CHATS = [
     ({"messages": [{"role": "user", "content": LONG}]}, "messages"),
     ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0},
      "max_completion_tokens"),
-    ({"messages": [{"role": "user", "content": "hi"}], "logprobs": True}, "logprobs"),
+    ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs"),
+    ({"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21},
+     "top_logprobs"),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, "max_tokens"),
 ]  # fmt: skip
 
 
@@ -264,7 +283,10 @@ def test_malformed_bodies_unknown_models_and_routes(client):
         client.post("/v1/completions", json={"model": "gpt-x", "prompt": "a"}), 404, "model"
     )
     check_error(client.get("/v1/nothing"), 404, None)
-    check_error(client.get("/v1/completions"), 405, None)
+    error = client.get("/v1/completions")
+    check_error(error, 405, None)
+    assert error.headers["allow"] == "POST"
+    check_error(client.post("/v1/completions", content=b"x" * (33 << 20)), 413, None)
 
 
 # ---------------------------------------------------------------------- disconnects

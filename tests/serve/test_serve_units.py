@@ -12,7 +12,7 @@ from hybridkv.errors import RequestError
 from hybridkv.serve.chat import chat_renderer, render_demo_chat
 from hybridkv.serve.metrics import Histogram, MetricsSnapshot, parse, render
 from hybridkv.serve.prepare import ModelInfo, prepare_chat, prepare_completion
-from hybridkv.serve.protocol import ChatBody, CompletionBody, parse_body
+from hybridkv.serve.protocol import MAX_CHOICES, ChatBody, CompletionBody, parse_body
 from hybridkv.serve.textstream import TextStream
 
 TOK = ByteTokenizer()
@@ -236,6 +236,9 @@ def test_any_body_is_served_or_refused_with_a_request_error(body, prompt, messag
         except RequestError as err:
             assert 400 <= err.status < 500 and err.message
             continue
-        assert gen.max_tokens >= 1 and len(gen.prompt_token_ids) + gen.max_tokens <= 64
-        assert all(0 <= t < TOK.vocab_size for t in gen.prompt_token_ids)
+        assert gen.max_tokens >= (0 if gen.echo else 1)
+        assert 1 <= gen.num_choices <= MAX_CHOICES
+        for prompt in gen.prompts:
+            assert 1 <= len(prompt) and len(prompt) + gen.max_tokens <= 64
+            assert all(0 <= t < TOK.vocab_size for t in prompt)
         assert gen.temperature >= 0

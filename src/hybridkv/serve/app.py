@@ -1,21 +1,28 @@
 """The FastAPI app: OpenAI-compatible routes over an `EngineLoop`.
 
-    POST /v1/completions        prompt (text or ids) -> text; "stream": server-sent events
+    POST /v1/completions        prompt(s) (text or ids) -> text; "stream": server-sent events
     POST /v1/chat/completions   messages (chat template) -> message; streaming too
     GET  /v1/models             the one served model
+    GET  /v1/models/{id}        its card (404 for any other id)
     GET  /health                200 while the engine thread runs, else 503
     GET  /metrics               Prometheus text (`hybridkv.serve.metrics`)
 
-One request's life: parse and check the body (`protocol`, `prepare`: any problem is a
-400 before the engine sees it) -> submit to the engine loop -> wait for `Accepted` (or
-the engine's refusal, also a 400) -> stream `Output` events as
-``data: {chunk}\\n\\n`` lines ending in ``data: [DONE]``, or gather them into one body.
-If the client goes away first (a closed stream, or a disconnect while a non-streaming
-request waits), the request is aborted in the engine, which frees its blocks.
+One request's life: FastAPI parses the body into its model (`protocol`; any problem is
+a 400 in OpenAI's error shape), `prepare` checks the rest (400 / 404) -> submit to the
+engine loop -> wait for `Accepted` (or the engine's refusal, also a 400) -> stream
+`Output` events as ``data: {chunk}\\n\\n`` lines ending in ``data: [DONE]``, or gather
+them into one body. If the client goes away first (a closed stream, or a disconnect
+while a non-streaming request waits), the request is aborted in the engine, which frees
+its blocks.
+
+``/openapi.json`` documents every route's request and response models (`schemas`),
+the error shape of its 4xx / 5xx answers, ``/metrics`` as text/plain and streams as
+text/event-stream; FastAPI's own 422 entries are removed (validation answers 400).
 
 Every error leaves as OpenAI's ``{"error": {"message", "type", "param", "code"}}``:
 `RequestError` with its own status, any other `HybridKVError` as 400, unknown routes as
-404 / 405, and a bug of ours as 500 (logged with its traceback).
+404, a wrong method as 405 with ``Allow``, a body over ``max_body_bytes`` as 413, and a
+bug of ours as 500 (logged with its traceback).
 """
 
 from __future__ import annotations
@@ -24,68 +31,147 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from hybridkv.errors import HybridKVError, RequestError
-from hybridkv.serve.engine_loop import Accepted, EngineLoop, Failed, Output, RequestHandle
+from hybridkv.serve.engine_loop import EngineLoop, Failed, Output, RequestHandle
+from hybridkv.serve.logprobs import TokenTexts
 from hybridkv.serve.metrics import CONTENT_TYPE, render
 from hybridkv.serve.prepare import Generation, ModelInfo, prepare_chat, prepare_completion
-from hybridkv.serve.protocol import ChatBody, CompletionBody, parse_body
+from hybridkv.serve.protocol import ChatBody, CompletionBody, validation_error
 from hybridkv.serve.responses import ResponseFormat, error_body
+from hybridkv.serve.schemas import (
+    SSE,
+    ChatCompletionResponse,
+    CompletionResponse,
+    Health,
+    ModelCard,
+    ModelList,
+    error_responses,
+)
 
 log = logging.getLogger("hybridkv.serve")
+MAX_BODY_BYTES = 32 << 20  # lists of token-id prompts are large; 32 MiB holds plenty
 
 
-def build_app(engine: EngineLoop, info: ModelInfo) -> FastAPI:
-    app = FastAPI(title="hybridkv", summary="OpenAI-compatible API on the hybridkv engine")
+def build_app(engine: EngineLoop, info: ModelInfo, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+    # strict_content_type=False: a JSON body without a Content-Type header is still read
+    app = FastAPI(
+        title="hybridkv",
+        summary="OpenAI-compatible API on the hybridkv engine",
+        strict_content_type=False,
+    )
+    app.add_middleware(_BodyLimit, max_body_bytes=max_body_bytes)
     _add_error_handlers(app)
     created = int(time.time())
+    texts = TokenTexts(info.tokenizer)
+    card = {
+        "id": info.name,
+        "object": "model",
+        "created": created,
+        "owned_by": "hybridkv",
+        "max_model_len": info.max_model_len,
+    }
 
-    @app.get("/health")
+    @app.get(
+        "/health",
+        response_model=Health,
+        responses={503: {"model": Health, "description": "the engine loop stopped"}},
+    )
     async def health() -> Response:
         if engine.alive:
             return JSONResponse({"status": "ok"})
         return JSONResponse({"status": "engine loop stopped"}, status_code=503)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", response_model=ModelList)
     async def models() -> dict[str, Any]:
-        card = {
-            "id": info.name,
-            "object": "model",
-            "created": created,
-            "owned_by": "hybridkv",
-            "max_model_len": info.max_model_len,
-        }
         return {"object": "list", "data": [card]}
 
-    @app.get("/metrics")
+    @app.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=error_responses(404))
+    async def model(model_id: str) -> dict[str, Any]:
+        if model_id != info.name:
+            raise RequestError(
+                f"model {model_id!r} is not served here; this server serves {info.name!r}",
+                param="model",
+                status=404,
+                code="model_not_found",
+                kind="not_found_error",
+            )
+        return card
+
+    @app.get(
+        "/metrics",
+        response_class=PlainTextResponse,
+        responses={
+            200: {
+                "description": "Prometheus text exposition format 0.0.4",
+                "content": {"text/plain": {"schema": {"type": "string"}}},
+            },
+            **error_responses(503),
+        },
+    )
     async def metrics() -> Response:
         snapshot = await asyncio.wrap_future(engine.call(engine.metrics))
         return PlainTextResponse(render(snapshot), media_type=CONTENT_TYPE)
 
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        body = parse_body(await request.body(), CompletionBody)
-        return await _generate(request, engine, prepare_completion(body, info), info, chat=False)
+    generation_errors = error_responses(400, 404, 413, 500, 503)
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        body = parse_body(await request.body(), ChatBody)
-        return await _generate(request, engine, prepare_chat(body, info), info, chat=True)
+    @app.post(
+        "/v1/completions",
+        response_model=CompletionResponse,
+        responses={
+            200: {"content": SSE, "description": "a completion, or a stream"},
+            **generation_errors,
+        },
+    )
+    async def completions(body: CompletionBody, request: Request) -> Response:
+        gen = prepare_completion(body, info)
+        return await _generate(request, engine, gen, ResponseFormat(False, info.name, gen, texts))
 
+    @app.post(
+        "/v1/chat/completions",
+        response_model=ChatCompletionResponse,
+        responses={
+            200: {"content": SSE, "description": "a chat completion, or a stream"},
+            **generation_errors,
+        },
+    )
+    async def chat_completions(body: ChatBody, request: Request) -> Response:
+        gen = prepare_chat(body, info)
+        return await _generate(request, engine, gen, ResponseFormat(True, info.name, gen, texts))
+
+    _document_truthfully(app)
     return app
 
 
+def _document_truthfully(app: FastAPI) -> None:
+    """``/openapi.json`` without FastAPI's 422 entries (validation answers 400 here)."""
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = FastAPI.openapi(app)
+            for path in schema.get("paths", {}).values():
+                for operation in path.values():
+                    operation.get("responses", {}).pop("422", None)
+            components = schema.get("components", {}).get("schemas", {})
+            components.pop("HTTPValidationError", None)
+            components.pop("ValidationError", None)
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
 async def _generate(
-    request: Request, engine: EngineLoop, gen: Generation, info: ModelInfo, chat: bool
+    request: Request, engine: EngineLoop, gen: Generation, fmt: ResponseFormat
 ) -> Response:
-    fmt = ResponseFormat(chat, info.name, gen.return_token_ids)
     handle = RequestHandle(gen, asyncio.get_running_loop())
     engine.submit(handle)
     handed_off = False
@@ -96,7 +182,7 @@ async def _generate(
         if gen.stream:
             handed_off = True
             return _EngineStream(_sse(handle, fmt, gen), lambda: _abort(engine, handle))
-        return await _whole(request, engine, handle, fmt, gen)
+        return await _whole(request, engine, handle, fmt)
     finally:
         if not handed_off:
             _abort(engine, handle)
@@ -128,62 +214,48 @@ def _sse_line(payload: dict[str, Any]) -> str:
 
 
 async def _sse(handle: RequestHandle, fmt: ResponseFormat, gen: Generation) -> AsyncIterator[str]:
-    role = fmt.role_chunk()
-    if role is not None:
-        yield _sse_line(role)
-    while True:
+    for chunk in fmt.role_chunks():
+        yield _sse_line(chunk)
+    while not handle.finished:
         event = await handle.next_event()
         if isinstance(event, Failed):  # headers are gone: the error goes in the stream
             yield _sse_line(error_body(event.error))
             break
         if not isinstance(event, Output):
             continue
-        if event.text or event.finish_reason is not None or gen.return_token_ids:
-            yield _sse_line(fmt.chunk(event.text, event.token_ids, event.finish_reason))
-        if event.finish_reason is not None:
-            if gen.include_usage:
-                yield _sse_line(fmt.usage_chunk(event.num_prompt_tokens, event.num_output_tokens))
-            break
+        body = fmt.add(event)
+        if body is not None:
+            yield _sse_line(body)
+        if handle.finished and gen.include_usage:
+            yield _sse_line(fmt.usage_chunk())
     yield "data: [DONE]\n\n"
 
 
 async def _whole(
-    request: Request,
-    engine: EngineLoop,
-    handle: RequestHandle,
-    fmt: ResponseFormat,
-    gen: Generation,
+    request: Request, engine: EngineLoop, handle: RequestHandle, fmt: ResponseFormat
 ) -> Response:
     """Gather the request's outputs, or abort it when the client disconnects first."""
-    gather = asyncio.ensure_future(_gather(handle))
+    gather = asyncio.ensure_future(_gather(handle, fmt))
     gone = asyncio.ensure_future(_wait_disconnect(request))
     try:
         await asyncio.wait({gather, gone}, return_when=asyncio.FIRST_COMPLETED)
         if not gather.done():
             engine.abort(handle)
             return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
-        text, ids, last = gather.result()
+        gather.result()
     finally:
         gather.cancel()
         gone.cancel()
-    return JSONResponse(
-        fmt.whole(text, ids, gen.prompt_token_ids, last.finish_reason, last.num_output_tokens)
-    )
+    return JSONResponse(fmt.whole())
 
 
-async def _gather(handle: RequestHandle) -> tuple[str, list[int], Output]:
-    parts: list[str] = []
-    ids: list[int] = []
-    while True:
+async def _gather(handle: RequestHandle, fmt: ResponseFormat) -> None:
+    while not handle.finished:
         event = await handle.next_event()
         if isinstance(event, Failed):
             raise event.error
-        if isinstance(event, Accepted):
-            continue
-        parts.append(event.text)
-        ids.extend(event.token_ids)
-        if event.finish_reason is not None:
-            return "".join(parts), ids, event
+        if isinstance(event, Output):
+            fmt.add(event)
 
 
 async def _wait_disconnect(request: Request) -> None:
@@ -196,12 +268,16 @@ async def _wait_disconnect(request: Request) -> None:
 
 
 def _add_error_handlers(app: FastAPI) -> None:
-    def reply(err: RequestError) -> JSONResponse:
-        return JSONResponse(error_body(err), status_code=err.status)
+    def reply(err: RequestError, headers: Mapping[str, str] | None = None) -> JSONResponse:
+        return JSONResponse(error_body(err), status_code=err.status, headers=headers)
 
     @app.exception_handler(RequestError)
     async def request_error(request: Request, err: RequestError) -> JSONResponse:
         return reply(err)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_body(request: Request, err: RequestValidationError) -> JSONResponse:
+        return reply(validation_error(err.errors(), prefix=("body",)))
 
     @app.exception_handler(HybridKVError)
     async def hybridkv_error(request: Request, err: HybridKVError) -> JSONResponse:
@@ -210,7 +286,8 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, err: StarletteHTTPException) -> JSONResponse:
         kind = "not_found_error" if err.status_code == 404 else "invalid_request_error"
-        return reply(RequestError(str(err.detail), status=err.status_code, kind=kind))
+        # 405 keeps Starlette's Allow header (RFC 9110: a 405 must list the methods).
+        return reply(RequestError(str(err.detail), status=err.status_code, kind=kind), err.headers)
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, err: Exception) -> JSONResponse:
@@ -223,3 +300,43 @@ def _add_error_handlers(app: FastAPI) -> None:
                 code="internal_error",
             )
         )
+
+
+class _BodyLimit:
+    """ASGI middleware: a body over ``max_body_bytes`` is a 413 (by its Content-Length
+    before anything is read, or as it streams in)."""
+
+    def __init__(self, app: ASGIApp, max_body_bytes: int) -> None:
+        self.app = app
+        self.max_body_bytes = max_body_bytes
+
+    def _too_large(self, num_bytes: int | None) -> RequestError:
+        size = "more than" if num_bytes is None else f"{num_bytes} bytes,"
+        return RequestError(
+            f"the request body is {size} over the limit of {self.max_body_bytes} bytes; "
+            "split the request (fewer prompts per request)",
+            status=413,
+            code="body_too_large",
+        )
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
+            err = self._too_large(int(declared))
+            await JSONResponse(error_body(err), status_code=413)(scope, receive, send)
+            return
+        received = 0
+
+        async def limited() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_body_bytes:
+                    raise StarletteHTTPException(413, self._too_large(None).message)
+            return message
+
+        await self.app(scope, limited, send)

@@ -13,9 +13,11 @@ the engine. The HTTP side (asyncio) talks to it through two queues per direction
                             per request
 
 Events of one request, in order: `Accepted` (or `Failed`: the engine refused it), then
-`Output` after every step that produced tokens, the last one with a ``finish_reason``
-("stop": EOS, a stop id or a stop string; "length": max_tokens). A request aborted by
-its client (disconnect) is cancelled in the engine at once, which frees its blocks.
+`Output` after every step that produced tokens for one of its choices (``index``; one
+engine request per choice, `prepare.Generation`), the last of each choice with a
+``finish_reason`` ("stop": EOS, a stop id or a stop string; "length": max_tokens). A
+request aborted by its client (disconnect) is cancelled in the engine at once, all its
+choices, which frees their blocks.
 
 ``call(fn)`` runs ``fn()`` on the engine thread between steps and returns a
 `concurrent.futures.Future`: metrics snapshots, invariant checks and tests read the
@@ -38,6 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from hybridkv.engine.llm import LLM
+from hybridkv.engine.logprobs import TokenLogprob
 from hybridkv.engine.sampler import SamplingParams
 from hybridkv.errors import HybridKVError, InvariantError, RequestError
 from hybridkv.serve.metrics import Histogram, MetricsSnapshot
@@ -55,13 +58,19 @@ class Accepted:
 
 @dataclass(frozen=True)
 class Output:
-    """New text and token ids since the previous `Output`; counts are totals."""
+    """New text, token ids and logprobs of choice ``index`` since its previous `Output`;
+    counts are totals. ``prompt_logprobs`` (echo with logprobs) come with the first
+    `Output` of a choice; ``num_cached_tokens`` is its prefix-cache hit."""
 
     text: str
     token_ids: tuple[int, ...]
     finish_reason: str | None
     num_prompt_tokens: int
     num_output_tokens: int
+    index: int = 0
+    logprobs: tuple[TokenLogprob, ...] | None = None
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
+    num_cached_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -80,6 +89,7 @@ class RequestHandle:
         self.generation = generation
         self._loop = loop
         self._events: asyncio.Queue[Event] = asyncio.Queue()
+        self._num_open = generation.num_choices  # choices without their last Output yet
         self.finished = False  # the last event was read (asyncio side)
 
     def push(self, event: Event) -> None:
@@ -90,9 +100,9 @@ class RequestHandle:
 
     async def next_event(self) -> Event:
         event = await self._events.get()
-        if isinstance(event, Failed) or (
-            isinstance(event, Output) and event.finish_reason is not None
-        ):
+        if isinstance(event, Output) and event.finish_reason is not None:
+            self._num_open -= 1
+        if isinstance(event, Failed) or self._num_open == 0:
             self.finished = True
         return event
 
@@ -103,8 +113,10 @@ class _Active:
     request: Any  # what LLM.add_request returned
     text: TextStream
     arrival_s: float  # time.monotonic() at submission
+    index: int = 0  # the choice it answers
     num_sent_tokens: int = 0
     admitted: bool = False  # its first step ran (prefix-cache query and hit counted)
+    num_cached_tokens: int = 0  # prefix-cache hit of its first admission
 
 
 @dataclass(frozen=True)
@@ -221,6 +233,7 @@ class EngineLoop:
                 f"engine loop tracks {len(self._active)} requests, the engine has "
                 f"{running} running + {waiting} waiting"
             )
+        self.llm.stepper.logprobs.check_invariants()
         for rid, active in self._active.items():
             active.text.check_invariants()
             result = self.llm.result(active.request)
@@ -268,9 +281,10 @@ class EngineLoop:
         if isinstance(command, _Submit):
             self._submit(command.handle)
         elif isinstance(command, _Abort):
-            active = self._active.pop(command.request_id, None)
-            if active is not None:
-                self.llm.cancel(active.request)
+            for key in [
+                k for k, a in self._active.items() if a.handle.request_id == command.request_id
+            ]:
+                self.llm.cancel(self._active.pop(key).request)
                 self.counters.finished["abort"] += 1
         elif isinstance(command, _Call) and command.future.set_running_or_notify_cancel():
             try:
@@ -279,24 +293,35 @@ class EngineLoop:
                 command.future.set_exception(err)
 
     def _submit(self, handle: RequestHandle) -> None:
+        """One engine request per choice; all or none (a refusal cancels the others)."""
         g = handle.generation
+        added: list[_Active] = []
+        error: RequestError | None = None
+        now = time.monotonic()
         try:
-            params = SamplingParams(g.max_tokens, g.temperature, g.seed, g.ignore_eos)
-            request = self.llm.add_request(
-                list(g.prompt_token_ids), params, cache_salt=g.cache_salt
-            )
+            for index in range(g.num_choices):
+                request = self.llm.add_request(
+                    list(g.choice_prompt(index)),
+                    _sampling_params(g),
+                    index % g.n,
+                    cache_salt=g.cache_salt,
+                )
+                refused = self.llm.result(request).finish_reason
+                if refused is not None:  # finished before it ran: the engine refused it
+                    reason = getattr(request, "refusal", None) or f"finish reason {refused!r}"
+                    error = RequestError(f"the engine refused the request: {reason}")
+                    break
+                added.append(_Active(handle, request, TextStream(self._decode, g.stop), now, index))
         except HybridKVError as err:
-            handle.push(Failed(RequestError(str(err), code=type(err).__name__)))
+            error = RequestError(str(err), code=type(err).__name__)
+        if error is not None:
+            for active in added:
+                self.llm.cancel(active.request)
+            handle.push(Failed(error))
             return
-        refused = self.llm.result(request).finish_reason
-        if refused is not None:  # finished before it ran: the engine refused it
-            reason = getattr(request, "refusal", None) or f"finish reason {refused!r}"
-            handle.push(Failed(RequestError(f"the engine refused the request: {reason}")))
-            return
-        self._active[handle.request_id] = _Active(
-            handle, request, TextStream(self._decode, g.stop), time.monotonic()
-        )
-        self.counters.num_prompt_tokens += len(g.prompt_token_ids)
+        for active in added:
+            self._active[active.request.req_id] = active
+            self.counters.num_prompt_tokens += len(active.request.prompt)
         handle.push(Accepted(handle.request_id))
 
     def _step(self) -> None:
@@ -318,36 +343,53 @@ class EngineLoop:
             self._publish(rid, self._active[rid])
 
     def _publish(self, rid: str, active: _Active) -> None:
-        result = self.llm.result(active.request)
+        g = active.handle.generation
+        # The engine's own finish ends the request there: release its logprob records
+        # (a cancel below drops them too; this result keeps what was recorded).
+        result = self.llm.result(active.request, release=active.request.done)
         if not active.admitted and result.stats.num_steps > 0:
             active.admitted = True
+            active.num_cached_tokens = result.stats.prefix_hit_tokens
             self.counters.prefix_cache_queries += result.stats.num_prompt_tokens
             self.counters.prefix_cache_hits += result.stats.prefix_hit_tokens
         ids = result.token_ids
         reason = result.finish_reason
         if len(ids) == active.num_sent_tokens and reason is None:
             return
+        if g.max_tokens == 0:  # echo only: the one token run for the prompt is dropped
+            if reason is None:
+                self.llm.cancel(active.request)
+            ids, reason = [], "length"
         delta = active.text.update(ids, finished=reason is not None)
         if delta.stopped and reason is None:
             self.llm.cancel(active.request)  # a stop string: free its blocks now
         if delta.stopped:
             reason = "stop"
+        first = active.num_sent_tokens == 0
         new_ids = tuple(ids[active.num_sent_tokens :])
+        logprobs = None
+        if result.logprobs is not None:
+            logprobs = tuple(result.logprobs[active.num_sent_tokens : len(ids)])
         now = time.monotonic()
-        if active.num_sent_tokens == 0 and new_ids:
+        if first and new_ids:
             self.counters.time_to_first_token.observe(now - active.arrival_s)
         active.num_sent_tokens = len(ids)
         if reason is not None:
             del self._active[rid]
             self.counters.finished[reason] += 1
             self.counters.e2e_request_latency.observe(now - active.arrival_s)
+        prompt_logprobs = result.prompt_logprobs
         active.handle.push(
             Output(
                 delta.text,
                 new_ids,
                 reason,
-                len(active.handle.generation.prompt_token_ids),
+                len(result.prompt_token_ids),
                 len(ids),
+                index=active.index,
+                logprobs=logprobs,
+                prompt_logprobs=tuple(prompt_logprobs) if first and prompt_logprobs else None,
+                num_cached_tokens=active.num_cached_tokens,
             )
         )
 
@@ -374,3 +416,17 @@ class EngineLoop:
                 command.future.set_exception(
                     RequestError("the server is shutting down", status=503)
                 )
+
+
+def _sampling_params(g: Generation) -> SamplingParams:
+    """The engine's `SamplingParams` of every choice of ``g`` (echo with logprobs asks
+    for prompt logprobs; max_tokens 0 runs one token, dropped in `EngineLoop._publish`)."""
+    return SamplingParams(
+        max(1, g.max_tokens),
+        g.temperature,
+        g.seed,
+        g.ignore_eos,
+        logprobs=g.logprobs if g.max_tokens > 0 else None,
+        prompt_logprobs=g.logprobs if g.echo and g.logprobs is not None else None,
+        **g.sampling,
+    )

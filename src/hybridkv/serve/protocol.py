@@ -3,15 +3,21 @@
 A body goes through two gates, both ending in `RequestError` (HTTP 400, OpenAI's
 ``{"error": {"message", "type", "param", "code"}}``), never a 500:
 
-    JSON text --parse_body--> dict --pydantic (strict, unknown keys refused)--> model
-    model --check_common--> semantic checks (n = 1, finite temperature >= 0, stop strings,
-                            OpenAI options we accept only at their no-op defaults)
+    JSON text --FastAPI / parse_body--> dict --pydantic (strict, unknown keys refused,
+                                               the bounds below)--> model
+    model --check_common--> semantic checks (finite temperature, stop strings, the
+                            total number of choices, options we accept only "off")
 
-Strict typing: ``"max_tokens": "5"``, ``1.5`` or ``true`` are refused, not coerced; a
-float field takes an integer. Options we do not implement (``top_p``, penalties,
-``logprobs``, ``echo``, ``best_of``, ``logit_bias``) are accepted only at the value that
-means "off", so a client that sends the defaults works and one that relies on them is
-told. Length limits need the tokenizer and live in `hybridkv.serve.prepare`.
+The models are the routes' body parameters, so ``/openapi.json`` documents them with
+their bounds (`hybridkv.serve.app`). Strict typing: ``"max_tokens": "5"``, ``1.5`` or
+``true`` are refused, not coerced; a float field takes an integer.
+
+Supported with vLLM's semantics where OpenAI leaves room (docs/openai_api.md):
+``n``, ``logprobs`` (completions: top-k; chat: ``logprobs`` + ``top_logprobs``),
+``echo`` (prompt logprobs), ``max_tokens: 0`` with ``echo``, lists of prompts, ``top_p``,
+``top_k``, ``min_p``, ``min_tokens``, the three penalties. Still accepted only at their
+"off" value: ``best_of``, ``logit_bias``, ``suffix``. Length limits need the tokenizer
+and live in `hybridkv.serve.prepare`.
 
 This module does not import torch.
 """
@@ -20,14 +26,20 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Any, Literal
+from collections.abc import Sequence
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from hybridkv.errors import RequestError
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's default; send 0 for greedy (token-exact) output
+MAX_LOGPROBS = 20  # top logprobs per token (vLLM's default max_logprobs; OpenAI's chat cap)
+MAX_CHOICES = 128  # prompts x n per request: one request must not flood the engine
+
+NonEmptyStr = Annotated[str, Field(min_length=1)]
+TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
 
 
 class _Body(BaseModel):
@@ -35,37 +47,44 @@ class _Body(BaseModel):
 
 
 class StreamOptions(_Body):
-    include_usage: bool = False
+    include_usage: bool = Field(False, description="a last chunk with the usage, no choices")
 
 
 class _Sampling(_Body):
     """Fields shared by completions and chat completions."""
 
-    model: str | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
+    model: str | None = Field(None, description="the served model's id (GET /v1/models)")
+    max_tokens: int | None = Field(
+        None, ge=0, description="completions: 16 by default; 0 only with echo"
+    )
+    temperature: float | None = Field(None, ge=0, description="1 by default; 0 = greedy")
+    top_p: float | None = Field(None, gt=0, le=1, description="nucleus sampling (1 = off)")
+    top_k: int | None = Field(None, ge=-1, description="k most likely only (-1 or 0 = off)")
+    min_p: float | None = Field(None, ge=0, le=1, description="relative to the top (0 = off)")
+    min_tokens: int = Field(0, ge=0, description="stop ids and strings ignored before this")
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(None, gt=0, description="1 = off (vLLM)")
     seed: int | None = None
-    stop: Any = None  # str | list[str]; checked by hand for a clear message
+    stop: NonEmptyStr | list[NonEmptyStr] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    cache_salt: str | None = None
-    n: int = 1
-    ignore_eos: bool = False  # vLLM's extension: keep going past the EOS id
-    return_token_ids: bool = False  # vLLM's extension: token ids beside the text
-    user: str | None = None  # accepted and ignored, as OpenAI uses it for abuse tracking
-    # Accepted only at their "off" value (module doc).
-    top_p: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    cache_salt: NonEmptyStr | None = Field(None, description="isolates prefix-cache tenants")
+    n: int = Field(1, ge=1, le=MAX_CHOICES, description="choices per prompt")
+    ignore_eos: bool = Field(False, description="vLLM's extension: keep going past EOS")
+    return_token_ids: bool = Field(False, description="vLLM's extension: token ids too")
+    user: str | None = Field(None, description="accepted and ignored")
+    logit_bias: dict[str, float] | None = Field(None, description="only {} (off)")
 
 
 class CompletionBody(_Sampling):
-    prompt: Any = None  # str | list[int] | [str] | [list[int]]; checked by hand
-    echo: bool = False
-    logprobs: int | None = None
-    best_of: int | None = None
-    suffix: str | None = None
+    prompt: NonEmptyStr | TokenIds | list[NonEmptyStr] | list[TokenIds] = Field(
+        description="a text, a list of token ids, or a list of either (one choice each)"
+    )
+    echo: bool = Field(False, description="prepend the prompt (and its logprobs)")
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="top-k per token")
+    best_of: int | None = Field(None, description="only 1 (off)")
+    suffix: str | None = Field(None, description="only null (off)")
 
 
 class TextPart(_Body):
@@ -87,14 +106,15 @@ class ChatMessage(_Body):
 
 
 class ChatBody(_Sampling):
-    messages: list[ChatMessage]
-    max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1, description="newer max_tokens")
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="needs logprobs")
 
 
 def parse_body(raw: bytes, model: type[_Body]) -> Any:
-    """``raw`` JSON as ``model``; `RequestError` naming the field otherwise."""
+    """``raw`` JSON as ``model``; `RequestError` naming the field otherwise (the same
+    checks FastAPI runs on a route's body, for callers outside the app)."""
     try:
         data = json.loads(raw)
     except (ValueError, RecursionError) as err:  # ValueError: bad JSON, bad UTF-8, huge ints
@@ -107,34 +127,47 @@ def parse_body(raw: bytes, model: type[_Body]) -> Any:
     try:
         return model.model_validate(data)
     except ValidationError as err:
-        first = err.errors(include_url=False)[0]
-        param = ".".join(str(part) for part in first["loc"] if not _is_union_tag(part)) or None
-        message = f"{param}: {first['msg']}" if param else first["msg"]
-        if first["type"] == "extra_forbidden":
-            message = f"unknown or unsupported field {param!r}"
-        elif first["type"] == "missing":
-            message = f"missing required field {param!r}"
-        else:
-            shown = repr(first.get("input"))
-            message += f" (got {shown[:60]}{'...' if len(shown) > 60 else ''})"
-        raise RequestError(message, param=param, code=first["type"]) from None
+        raise validation_error(err.errors(include_url=False)) from None
+
+
+def validation_error(errors: Sequence[Any], prefix: tuple[str, ...] = ()) -> RequestError:
+    """The first of pydantic's ``errors`` as a `RequestError` naming its field (a union
+    member's tag and the leading ``prefix``, e.g. FastAPI's "body", are not part of it)."""
+    first = errors[0]
+    loc = list(first.get("loc", ()))[len(prefix) :]
+    cut = next((i for i, part in enumerate(loc) if _is_union_tag(part)), len(loc))
+    param = ".".join(str(part) for part in loc[:cut]) or None
+    kind = str(first.get("type", "invalid_value"))
+    if kind == "extra_forbidden":
+        message = f"unknown or unsupported field {param!r}"
+    elif kind == "missing":
+        message = f"missing required field {param!r}" if param else "the request needs a body"
+    elif kind == "json_invalid":
+        reason = first.get("ctx", {}).get("error", "")
+        message, param = f"the body is not valid JSON: {reason}", None
+    elif param is None and isinstance(first.get("input"), bytes | bytearray):
+        message = "the body must be JSON, sent with Content-Type: application/json"
+    elif param is None and kind in ("model_type", "model_attributes_type", "dict_type"):
+        message = "the body must be a JSON object"
+    else:
+        shown = repr(first.get("input"))
+        message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
+        if cut < len(loc):  # every member of a union refused it; this was the first
+            message += " (nor any other allowed form)"
+        message += f" (got {shown[:60]}{'...' if len(shown) > 60 else ''})"
+    return RequestError(message, param=param, code=kind)
 
 
 def _is_union_tag(part: int | str) -> bool:
     """Whether a pydantic error location part names a union member ("str",
-    "list[TextPart]") rather than a field or an index."""
-    return isinstance(part, str) and (part in ("str", "int", "float", "bool") or "[" in part)
+    "list[TextPart]", "constrained-str") rather than a field or an index."""
+    return isinstance(part, str) and (
+        part in ("str", "int", "float", "bool") or "[" in part or part.startswith("constrained")
+    )
 
 
-def check_common(body: _Sampling) -> None:
+def check_common(body: CompletionBody | ChatBody) -> None:
     """Semantic checks every generation body passes (module doc)."""
-    if body.n != 1:
-        raise RequestError(
-            f"n={body.n}: this server returns one choice per request; send n=1 (or omit "
-            "it) and repeat the request for more samples",
-            param="n",
-            code="unsupported_value",
-        )
     temperature = body.temperature
     if temperature is not None and not (math.isfinite(temperature) and temperature >= 0):
         raise RequestError(
@@ -142,35 +175,33 @@ def check_common(body: _Sampling) -> None:
             param="temperature",
             code="invalid_value",
         )
-    if body.max_tokens is not None:
-        check_max_tokens(body.max_tokens, "max_tokens")
-    if body.cache_salt is not None and not body.cache_salt:
-        raise RequestError(
-            "cache_salt is empty; omit it or give a non-empty string",
-            param="cache_salt",
-            code="invalid_value",
-        )
-    stop_strings(body.stop)
-    off: dict[str, tuple[Any, tuple[Any, ...]]] = {
-        "top_p": (body.top_p, (None, 1.0)),
-        "presence_penalty": (body.presence_penalty, (None, 0.0)),
-        "frequency_penalty": (body.frequency_penalty, (None, 0.0)),
-        "logit_bias": (body.logit_bias, (None, {})),
-    }
+    for name in ("top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+        value = getattr(body, name)
+        if value is not None and not math.isfinite(value):
+            raise RequestError(f"{name}={value}: needs a finite number", param=name)
+    off: dict[str, tuple[Any, tuple[Any, ...]]] = {"logit_bias": (body.logit_bias, (None, {}))}
     if isinstance(body, CompletionBody):
-        off |= {
-            "echo": (body.echo, (False,)),
-            "logprobs": (body.logprobs, (None,)),
-            "best_of": (body.best_of, (None, 1)),
-            "suffix": (body.suffix, (None,)),
-        }
+        off |= {"best_of": (body.best_of, (None, 1)), "suffix": (body.suffix, (None,))}
+        if body.max_tokens == 0 and not body.echo:
+            raise RequestError(
+                "max_tokens=0 returns nothing without echo; send echo=true (the prompt and "
+                "its logprobs) or max_tokens >= 1",
+                param="max_tokens",
+                code="invalid_value",
+            )
     if isinstance(body, ChatBody):
-        if body.max_completion_tokens is not None:
-            check_max_tokens(body.max_completion_tokens, "max_completion_tokens")
-        off |= {
-            "logprobs": (body.logprobs, (False,)),
-            "top_logprobs": (body.top_logprobs, (None, 0)),
-        }
+        if body.max_tokens == 0:
+            raise RequestError(
+                "max_tokens=0: a chat completion needs max_tokens >= 1",
+                param="max_tokens",
+                code="invalid_value",
+            )
+        if body.top_logprobs and not body.logprobs:
+            raise RequestError(
+                f"top_logprobs={body.top_logprobs} needs logprobs=true",
+                param="top_logprobs",
+                code="invalid_value",
+            )
     for name, (value, allowed) in off.items():
         if value not in allowed:
             raise RequestError(
@@ -181,55 +212,22 @@ def check_common(body: _Sampling) -> None:
             )
 
 
-def check_max_tokens(value: int, param: str) -> None:
-    if value < 1:
-        raise RequestError(
-            f"{param}={value}: needs an integer >= 1", param=param, code="invalid_value"
-        )
-
-
-def stop_strings(stop: Any) -> tuple[str, ...]:
-    """``stop`` (None, a string or a list of strings) as a tuple of non-empty strings."""
+def stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
+    """``stop`` (None, a string or a list of strings) as a tuple."""
     if stop is None:
         return ()
-    items = [stop] if isinstance(stop, str) else stop
-    if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
-        raise RequestError(
-            f"stop must be a string or a list of strings, got {stop!r}",
-            param="stop",
-            code="invalid_type",
-        )
-    if any(not s for s in items):
-        raise RequestError("stop strings must not be empty", param="stop", code="invalid_value")
-    return tuple(items)
+    return (stop,) if isinstance(stop, str) else tuple(stop)
 
 
-def completion_prompt(prompt: Any) -> str | list[int]:
-    """The one prompt of a completions body: a string, a list of token ids, or a list
-    holding exactly one of those."""
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-        prompt = prompt[0]
+def completion_prompts(
+    prompt: str | list[int] | list[str] | list[list[int]],
+) -> list[str | list[int]]:
+    """The prompts of a completions body: a text or a list of token ids is one prompt; a
+    list of texts or of token-id lists is several (one choice each, times ``n``)."""
     if isinstance(prompt, str):
-        if not prompt:
-            raise RequestError("prompt is empty", param="prompt", code="invalid_value")
-        return prompt
-    if isinstance(prompt, list) and all(
-        isinstance(t, int) and not isinstance(t, bool) for t in prompt
-    ):
-        if not prompt:
-            raise RequestError("prompt has no token ids", param="prompt", code="invalid_value")
-        return list(prompt)
-    if prompt is None:
-        raise RequestError("missing required field 'prompt'", param="prompt", code="missing")
-    if isinstance(prompt, list) and all(isinstance(p, str | list) for p in prompt):
-        raise RequestError(
-            f"prompt holds {len(prompt)} prompts; this server takes one prompt per request",
-            param="prompt",
-            code="unsupported_value",
-        )
-    raise RequestError(
-        "prompt must be a string, a list of integer token ids, or a list holding one of "
-        f"those; got {type(prompt).__name__}",
-        param="prompt",
-        code="invalid_type",
-    )
+        return [prompt]
+    if not prompt:
+        raise RequestError("prompt is an empty list", param="prompt", code="invalid_value")
+    if all(isinstance(t, int) for t in prompt):
+        return [[int(t) for t in prompt if isinstance(t, int)]]
+    return [p if isinstance(p, str) else list(p) for p in prompt if not isinstance(p, int)]

@@ -22,6 +22,7 @@ from hybridkv.serve.chat import chat_renderer
 from hybridkv.serve.engine_loop import EngineLoop
 from hybridkv.serve.listen import bind
 from hybridkv.serve.prepare import ModelInfo
+from hybridkv.serve.textstream import text_decoder
 
 
 def model_info(llm: LLM, name: str) -> ModelInfo:
@@ -33,6 +34,8 @@ def model_info(llm: LLM, name: str) -> ModelInfo:
         vocab_size=llm.vocab_size,
         encode=llm.encode,
         render_chat=chat_renderer(tokenizer, name),
+        decode=text_decoder(tokenizer),
+        tokenizer=tokenizer,
     )
 
 
