@@ -60,6 +60,7 @@ from hybridkv.cache.free_queue_reads import (
     PROBATION,
     PROTECTED,
     TIER_NAMES,
+    mypyc_attr,
 )
 from hybridkv.cache.loop_detect import LoopDetector
 from hybridkv.errors import CacheError, InvariantError
@@ -74,6 +75,8 @@ TYPICAL_WEIGHT = 0.05  # weight of a new hit in the moving average of reuse dist
 REGRET_STEP = 0.05  # bias step per lookup that misses a block the policy evicted
 
 
+# the simulator's Belady queue (`sim.belady`) extends it: the compiled build must allow it
+@mypyc_attr(allow_interpreted_subclasses=True)
 class FreeQueue(LruLinks):
     """Free block ids of one pool; see the module docstring for the order."""
 

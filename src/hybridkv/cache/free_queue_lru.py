@@ -11,9 +11,10 @@ from __future__ import annotations
 from array import array
 from collections.abc import Iterable
 
-from hybridkv.cache.free_queue_reads import PROBATION, FreeQueueReads
+from hybridkv.cache.free_queue_reads import PROBATION, FreeQueueReads, mypyc_attr
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)  # see `FreeQueueReads`
 class LruLinks(FreeQueueReads):
     """`release_lru` of a `FreeQueue` (attributes set by its __init__)."""
 

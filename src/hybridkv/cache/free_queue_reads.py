@@ -4,9 +4,17 @@
 from __future__ import annotations
 
 from array import array
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from hybridkv.errors import InvariantError
+
+try:  # mypyc's class options (setup.py's compiled build); a no-op without mypy installed
+    from mypy_extensions import mypyc_attr
+except ImportError:  # pragma: no cover - the pure-Python install without the dev extra
+
+    def mypyc_attr(*attrs: str, **kwattrs: object) -> Any:  # type: ignore[misc]
+        return lambda cls: cls
+
 
 if TYPE_CHECKING:
     from hybridkv.cache.loop_detect import LoopDetector
@@ -17,6 +25,9 @@ TIER_NAMES = ("dead", "probation", "protected")
 _NUM_TIERS = 3
 
 
+# the simulator's Belady queue extends `FreeQueue` (`sim.belady`): the compiled build
+# must allow interpreted subclasses of it and of its bases
+@mypyc_attr(allow_interpreted_subclasses=True)
 class FreeQueueReads:
     """Queries over the links a `FreeQueue` keeps (attributes set by its __init__)."""
 

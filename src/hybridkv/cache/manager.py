@@ -24,6 +24,7 @@ persistent tables. Misuse raises `CacheError` before anything changes.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import SupportsIndex
 
 from hybridkv.cache.coordinator import Coordinator
 from hybridkv.cache.events import CacheEvent
@@ -135,7 +136,7 @@ class CacheManager(StepPaths):
         prompt_token_ids: Sequence[int],
         *,
         cache_salt: str | None = None,
-        lora_id: int | None = None,
+        lora_id: SupportsIndex | None = None,
     ) -> None:
         if req_id in self._requests:
             raise CacheError(f"request {req_id!r} was already added")
@@ -147,9 +148,8 @@ class CacheManager(StepPaths):
                 f"request {req_id!r}: cache_salt must be a str or None, got "
                 f"{type(cache_salt).__name__}"
             )
-        if lora_id is not None:
-            lora_id = check_count(req_id, "lora_id", lora_id)
-        root = self.coordinator.hasher.root(cache_salt, lora_id)
+        lora = None if lora_id is None else check_count(req_id, "lora_id", lora_id)
+        root = self.coordinator.hasher.root(cache_salt, lora)
         self._requests[req_id] = RequestRecord(req_id, tokens, root, self._max_accept)
 
     def lookup(self, req_id: str) -> int:

@@ -17,6 +17,7 @@ may sit in the free queue, and taking blocks for others may evict them.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import SupportsIndex
 
 from hybridkv.cache.managers import GroupManager
 from hybridkv.cache.request import RequestRecord
@@ -28,8 +29,8 @@ def step_needs(
     r: RequestRecord,
     managers: Sequence[GroupManager],
     num_pools: int,
-    num_new_tokens: int,
-    num_lookahead_tokens: int,
+    num_new_tokens: SupportsIndex,
+    num_lookahead_tokens: SupportsIndex,
 ) -> list[int]:
     """Per pool, the blocks ``allocate(n, L)`` of running request ``r`` would take."""
     req_id = r.req_id
@@ -39,10 +40,10 @@ def step_needs(
             f"blocks_needed of request {req_id!r}: only for a running request between "
             f"steps; it is {state}"
         )
-    n, lookahead = num_new_tokens, num_lookahead_tokens
-    if not (type(n) is int is type(lookahead) and n >= 0 and lookahead >= 0):
-        n = check_count(req_id, "num_new_tokens", n)
-        lookahead = check_count(req_id, "num_lookahead_tokens", lookahead)
+    # objects until checked (numpy integers welcome; the compiled build must not
+    # convert bools or refuse floats before `check_count` names them)
+    n = check_count(req_id, "num_new_tokens", num_new_tokens)
+    lookahead = check_count(req_id, "num_lookahead_tokens", num_lookahead_tokens)
     c = r.num_computed
     top = c + n
     if top > len(r.tokens):
@@ -63,27 +64,30 @@ def total_step_needs(
     records: Sequence[RequestRecord],
     managers: Sequence[GroupManager],
     num_pools: int,
-    num_new_tokens: Sequence[int],
-    num_lookahead_tokens: Sequence[int],
+    num_new_tokens: Sequence[SupportsIndex],
+    num_lookahead_tokens: Sequence[SupportsIndex],
 ) -> list[int]:
     """Per pool, the sum of `step_needs` over a step's running requests (one call per
     step; a step whose requests all stay within their fast limits costs a few
     comparisons per request)."""
     total = [0] * num_pools
     for r, n, lookahead in zip(records, num_new_tokens, num_lookahead_tokens, strict=True):
-        top = r.num_computed + n
         if (
-            type(n) is int is type(lookahead)
+            type(n) is int
+            and type(lookahead) is int
             and n >= 0
             and lookahead >= 0
             and r.started
             and not r.pending
-            and top <= len(r.tokens)
-            and top + lookahead <= r.fast_end
-            and top <= r.fast_verified
-            and lookahead <= r.fast_lookahead
         ):
-            continue  # the fast path: no block
+            top = r.num_computed + n
+            if (
+                top <= len(r.tokens)
+                and top + lookahead <= r.fast_end
+                and top <= r.fast_verified
+                and lookahead <= r.fast_lookahead
+            ):
+                continue  # the fast path: no block
         need = step_needs(r, managers, num_pools, n, lookahead)
         total = [a + b for a, b in zip(total, need, strict=True)]
     return total

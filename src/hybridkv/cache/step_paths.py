@@ -16,7 +16,7 @@ goes through the coordinator.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NoReturn
+from typing import NoReturn, SupportsIndex, cast
 
 from hybridkv.cache.delta import NO_CHANGE, StepDelta
 from hybridkv.cache.hashing import MAX_TOKEN_ID
@@ -33,6 +33,7 @@ from hybridkv.cache.views import CacheViews
 from hybridkv.errors import CacheError
 
 _new_tuple = tuple.__new__  # a named tuple's own __new__ is a Python function
+_Ints = Sequence[int]
 
 
 class StepPaths(CacheViews):
@@ -52,7 +53,10 @@ class StepPaths(CacheViews):
     _turn_end: bool
 
     def allocate(
-        self, req_id: str, num_new_tokens: int, num_lookahead_tokens: int = 0
+        self,
+        req_id: str,
+        num_new_tokens: SupportsIndex,
+        num_lookahead_tokens: SupportsIndex = 0,
     ) -> StepDelta | None:
         """Reserve slots for positions [0, c + n + L): the step's `StepDelta`, or None
         (nothing changed) when it does not fit."""
@@ -60,7 +64,8 @@ class StepPaths(CacheViews):
         n, lookahead = num_new_tokens, num_lookahead_tokens
         if (
             r is not None
-            and type(n) is int is type(lookahead)
+            and type(n) is int
+            and type(lookahead) is int
             and 0 <= n <= MAX_TOKEN_ID
             and 0 <= lookahead <= MAX_TOKEN_ID
         ):
@@ -71,17 +76,47 @@ class StepPaths(CacheViews):
         return self._allocate_slow(r, req_id, n, lookahead)
 
     def commit(
-        self, req_id: str, num_accepted_tokens: int = 0, new_token_ids: Sequence[int] = ()
+        self,
+        req_id: str,
+        num_accepted_tokens: SupportsIndex = 0,
+        new_token_ids: Sequence[int] = (),
     ) -> None:
         """Settle the allocated step: ``num_accepted_tokens`` drafts were accepted and
         ``new_token_ids`` (accepted drafts + sampled token) join the verified tokens."""
-        self.commit_batch((req_id,), (num_accepted_tokens,), (new_token_ids,))
+        r = self._requests.get(req_id)
+        a = num_accepted_tokens
+        # The per-request path of a scheduler: the same checks as `commit_batch`, once
+        # for this call (no one-element batch): a plain int count, a list or tuple of
+        # valid ids (`append_tokens`: C speed), then the fast path or the slow settle.
+        if (
+            r is not None
+            and r.pending
+            and type(a) is int
+            and 0 <= a <= r.pend_lookahead
+            and a <= self._max_accept
+        ):
+            c2 = r.num_computed + r.pend_n + a
+            tokens = r.tokens
+            num_tokens = len(tokens)
+            if append_tokens(tokens, new_token_ids):
+                if c2 <= len(tokens):
+                    if c2 < r.commit_below:
+                        if a and r.settlers:  # fast path: as in `commit_batch`
+                            for settle, states in r.settlers:
+                                settle(states, a)
+                        r.num_computed = c2
+                        r.pending = False
+                    else:
+                        self._settle_slow(r, a, c2)
+                    return
+                del tokens[num_tokens:]  # refused below: nothing changed
+        self._commit_slow(r, req_id, a, new_token_ids)
 
     def allocate_batch(
         self,
         req_ids: Sequence[str],
-        num_new_tokens: Sequence[int],
-        num_lookahead_tokens: Sequence[int],
+        num_new_tokens: Sequence[SupportsIndex],
+        num_lookahead_tokens: Sequence[SupportsIndex],
     ) -> list[StepDelta | None]:
         """`allocate` for each request in order (each independently all-or-nothing;
         mismatched lengths raise before any request is touched)."""
@@ -105,7 +140,9 @@ class StepPaths(CacheViews):
             ]
         out: list[StepDelta | None] = []
         append = out.append
-        for r, n, lookahead in zip(records, num_new_tokens, num_lookahead_tokens, strict=True):
+        # checked above: plain ints (a cast, so that the compiled loop reads native ints)
+        news, lookaheads = cast(_Ints, num_new_tokens), cast(_Ints, num_lookahead_tokens)
+        for r, n, lookahead in zip(records, news, lookaheads, strict=True):
             # The fast path (`RequestRecord.try_fast_allocate`): no group needs a block
             # and no delta is owed; else the checked paths, as `allocate` takes them.
             if r.try_fast_allocate(n, lookahead):
@@ -119,7 +156,7 @@ class StepPaths(CacheViews):
     def commit_batch(
         self,
         req_ids: Sequence[str],
-        num_accepted_tokens: Sequence[int],
+        num_accepted_tokens: Sequence[SupportsIndex],
         new_token_ids: Sequence[Sequence[int]],
     ) -> None:
         """`commit` for each request in order (mismatched lengths raise first)."""
@@ -143,7 +180,8 @@ class StepPaths(CacheViews):
             ):
                 slow(get(req_id), req_id, accepted, new)
             return
-        for r, accepted, new in zip(records, num_accepted_tokens, new_token_ids, strict=True):
+        accepts = cast(_Ints, num_accepted_tokens)  # checked above: plain ints
+        for r, accepted, new in zip(records, accepts, new_token_ids, strict=True):
             if r.pending:
                 c2 = r.num_computed + r.pend_n + accepted
                 tokens = r.tokens
@@ -170,13 +208,18 @@ class StepPaths(CacheViews):
             return None
 
     def _allocate_slow(
-        self, r: RequestRecord | None, req_id: str, n: int, lookahead: int
+        self,
+        r: RequestRecord | None,
+        req_id: str,
+        num_new_tokens: SupportsIndex,
+        num_lookahead_tokens: SupportsIndex,
     ) -> StepDelta | None:
         if r is None:
             r = self._get(req_id)
-        if not (type(n) is int is type(lookahead) and n >= 0 and 0 <= lookahead <= MAX_TOKEN_ID):
-            n = check_count(req_id, "num_new_tokens", n)
-            lookahead = check_count(req_id, "num_lookahead_tokens", lookahead)
+        # counts arrive as objects (numpy integers welcome, bools and floats refused):
+        # the compiled build must not convert them before `check_count` sees them
+        n = check_count(req_id, "num_new_tokens", num_new_tokens)
+        lookahead = check_count(req_id, "num_lookahead_tokens", num_lookahead_tokens)
         if r.pending:
             raise CacheError(
                 f"allocate of request {req_id!r}: the step allocated before ({r.pend_n} new, "
@@ -283,14 +326,17 @@ class StepPaths(CacheViews):
         return delta
 
     def _commit_slow(
-        self, r: RequestRecord | None, req_id: str, a: int, new_token_ids: Sequence[int]
+        self,
+        r: RequestRecord | None,
+        req_id: str,
+        num_accepted_tokens: SupportsIndex,
+        new_token_ids: Sequence[int],
     ) -> None:
         if r is None:
             r = self._get(req_id)
         if not r.pending:
             raise CacheError(f"commit of request {req_id!r} without an allocated step")
-        if type(a) is not int or a < 0:
-            a = check_count(req_id, "num_accepted_tokens", a)
+        a = check_count(req_id, "num_accepted_tokens", num_accepted_tokens)
         tokens = r.tokens
         num_tokens = len(tokens)
         if not append_tokens(tokens, new_token_ids):  # not a plain list of valid ids:

@@ -9,6 +9,7 @@ import sys
 from array import array
 from collections.abc import Sequence
 from itertools import chain
+from typing import cast
 
 from hybridkv.cache.hashing import MAX_TOKEN_ID
 from hybridkv.errors import CacheError
@@ -95,15 +96,14 @@ _LIST_TYPES = frozenset((list, tuple))
 _INT_TYPES = frozenset((int,))
 
 
-def all_counts(values: Sequence[int], upper: int = MAX_TOKEN_ID) -> bool:
+def all_counts(values: Sequence[object], upper: int = MAX_TOKEN_ID) -> bool:
     """True if every value is a plain int in [0, ``upper``] (C speed; bools, numpy
     integers, floats and larger values say False, and the checked path then judges
     each)."""
-    return (
-        _INT_TYPES.issuperset(map(type, values))
-        and min(values, default=0) >= 0
-        and max(values, default=0) <= upper
-    )
+    if not _INT_TYPES.issuperset(map(type, values)):
+        return False
+    ints = cast("Sequence[int]", values)  # every one a plain int (checked above)
+    return min(ints, default=0) >= 0 and max(ints, default=0) <= upper
 
 
 def all_valid_token_lists(lists: Sequence[Sequence[int]]) -> bool:

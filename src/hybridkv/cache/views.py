@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
+from typing import SupportsIndex
 
 from hybridkv.cache.block import BlockInfo
 from hybridkv.cache.coordinator import Coordinator
@@ -155,7 +156,10 @@ class CacheViews:
             hasher.extend(r.hashes, r.root, r.tokens, num_tokens)
 
     def blocks_needed(
-        self, req_id: str, num_new_tokens: int, num_lookahead_tokens: int = 0
+        self,
+        req_id: str,
+        num_new_tokens: SupportsIndex,
+        num_lookahead_tokens: SupportsIndex = 0,
     ) -> list[int]:
         """Per pool, the blocks `allocate(req_id, n, L)` would take now, changing nothing;
         for a running request between steps (see `cache.needs`)."""
@@ -170,8 +174,8 @@ class CacheViews:
     def blocks_needed_batch(
         self,
         req_ids: Sequence[str],
-        num_new_tokens: Sequence[int],
-        num_lookahead_tokens: Sequence[int],
+        num_new_tokens: Sequence[SupportsIndex],
+        num_lookahead_tokens: Sequence[SupportsIndex],
     ) -> list[int]:
         """`blocks_needed` summed over ``req_ids``, per pool (one call per step)."""
         check_same_lengths(
