@@ -222,11 +222,21 @@ def belady_manager(
         queue = BeladyQueue(pool.num_blocks, list(range(1, pool.num_blocks)), future)
         queue.pool = pool
         pool.free = queue
-    allocate = manager.allocate
+    return _StartingManager(manager, future)
 
-    def allocate_and_start(req_id: str, *args: Any, **kwargs: Any) -> Any:
-        future.start(req_id)  # admission's first allocate: the request's use is now
-        return allocate(req_id, *args, **kwargs)
 
-    manager.allocate = allocate_and_start
-    return manager
+class _StartingManager:
+    """``manager`` whose `allocate` first tells ``future`` that the request starts
+    (admission's first allocate: its use is now). A wrapper, not an attribute patch:
+    the compiled cache core's classes take no new instance attributes."""
+
+    def __init__(self, manager: Any, future: FutureUses) -> None:
+        self._manager = manager
+        self._future = future
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._manager, name)
+
+    def allocate(self, req_id: str, *args: Any, **kwargs: Any) -> Any:
+        self._future.start(req_id)
+        return self._manager.allocate(req_id, *args, **kwargs)
