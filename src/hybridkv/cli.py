@@ -34,6 +34,29 @@ app = typer.Typer(
     rich_markup_mode=None,
 )
 
+
+def _print_version(value: bool) -> None:
+    """``--version``: the version and which cache-core build is loaded (see setup.py)."""
+    if value:
+        from hybridkv import __version__
+        from hybridkv.cache import COMPILED
+
+        core = "compiled (mypyc)" if COMPILED else "pure Python"
+        typer.echo(
+            f"hybridkv {__version__}, cache core: {core} (hybridkv.cache.COMPILED={COMPILED})"
+        )
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: bool = typer.Option(
+        False, "--version", callback=_print_version, is_eager=True, help="Print the version."
+    ),
+) -> None:
+    pass
+
+
 EXIT_USAGE = 2
 ENGINE_MODULES = ("torch", "transformers", "safetensors")  # the engine extra
 
