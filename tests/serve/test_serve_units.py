@@ -239,6 +239,6 @@ def test_any_body_is_served_or_refused_with_a_request_error(body, prompt, messag
         assert gen.max_tokens >= (0 if gen.echo else 1)
         assert 1 <= gen.num_choices <= MAX_CHOICES
         for prompt in gen.prompts:
-            assert 1 <= len(prompt) and len(prompt) + gen.max_tokens <= 64
+            assert len(prompt) >= 1 and len(prompt) + gen.max_tokens <= 64
             assert all(0 <= t < TOK.vocab_size for t in prompt)
         assert gen.temperature >= 0

@@ -63,7 +63,7 @@ def process_rows(
         if params.filtered:
             row = _filter(row, params)
         out[j] = row
-    return out
+    return out.nan_to_num(nan=-torch.inf)  # never a NaN into a softmax
 
 
 def _filter(row: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -82,5 +82,6 @@ def _filter(row: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs  # mass ahead of each
         in_nucleus = torch.zeros_like(keep)
         in_nucleus[order] = before < params.top_p
+        in_nucleus[order[0]] = True  # the top token always (top_p may round to 0 in float32)
         keep &= in_nucleus
     return torch.where(keep, row, torch.tensor(-torch.inf, device=row.device))

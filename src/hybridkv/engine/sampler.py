@@ -14,6 +14,11 @@ import torch
 
 from hybridkv.errors import EngineError
 
+# Beyond these a float32 logit divided or multiplied by the penalty overflows or
+# underflows (vLLM only asks for > 0; useful values are about 1 to 2).
+MIN_REPETITION_PENALTY = 0.01
+MAX_REPETITION_PENALTY = 100.0
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -71,9 +76,10 @@ class SamplingParams:
             value = getattr(self, name)
             if not -2.0 <= value <= 2.0:
                 raise EngineError(f"{name}={value}: needs -2 <= {name} <= 2 (0 = off)")
-        if not 0.0 < self.repetition_penalty <= 10.0:
+        if not MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY:
             raise EngineError(
-                f"repetition_penalty={self.repetition_penalty}: needs 0 < value <= 10 (1 = off)"
+                f"repetition_penalty={self.repetition_penalty}: needs "
+                f"{MIN_REPETITION_PENALTY} <= value <= {MAX_REPETITION_PENALTY} (1 = off)"
             )
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)

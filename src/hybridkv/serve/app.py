@@ -147,12 +147,13 @@ def build_app(engine: EngineLoop, info: ModelInfo, max_body_bytes: int = MAX_BOD
         gen = prepare_chat(body, info)
         return await _generate(request, engine, gen, ResponseFormat(True, info.name, gen, texts))
 
-    _document_truthfully(app)
+    _document_truthfully(app, info.name)
     return app
 
 
-def _document_truthfully(app: FastAPI) -> None:
-    """``/openapi.json`` without FastAPI's 422 entries (validation answers 400 here)."""
+def _document_truthfully(app: FastAPI, model_name: str) -> None:
+    """``/openapi.json`` without FastAPI's 422 entries (validation answers 400 here), and
+    with the one model id a body may name (any other is a 404)."""
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
@@ -163,6 +164,10 @@ def _document_truthfully(app: FastAPI) -> None:
             components = schema.get("components", {}).get("schemas", {})
             components.pop("HTTPValidationError", None)
             components.pop("ValidationError", None)
+            for body in ("CompletionBody", "ChatBody"):
+                field = components.get(body, {}).get("properties", {}).get("model")
+                if field is not None:
+                    field["anyOf"] = [{"type": "string", "enum": [model_name]}, {"type": "null"}]
             app.openapi_schema = schema
         return app.openapi_schema
 

@@ -29,6 +29,7 @@ from hybridkv.serve.protocol import (
     DEFAULT_COMPLETION_MAX_TOKENS,
     DEFAULT_TEMPERATURE,
     MAX_CHOICES,
+    MIN_SAMPLING_TEMPERATURE,
     ChatBody,
     CompletionBody,
     check_common,
@@ -190,6 +191,8 @@ def _generation(
             code="invalid_value",
         )
     temperature = DEFAULT_TEMPERATURE if body.temperature is None else body.temperature
+    if temperature < MIN_SAMPLING_TEMPERATURE:
+        temperature = 0.0
     # Without a seed a sampled request draws its own (greedy output does not use it).
     seed = body.seed if body.seed is not None else secrets.randbits(62)
     sampling: dict[str, Any] = {"min_tokens": body.min_tokens}

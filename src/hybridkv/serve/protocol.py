@@ -35,6 +35,10 @@ from hybridkv.errors import RequestError
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's default; send 0 for greedy (token-exact) output
+# Below this a temperature is greedy (vLLM's _SAMPLING_EPS): logits / T would overflow.
+MIN_SAMPLING_TEMPERATURE = 1e-5
+MIN_REPETITION_PENALTY = 0.01  # = engine.sampler's (this module does not import torch)
+MAX_REPETITION_PENALTY = 100.0
 MAX_LOGPROBS = 20  # top logprobs per token (vLLM's default max_logprobs; OpenAI's chat cap)
 MAX_CHOICES = 128  # prompts x n per request: one request must not flood the engine
 
@@ -64,7 +68,9 @@ class _Sampling(_Body):
     min_tokens: int = Field(0, ge=0, description="stop ids and strings ignored before this")
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
-    repetition_penalty: float | None = Field(None, gt=0, description="1 = off (vLLM)")
+    repetition_penalty: float | None = Field(
+        None, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY, description="1 = off (vLLM)"
+    )
     seed: int | None = None
     stop: NonEmptyStr | list[NonEmptyStr] | None = None
     stream: bool = False
