@@ -143,10 +143,16 @@ def note_children(
 
 def _common_prefix(a: bytes, b: bytes) -> int:
     """Length in tokens (8 bytes each) of the common prefix of two payloads."""
-    lo, hi = 0, min(len(a), len(b)) // 8
-    while lo < hi:  # largest n with a[:8n] == b[:8n], by bisection on C-level compares
+    top = min(len(a), len(b)) // 8
+    # Gallop (1, 2, 4, ... tokens), then bisect: most children share a few tokens or
+    # none with the prompt, and a short compare is cheap where a long slice copies
+    lo, hi = 0, 1
+    while hi <= top and a[: 8 * hi] == b[: 8 * hi]:
+        lo, hi = hi, 2 * hi
+    hi = min(hi - 1, top)
+    while lo < hi:  # largest n in [lo, hi] with a[:8n] == b[:8n] (a[:8 lo] matches)
         mid = (lo + hi + 1) // 2
-        if a[: 8 * mid] == b[: 8 * mid]:
+        if a[8 * lo : 8 * mid] == b[8 * lo : 8 * mid]:
             lo = mid
         else:
             hi = mid - 1
