@@ -55,7 +55,10 @@ class PrefixAdmission:
         for r in head:
             memo = self._order_hits.get(r.req_id)
             if memo is None or step - memo[0] >= refresh:
-                memo = (step, self.manager.lookup(r.req_id))
+                # no lookup for a request admitted without a hit: the manager's
+                # allocate would start from the hit it remembers
+                hit = self.manager.lookup(r.req_id) if r.use_prefix_cache else 0
+                memo = (step, hit)
                 self._order_hits[r.req_id] = memo
             hits[r.req_id] = memo[1]
         head.sort(key=lambda r: (r.priority, -hits[r.req_id], r.seq))
