@@ -63,7 +63,7 @@ def process_rows(
         if params.filtered:
             row = _filter(row, params)
         out[j] = row
-    return out.nan_to_num(nan=-torch.inf)  # never a NaN into a softmax
+    return out.nan_to_num(nan=-torch.inf, neginf=-torch.inf)  # never a NaN into a softmax
 
 
 def _filter(row: torch.Tensor, params: SamplingParams) -> torch.Tensor:
