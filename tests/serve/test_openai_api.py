@@ -279,3 +279,31 @@ def test_stream_of_two_choices_with_logprobs_and_usage(client):
         assert tokens[choice["index"]] == choice["logprobs"]["tokens"]
     assert last["choices"] == []
     assert last["usage"]["completion_tokens"] == whole["usage"]["completion_tokens"] == 16
+
+
+def test_sdk_chat_stream_of_two_choices_with_logprobs(sdk):
+    base = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Sort a list."}],
+        "max_tokens": 6,
+        "temperature": 0,
+        "n": 2,
+        "logprobs": True,
+        "top_logprobs": 1,
+    }
+    whole = sdk.chat.completions.create(**base)
+    texts: dict[int, str] = {0: "", 1: ""}
+    tokens: dict[int, list[str]] = {0: [], 1: []}
+    usage = None
+    for chunk in sdk.chat.completions.create(
+        **base, stream=True, stream_options={"include_usage": True}
+    ):
+        usage = chunk.usage or usage
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+            if choice.logprobs is not None:
+                tokens[choice.index] += [e.token for e in choice.logprobs.content]
+    for choice in whole.choices:
+        assert texts[choice.index] == choice.message.content
+        assert tokens[choice.index] == [e.token for e in choice.logprobs.content]
+    assert usage is not None and usage.completion_tokens == whole.usage.completion_tokens

@@ -242,3 +242,54 @@ def test_any_body_is_served_or_refused_with_a_request_error(body, prompt, messag
             assert len(prompt) >= 1 and len(prompt) + gen.max_tokens <= 64
             assert all(0 <= t < TOK.vocab_size for t in prompt)
         assert gen.temperature >= 0
+
+
+# ---------------------------------------------------------------------- logprob shapes
+def test_token_strings_are_distinct_text_for_every_byte_id():
+    from hybridkv.serve.logprobs import TokenTexts
+
+    texts = TokenTexts(TOK)
+    strings = [texts.text(t) for t in range(TOK.vocab_size)]
+    texts.check_invariants()
+    assert len(set(strings)) == TOK.vocab_size
+    assert texts.text(ord("a")) == "a" and texts.bytes(ord("a")) == [97]
+    assert texts.text(0xE2) == "bytes:\\xe2" and texts.bytes(0xE2) == [0xE2]
+    assert texts.text(TOK.eos_token_id).startswith("<")
+
+
+def test_echo_response_pairs_prompt_and_output_logprobs():
+    """Whole and streamed bodies of a 2-prompt x n=2 echo request with logprobs."""
+    from hybridkv.engine.logprobs import TokenLogprob
+    from hybridkv.serve.engine_loop import Output
+    from hybridkv.serve.logprobs import TokenTexts
+    from hybridkv.serve.responses import ResponseFormat
+
+    gen = completion(prompt=["ab", "xyz"], n=2, echo=True, logprobs=1, max_tokens=1)
+    fmt = ResponseFormat(False, "demo", gen, TokenTexts(TOK))
+
+    def lp(token: int) -> TokenLogprob:
+        return TokenLogprob(token, -1.0, 2, ((ord("q"), -0.5),))
+
+    for k in range(gen.num_choices):
+        prompt = gen.choice_prompt(k)
+        event = Output(
+            "!",
+            (ord("!"),),
+            "length",
+            len(prompt),
+            1,
+            index=k,
+            logprobs=(lp(ord("!")),),
+            prompt_logprobs=(None, *[lp(t) for t in prompt[1:]]),
+        )
+        chunk = fmt.add(event)
+        assert chunk is not None and chunk["choices"][0]["index"] == k
+        fmt.check_invariants()
+    whole = fmt.whole()
+    texts = [c["text"] for c in whole["choices"]]
+    assert texts == ["ab!", "ab!", "xyz!", "xyz!"]
+    first = whole["choices"][2]["logprobs"]
+    assert first["tokens"] == ["x", "y", "z", "!"] and first["text_offset"] == [0, 1, 2, 3]
+    assert first["token_logprobs"] == [None, -1.0, -1.0, -1.0]
+    assert first["top_logprobs"][0] is None and first["top_logprobs"][1] == {"q": -0.5, "y": -1.0}
+    assert whole["usage"]["prompt_tokens"] == 5 and whole["usage"]["completion_tokens"] == 4

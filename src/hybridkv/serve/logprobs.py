@@ -29,6 +29,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from hybridkv.errors import InvariantError
+
 if TYPE_CHECKING:
     from hybridkv.engine.logprobs import TokenLogprob
 
@@ -59,6 +61,15 @@ class TokenTexts:
                 )
         self._cache[token_id] = out
         return out
+
+    def check_invariants(self) -> None:
+        """Every string given out is non-empty text (no half character); with the byte
+        tokenizer distinct ids never share one (they key the ``top_logprobs`` dict)."""
+        bad = [t for t, text in self._cache.items() if not text or INCOMPLETE_CHAR in text]
+        if bad:
+            raise InvariantError(f"token ids {bad[:5]} have an empty or partial string")
+        if self._bytes_layout and len(set(self._cache.values())) != len(self._cache):
+            raise InvariantError("two byte-tokenizer ids have the same display string")
 
     def bytes(self, token_id: int) -> list[int] | None:
         if self._bytes_layout and 0 <= token_id < 256:

@@ -30,7 +30,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from hybridkv.errors import RequestError
+from hybridkv.errors import InvariantError, RequestError
 from hybridkv.serve.logprobs import TokenTexts, chat_logprobs, completion_logprobs
 from hybridkv.serve.prepare import Generation
 
@@ -155,6 +155,23 @@ class ResponseFormat:
         if gen.return_token_ids:
             body["token_ids"] = list(event.token_ids)
         return self._envelope(self._kind, [body])
+
+    def check_invariants(self) -> None:
+        """One record per choice; a finished choice has its counts; logprobs pair one
+        token each (no more than the prompt and output hold)."""
+        if len(self.choices) != self.gen.num_choices:
+            raise InvariantError(
+                f"{len(self.choices)} choice records for {self.gen.num_choices} choices"
+            )
+        for k, c in enumerate(self.choices):
+            limit = len(self.gen.choice_prompt(k)) + c.num_output_tokens
+            if len(c.logprob_pairs) > limit or len(c.token_ids) > c.num_output_tokens:
+                raise InvariantError(
+                    f"choice {k}: {len(c.logprob_pairs)} logprobs and {len(c.token_ids)} "
+                    f"tokens for {c.num_output_tokens} output tokens"
+                )
+            if c.offset < 0 or (c.finish_reason is not None and not c.started):
+                raise InvariantError(f"choice {k}: finished before it started")
 
     def usage(self) -> dict[str, Any]:
         gen = self.gen
