@@ -6,8 +6,12 @@
 #   3. hybridkv demo --json --device cuda   (small batch)
 #   4. bench/engine_vs_hf.py --device cuda   (throughput table against transformers on
 #      CUDA, 3 alternating reps, token-exact check per case)
+#   5. bench/engine_vs_vllm.py --device cuda   (against vLLM's own engine on the same
+#      random-weight Qwen3-Next-style model, bf16, 3 alternating reps), only where a
+#      python with vLLM is found: $VLLM_PYTHON, else $PYTHON if it imports vllm; skipped
+#      (not failed) otherwise, or with SKIP_VLLM_BENCH=1. vLLM's start-up is untimed.
 # Exit status: 0 when every step passes, else the first failing step's status. Each step
-# is capped with `timeout` so the whole script stays under 6 minutes.
+# is capped with `timeout`: steps 1-4 stay under 6 minutes, step 5 adds at most 7.
 set -x
 set -u
 cd "$(dirname "$0")/.."
@@ -58,7 +62,20 @@ timeout 240 "$PY" bench/engine_vs_hf.py --device cuda --threads 1 --reps 3
 bench_status=$?
 [ "$bench_status" -ne 0 ] && [ "$status" -eq 0 ] && status=$bench_status
 
+# Against vLLM (CUDA build, e.g. 0.33) when one is installed: both sides bf16 on the GPU.
+vllm_status=skipped
+VLLM_PY="${VLLM_PYTHON:-}"
+if [ -z "$VLLM_PY" ] && "$PY" -c 'import vllm' >/dev/null 2>&1; then VLLM_PY="$PY"; fi
+if [ "${SKIP_VLLM_BENCH:-0}" != 1 ] && [ -n "$VLLM_PY" ]; then
+    timeout 420 "$PY" bench/engine_vs_vllm.py --device cuda --reps 3 --cases 1,32,shared32 \
+        --vllm-python "$VLLM_PY"
+    vllm_status=$?
+    [ "$vllm_status" -ne 0 ] && [ "$status" -eq 0 ] && status=$vllm_status
+else
+    echo "engine_vs_vllm: skipped (no python with vLLM: set VLLM_PYTHON)"
+fi
+
 set +x
 echo "gpu_check: pytest exit $pytest_status, demo exit $demo_status," \
-    "bench exit $bench_status, $(( $(date +%s) - start )) s"
+    "bench exit $bench_status, vllm bench $vllm_status, $(( $(date +%s) - start )) s"
 exit "$status"
