@@ -5,6 +5,9 @@
 # tokens, 32K context. Starts stock vLLM and vLLM + hybridkv, serves a few greedy requests
 # on each and prints what each logged about its KV cache.
 # Needs a CUDA machine with vLLM 0.33 installed (`pip install 'hybridkv[vllm]'` beside it).
+# Leave VLLM_KV_CACHE_LAYOUT unset: the plugin then lets workers pick BLNHC when its plan
+# holds more requests. With prefix caching on Hopper (FlashInfer's 64-token state grid)
+# expect the builder to keep vLLM's grouping and log why (docs/vllm_plugin.md).
 #   PYTHON=/path/to/python bash scripts/gpu_check_vllm.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
