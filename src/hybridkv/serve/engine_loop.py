@@ -98,12 +98,23 @@ class RequestHandle:
         with contextlib.suppress(RuntimeError):
             self._loop.call_soon_threadsafe(self._events.put_nowait, event)
 
+    def check_invariants(self) -> None:
+        """Open choices count down from the number of choices; none open means finished."""
+        if not 0 <= self._num_open <= self.generation.num_choices:
+            raise InvariantError(
+                f"request {self.request_id}: {self._num_open} open of "
+                f"{self.generation.num_choices} choices"
+            )
+        if self._num_open == 0 and not self.finished:
+            raise InvariantError(f"request {self.request_id}: every choice ended, not finished")
+
     async def next_event(self) -> Event:
         event = await self._events.get()
         if isinstance(event, Output) and event.finish_reason is not None:
             self._num_open -= 1
         if isinstance(event, Failed) or self._num_open == 0:
             self.finished = True
+        self.check_invariants()  # two comparisons: cheap enough for every event
         return event
 
 
