@@ -556,7 +556,7 @@ def _report(
         f"{name}: {len(cache_plan.groups)} groups, block {block}, {args.num_requests} requests "
         f"({args.max_running} at once), drafts 0..{args.max_drafts}, {args.reps} alternating "
         "reps; us per call (per request-step, decode request-step, admitted request, "
-        "running allocate, commit, freed request): median [min-max], parts median; vLLM / "
+        "running allocate, commit, freed request): median \\[min-max], parts median; vLLM / "
         "row: the ratio of medians, and per pair (run i of the row against vLLM's run i, "
         "back to back)"
     )
