@@ -16,32 +16,16 @@ import pytest
 from hybridkv import PlanError, load_model_spec, plan
 from hybridkv.vllm import register
 from hybridkv.vllm.planning import VllmFacts, choose_block_size
+from hybridkv.vllm.tiny_models import QWEN3_NEXT
 from hybridkv.vllm.versions import InstalledVllm, is_supported
 
+# the config.json `hybridkv.vllm.tiny_models.write_tiny_qwen3_next` writes (transformers
+# adds the model type, the conv kernel default and the dtype it saved in)
 TINY_QWEN3_NEXT = {
+    **QWEN3_NEXT,
     "model_type": "qwen3_next",
     "architectures": ["Qwen3NextForCausalLM"],
-    "vocab_size": 4096,
-    "hidden_size": 512,
-    "intermediate_size": 1280,
-    "num_hidden_layers": 8,
-    "num_attention_heads": 8,
-    "num_key_value_heads": 2,
-    "head_dim": 64,
-    "linear_num_key_heads": 4,
-    "linear_num_value_heads": 8,
-    "linear_key_head_dim": 64,
-    "linear_value_head_dim": 64,
     "linear_conv_kernel_dim": 4,
-    "layer_types": ["linear_attention"] * 3
-    + ["full_attention"]
-    + ["linear_attention"] * 3
-    + ["full_attention"],
-    "num_experts": 4,
-    "num_experts_per_tok": 2,
-    "moe_intermediate_size": 256,
-    "shared_expert_intermediate_size": 256,
-    "max_position_embeddings": 4096,
     "dtype": "float32",
 }
 
