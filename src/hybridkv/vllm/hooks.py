@@ -24,7 +24,6 @@ from hybridkv.vllm.versions import installed_vllm
 
 logger = logging.getLogger("vllm.hybridkv")
 _MARK = "_hybridkv_wrapped"
-LAST_CHOICE: list[VllmChoice] = []  # the choice made in this process, for tests and benchmarks
 
 
 def _dtype_name(dtype: Any) -> str:
@@ -127,7 +126,6 @@ def _wrap(original: Any) -> Any:
             logger.warning("hybridkv: keeping vLLM's block-size rule: %s", err)
             return
         apply_choice(vllm_config, choice)
-        LAST_CHOICE[:] = [choice]
         logger.info(choice.log_line(facts.max_model_len))
 
     setattr(aligned, _MARK, True)
