@@ -86,7 +86,8 @@ class EngineProcess:
         return parse_kv_log(self.log_text)
 
     def _read(self) -> dict[str, Any]:
-        assert self._proc.stdout is not None
+        if self._proc.stdout is None:
+            raise HybridKVError("the vLLM process has no stdout pipe")
         for line in self._proc.stdout:
             if line.startswith(MARK):
                 answer: dict[str, Any] = json.loads(line[len(MARK) :])
@@ -97,7 +98,8 @@ class EngineProcess:
         raise HybridKVError(f"the vLLM process ended (exit {self._proc.wait()}); log tail:\n{tail}")
 
     def call(self, command: dict[str, Any]) -> dict[str, Any]:
-        assert self._proc.stdin is not None
+        if self._proc.stdin is None:
+            raise HybridKVError("the vLLM process has no stdin pipe")
         self._proc.stdin.write(json.dumps(command) + "\n")
         self._proc.stdin.flush()
         return self._read()
@@ -105,9 +107,9 @@ class EngineProcess:
     def close(self) -> None:
         if self._proc.poll() is None:
             try:
-                assert self._proc.stdin is not None
-                self._proc.stdin.write(json.dumps({"op": "quit"}) + "\n")
-                self._proc.stdin.close()
+                if self._proc.stdin is not None:
+                    self._proc.stdin.write(json.dumps({"op": "quit"}) + "\n")
+                    self._proc.stdin.close()
                 self._proc.wait(timeout=60)
             except (OSError, subprocess.TimeoutExpired):
                 self._proc.kill()
