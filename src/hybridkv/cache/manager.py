@@ -64,6 +64,9 @@ class CacheManager(StepPaths):
     ``junction`` (see `hybridkv.cache.managers.state`), ``turn_end`` (a released request
     keeps its partial last block and its state at its last computed token, see
     `hybridkv.cache.turn_end`); None: `DEFAULT_CHECKPOINT_RULES`.
+    ``checkpoints_inside_steps``: False for engines that write a state only at the end
+    of a step (vLLM's workers): state groups then checkpoint only where a step ends,
+    and the scheduler ends prefill chunks on checkpoint boundaries.
     """
 
     def __init__(
@@ -76,6 +79,7 @@ class CacheManager(StepPaths):
         record_events: bool = True,
         eviction_policy: str = DEFAULT_EVICTION_POLICY,
         checkpoint_rules: Sequence[str] | None = None,
+        checkpoints_inside_steps: bool = True,
     ) -> None:
         self.plan = plan
         self.caching = (
@@ -120,6 +124,7 @@ class CacheManager(StepPaths):
         for manager in self._managers:
             if manager.is_state:
                 manager.junction_rule = self._junction
+                manager.inside_steps = checkpoints_inside_steps
         self._junctions: dict[str, int] = {}  # junction rule: attention match at lookup
         self._turn_end = "turn_end" in self.checkpoint_rules and self.caching
         if self._turn_end:

@@ -88,6 +88,9 @@ class StateManager(GroupManager):
         self.num_spec_states = self.group.num_spec_states
         self.every_boundary = self.group.state_mode == "all"
         self.checkpoints = self.group.state_mode in ("align", "all") and self.caching
+        # False: a state is checkpointed only where a step ends (set by `CacheManager`
+        # for engines that write states only there, e.g. vLLM's workers in align mode)
+        self.inside_steps = True
         # The spec's formula at its largest between steps (a step reading a cached
         # checkpoint): 2 + S in align and all modes, 1 + S in none mode. Checkpoints of
         # the step in flight come on top (all mode, junction rule; see `blocks_needed`).
@@ -176,7 +179,7 @@ class StateManager(GroupManager):
         need_write = 0 if running is not None and running not in self.pool.hashes else 1
         num_spec = min(lookahead, self.num_spec_states)
         positions: list[int] = []
-        if self.checkpoints and n > 0:
+        if self.checkpoints and n > 0 and self.inside_steps:
             B = self.block_size
             last = (c + n - 1) // B * B  # the last boundary strictly inside (c, c + n)
             if last > c:
