@@ -15,9 +15,19 @@ import logging
 
 from hybridkv.vllm.versions import SUPPORTED, installed_vllm, is_supported
 
-__all__ = ["SUPPORTED", "installed_vllm", "is_supported", "register"]
+__all__ = ["SUPPORTED", "Scheduler", "installed_vllm", "is_supported", "register"]
 
 logger = logging.getLogger("vllm.hybridkv")
+
+
+def __getattr__(name: str) -> object:
+    """``hybridkv.vllm.Scheduler`` (``--scheduler-cls hybridkv.vllm.Scheduler``), imported
+    on first use: it subclasses vLLM's scheduler, so it needs vLLM."""
+    if name == "Scheduler":
+        from hybridkv.vllm.scheduler import Scheduler
+
+        return Scheduler
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def register() -> None:

@@ -17,6 +17,11 @@ code. Each stdin line is one command; each answer is one stdout line starting wi
   previous prompt + the reply + U new tokens; per turn, the prefix-hit tokens vLLM reports
   and the token-exact bound (the previous context minus its last token, whose KV the
   previous turn never computed), and the seconds of each turn's ``generate``.
+* ``{"op": "sched"}`` -> the scheduler's class, its CPU seconds in ``schedule()`` and
+  ``update_from_output()`` and the number of steps since the last ``sched``, and its
+  KV-cache state (blocks in use, running / waiting requests; hybridkv's scheduler also
+  runs its invariant checks). Needs ``"in_process": true`` in the settings (vLLM's
+  engine core in this process, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``).
 * ``{"op": "quit"}``.
 
 The prompts are random token ids (seeded), so any checkpoint of any vocabulary works.
@@ -90,13 +95,72 @@ def _chat(llm: Any, cmd: dict[str, Any], vocab: int) -> dict[str, Any]:
     return {"turns": per_turn}
 
 
+class SchedTimer:
+    """Process-thread CPU time of a scheduler's ``schedule`` and ``update_from_output``
+    (wrapped on the instance; the same for stock vLLM and hybridkv's scheduler)."""
+
+    def __init__(self, scheduler: Any) -> None:
+        self.scheduler = scheduler
+        self.schedule_s = self.update_s = 0.0
+        self.steps = 0
+        schedule, update = scheduler.schedule, scheduler.update_from_output
+
+        def timed_schedule(*args: Any, **kwargs: Any) -> Any:
+            t = time.thread_time()
+            try:
+                return schedule(*args, **kwargs)
+            finally:
+                self.schedule_s += time.thread_time() - t
+                self.steps += 1
+
+        def timed_update(*args: Any, **kwargs: Any) -> Any:
+            t = time.thread_time()
+            try:
+                return update(*args, **kwargs)
+            finally:
+                self.update_s += time.thread_time() - t
+
+        scheduler.schedule = timed_schedule
+        scheduler.update_from_output = timed_update
+
+    def take(self) -> dict[str, Any]:
+        s = self.scheduler
+        out: dict[str, Any] = {
+            "class": f"{type(s).__module__}.{type(s).__qualname__}",
+            "schedule_s": self.schedule_s,
+            "update_s": self.update_s,
+            "steps": self.steps,
+            "usage": s.kv_cache_manager.usage,
+            "running": len(s.running),
+            "waiting": len(s.waiting),
+        }
+        if hasattr(s, "check_invariants"):
+            s.check_invariants()
+            cache = s.kv_cache_manager.cache
+            out["free_blocks"] = cache.num_free_blocks(0)
+            out["num_blocks"] = cache.plan.pools[0].num_pages
+            out["hybridkv_requests"] = cache.stats().num_requests
+            out["hit_tokens"] = cache.stats().num_hit_tokens
+        self.schedule_s = self.update_s = 0.0
+        self.steps = 0
+        return out
+
+
+def _scheduler(llm: Any) -> Any:
+    return llm.llm_engine.engine_core.engine_core.scheduler
+
+
 def main() -> None:  # vLLM spawns its engine: keep all work under main()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; its default takes most RAM
     settings = {**ENGINE_DEFAULTS, **json.loads(sys.argv[1])}
+    in_process = bool(settings.pop("in_process", False))
+    if in_process:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM
 
     start = time.perf_counter()
     llm = LLM(**settings)
+    timer = SchedTimer(_scheduler(llm)) if in_process else None
     vocab = int(llm.llm_engine.model_config.get_vocab_size())
     cache = llm.llm_engine.vllm_config.cache_config  # synced back from the engine core
     _answer(
@@ -125,6 +189,8 @@ def main() -> None:  # vLLM spawns its engine: keep all work under main()
             )
         elif cmd["op"] == "chat":
             _answer(_chat(llm, cmd, vocab))
+        elif cmd["op"] == "sched":
+            _answer({"error": "needs in_process"} if timer is None else timer.take())
         else:
             _answer({"error": f"unknown op {cmd['op']!r}"})
 

@@ -122,6 +122,8 @@ class GroupManager:
         self.key_ahead = key_ahead
         self.junction_rule = False  # state groups: set by `CacheManager` checkpoint_rules
         self.turn_end = False  # turn_end rule (`cache.turn_end`): set by `CacheManager`
+        # state groups: False checkpoints only where a step ends (set by `CacheManager`)
+        self.inside_steps = True
         assert group.block_size % unit_tokens == 0
         self.init_kind()
 

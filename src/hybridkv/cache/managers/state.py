@@ -88,9 +88,6 @@ class StateManager(GroupManager):
         self.num_spec_states = self.group.num_spec_states
         self.every_boundary = self.group.state_mode == "all"
         self.checkpoints = self.group.state_mode in ("align", "all") and self.caching
-        # False: a state is checkpointed only where a step ends (set by `CacheManager`
-        # for engines that write states only there, e.g. vLLM's workers in align mode)
-        self.inside_steps = True
         # The spec's formula at its largest between steps (a step reading a cached
         # checkpoint): 2 + S in align and all modes, 1 + S in none mode. Checkpoints of
         # the step in flight come on top (all mode, junction rule; see `blocks_needed`).

@@ -1,0 +1,356 @@
+"""`VllmKVCacheManager`: vLLM's ``KVCacheManager`` calls, answered by hybridkv's
+`CacheManager`.
+
+vLLM's scheduler asks its KV-cache manager for a request's prefix hit
+(``get_computed_blocks``), for slots (``allocate_slots``: new tokens incl. the drafts
+being verified, plus the drafter's lookahead), frees (``free``: finished, aborted or
+preempted), and for usage, stats and events. hybridkv's manager wants the same things
+as ``lookup`` / ``allocate(n verified, L drafts)`` / ``commit(accepted, new tokens)`` /
+``free``. The translation:
+
+* vLLM moves ``request.num_computed_tokens`` itself (forward at scheduling, back by the
+  rejected drafts when the output arrives). A step allocated in schedule ``k`` is
+  committed once its output was processed (`mark_executed`), at the next `settle` (the
+  scheduler calls it before each schedule) or before a free: accepted drafts are
+  ``num_computed_tokens - (c + n)``, the new tokens are the request's tokens hybridkv
+  has not seen. A step that never ran (preempted in the schedule that allocated it) is
+  released without a commit.
+* Blocks go to the worker as append-only rows (`hybridkv.vllm.rows`), as vLLM's
+  ``KVCacheBlocks`` of light block objects (only ids are read).
+* Block copies (a hit on a cached state inside an interval; junction copies) go out
+  through ``take_kv_cache_block_copies``, which vLLM's worker runs before the step.
+
+Everything else vLLM's manager offers for KV connectors and offloading is refused at
+start-up by `hybridkv.vllm.scheduler`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any
+
+from hybridkv.cache import CacheManager
+from hybridkv.errors import InvariantError
+from hybridkv.vllm.kv_plan import VllmGroup, plan_for_vllm
+from hybridkv.vllm.rows import WorkerRows
+
+logger = logging.getLogger("vllm.hybridkv")
+
+# hybridkv's rules inside vLLM: turn-end checkpoints (multi-turn chat hits the end of
+# the previous turn) and align checkpoints where chunks end. The junction rule places
+# states inside a checkpoint interval mid-request, which an append-only worker row
+# cannot follow (`rows`), so it stays off here.
+VLLM_CHECKPOINT_RULES = ("turn_end",)
+
+
+class _Block:
+    """The part of vLLM's ``KVCacheBlock`` its scheduler reads from an allocation."""
+
+    __slots__ = ("block_id",)
+    block_hash = None
+    block_hash_num_tokens = None
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+
+    @property
+    def is_null(self) -> bool:
+        return self.block_id == 0
+
+    def __repr__(self) -> str:
+        return f"_Block({self.block_id})"
+
+
+@dataclass
+class _Step:
+    computed: int  # c: hybridkv's computed tokens before the step
+    num_new: int  # n: verified tokens scheduled
+    step_id: int  # the schedule that allocated it
+
+
+class VllmKVCacheManager:
+    """A stand-in for vLLM's ``KVCacheManager`` backed by `CacheManager`.
+
+    ``blocks_cls``: vLLM's ``KVCacheBlocks`` (the scheduler builds its outputs from it).
+    """
+
+    def __init__(
+        self,
+        groups: list[VllmGroup],
+        *,
+        num_blocks: int,
+        enable_caching: bool,
+        state_mode: str,
+        num_spec_tokens: int,
+        blocks_cls: Any,
+        stats_cls: Any = None,
+        log_stats: bool = False,
+        eviction_policy: str = "chain",
+        group_specs: list[Any] | None = None,
+    ) -> None:
+        self.groups = groups
+        # vLLM's engine core reads each group's block size and spec from
+        # ``coordinator.single_type_managers`` (metadata for logs and KV events)
+        self.coordinator = SimpleNamespace(
+            single_type_managers=[
+                SimpleNamespace(block_size=g.block_size, kv_cache_spec=spec)
+                for g, spec in zip(groups, group_specs or [None] * len(groups), strict=True)
+            ]
+        )
+        self.enable_caching = enable_caching
+        self.num_kv_cache_groups = len(groups)
+        self.plan = plan_for_vllm(
+            groups,
+            num_blocks=num_blocks,
+            num_spec_tokens=num_spec_tokens,
+            prefix_caching=enable_caching,
+            state_mode=state_mode,
+        )
+        self.eviction_policy = eviction_policy
+        self.cache = self._new_cache()
+        self.state_group_ids = [g.group_id for g in groups if g.kind == "state"]
+        self.rows = WorkerRows(
+            [g.block_size if g.kind == "state" else None for g in groups],
+            align=enable_caching and state_mode == "align",
+        )
+        self._blocks_cls = blocks_cls
+        self.empty_kv_cache_blocks = blocks_cls(tuple(() for _ in groups))
+        self._stats_cls = stats_cls
+        self.log_stats = log_stats and stats_cls is not None
+        self.prefix_cache_stats = stats_cls() if self.log_stats else None
+        self._steps: dict[str, _Step] = {}
+        self._num_tokens: dict[str, int] = {}  # tokens hybridkv holds per request
+        self._copies: list[tuple[int, int]] = []
+        self._new_block_ids: list[int] = []
+        self._step_id = 0
+        self._executed = 0
+        self.num_steps_committed = 0
+
+    def _new_cache(self) -> CacheManager:
+        return CacheManager(
+            self.plan,
+            enable_prefix_caching=self.enable_caching,
+            eviction_policy=self.eviction_policy,
+            checkpoint_rules=VLLM_CHECKPOINT_RULES if self.enable_caching else (),
+            checkpoints_inside_steps=False,
+        )
+
+    # ------------------------------------------------------------------ steps
+    def new_step_starts(self) -> None:
+        """vLLM calls this at the top of each schedule."""
+        self._step_id += 1
+
+    def mark_executed(self) -> None:
+        """The steps allocated so far ran (their output is being processed)."""
+        self._executed = self._step_id
+
+    def settle(self, requests: Any) -> None:
+        """Commit every executed step (``requests``: vLLM's id -> Request)."""
+        for req_id in [r for r, s in self._steps.items() if s.step_id <= self._executed]:
+            request = requests.get(req_id)
+            if request is not None:
+                self._commit(request)
+
+    def _commit(self, request: Any) -> None:
+        step = self._steps.pop(request.request_id)
+        req_id = request.request_id
+        accepted = request.num_computed_tokens - step.computed - step.num_new
+        known = self._num_tokens[req_id]
+        tokens = request.all_token_ids
+        new_ids = list(tokens[known:])
+        if accepted < 0:
+            # vLLM rolled back further than the verified tokens (a step it discarded):
+            # nothing of it is kept.
+            raise InvariantError(
+                f"request {req_id!r}: vLLM reports {request.num_computed_tokens} computed "
+                f"tokens after a step from {step.computed} with {step.num_new} new ones"
+            )
+        self.cache.commit(req_id, accepted, new_ids)
+        self._num_tokens[req_id] = known + len(new_ids)
+        self.num_steps_committed += 1
+
+    # ------------------------------------------------------------------ lookups
+    def _ensure(self, request: Any) -> str:
+        req_id: str = request.request_id
+        if not self.cache.has_request(req_id):
+            tokens = list(request.all_token_ids)
+            lora = request.lora_request.lora_int_id if request.lora_request else None
+            self.cache.add_request(req_id, tokens, cache_salt=_salt(request), lora_id=lora)
+            self._num_tokens[req_id] = len(tokens)
+        return req_id
+
+    def get_computed_blocks(self, request: Any, *_: Any) -> tuple[Any, int, int]:
+        req_id = self._ensure(request)
+        if not self.enable_caching or getattr(request, "skip_reading_prefix_cache", False):
+            return self.empty_kv_cache_blocks, 0, 0
+        hit = self.cache.lookup(req_id)
+        return self.empty_kv_cache_blocks, hit, 0
+
+    def allocate_slots(
+        self,
+        request: Any,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        new_computed_blocks: Any = None,
+        num_lookahead_tokens: int = 0,
+        num_external_computed_tokens: int = 0,
+        **_: Any,
+    ) -> Any:
+        req_id = self._ensure(request)
+        if num_external_computed_tokens:
+            raise InvariantError("external (connector) tokens reached hybridkv's manager")
+        step = self._steps.get(req_id)
+        if step is not None:
+            if step.step_id == self._step_id:  # twice in one schedule (a retry)
+                raise InvariantError(f"request {req_id!r} allocated twice in one step")
+            self._commit(request)
+        c = self.cache.num_computed_tokens(req_id)
+        started = request.num_computed_tokens > 0 or c > 0
+        if not started and num_new_computed_tokens == 0 and self.enable_caching:
+            # vLLM skipped the hit (prompt logprobs, or a hit too short to pay): start
+            # from zero rather than from hybridkv's remembered hit.
+            self._forget_hit(request)
+        total = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
+        num_drafts = max(0, min(total - request.num_tokens, num_new_tokens))
+        num_new = num_new_tokens - num_drafts
+        delta = self.cache.allocate(req_id, num_new, num_drafts + num_lookahead_tokens)
+        if delta is None:
+            return None
+        c = self.cache.num_computed_tokens(req_id)
+        if not started and c != num_new_computed_tokens:
+            raise InvariantError(
+                f"request {req_id!r}: hybridkv admitted it at {c} computed tokens, vLLM "
+                f"at {num_new_computed_tokens}"
+            )
+        self._steps[req_id] = _Step(c, num_new, self._step_id)
+        slots = {g: self.cache.state_slots(req_id, g) for g in self.state_group_ids}
+        rows = self.rows.step(req_id, delta, slots, num_new_tokens)
+        self._copies.extend(rows.copies)
+        for copy in delta.copies:
+            self._copies.append((copy.src_block, copy.dst_block))
+        for gid, taken in delta.taken.items():
+            if gid not in self.state_group_ids:
+                self._new_block_ids.extend(taken)
+        return self._blocks_cls(tuple([_Block(b) for b in row] for row in rows.appended))
+
+    def _forget_hit(self, request: Any) -> None:
+        req_id = request.request_id
+        self.cache.free(req_id)
+        del self._num_tokens[req_id]
+        self._ensure(request)
+
+    def free(self, request: Any) -> None:
+        req_id = request.request_id
+        step = self._steps.get(req_id)
+        if step is not None:
+            if step.step_id <= self._executed:
+                self._commit(request)
+            else:
+                del self._steps[req_id]
+        if self.cache.has_request(req_id):
+            self.cache.free(req_id)
+        self._num_tokens.pop(req_id, None)
+        self.rows.drop(req_id)
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def usage(self) -> float:
+        return self.cache.usage()
+
+    def get_blocks(self, request_id: str) -> Any:
+        return self._blocks_cls(
+            tuple([_Block(b) for b in row] for row in self.rows.rows(request_id))
+        )
+
+    def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
+        return tuple(list(row) for row in self.rows.rows(request_id))
+
+    def get_block_ids_for_computed_tokens(
+        self, request_id: str, num_computed_tokens: int
+    ) -> tuple[list[int], ...]:
+        return self.get_block_ids(request_id)
+
+    def get_num_common_prefix_blocks(self, running_request_id: str) -> list[int]:
+        return [0] * self.num_kv_cache_groups
+
+    def estimate_cached_tokens(self, request: Any) -> int:
+        if not self.cache.has_request(request.request_id):
+            return 0
+        return self.cache.num_computed_tokens(request.request_id)
+
+    def prefix_cache_lookup_enabled(self, request: Any) -> bool:
+        return self.enable_caching and not getattr(request, "skip_reading_prefix_cache", False)
+
+    def record_prefix_cache_stats(self, request: Any, num_hits: int) -> None:
+        if self.prefix_cache_stats is None or not self.prefix_cache_lookup_enabled(request):
+            return
+        self.prefix_cache_stats.record(
+            num_tokens=request.num_tokens,
+            num_hits=num_hits,
+            preempted=request.num_preemptions > 0,
+        )
+
+    def make_prefix_cache_stats(self) -> Any:
+        if self.prefix_cache_stats is None:
+            return None
+        stats, self.prefix_cache_stats = self.prefix_cache_stats, self._stats_cls()
+        return stats
+
+    def take_events(self) -> list[Any]:
+        # hybridkv's events name (group, block, hash); vLLM's KV event schema wants
+        # vLLM's block hashes, which hybridkv does not compute: none are published.
+        self.cache.take_events()
+        return []
+
+    def take_kv_cache_block_copies(self) -> tuple[list[Any], list[Any]]:
+        copies, self._copies = self._copies, []
+        # hybridkv pins a copy's source itself until the step commits: nothing to retain
+        return [_copy(src, dst) for src, dst in copies], []
+
+    def take_new_block_ids(self) -> list[int]:
+        ids, self._new_block_ids = self._new_block_ids, []
+        return ids
+
+    def take_boundary_state_offloads(self) -> dict[str, list[tuple[int, int, int]]]:
+        return {}
+
+    def remove_skipped_blocks(self, *_: Any, **__: Any) -> None:
+        """hybridkv releases blocks that leave a window at commit."""
+
+    def cache_blocks(self, *_: Any, **__: Any) -> None:
+        """hybridkv caches full verified blocks at commit."""
+
+    def reset_prefix_cache(self) -> bool:
+        if self._num_tokens:  # requests hold blocks
+            return False
+        self.cache = self._new_cache()
+        if self.prefix_cache_stats is not None:
+            self.prefix_cache_stats.reset = True
+        return True
+
+    def check_invariants(self) -> None:
+        self.cache.check_invariants()
+        self.rows.check_invariants()
+        for req_id in self._steps:
+            if not self.cache.has_request(req_id):
+                raise InvariantError(f"request {req_id!r} has a step but no cache record")
+
+
+def _salt(request: Any) -> str | None:
+    """vLLM's cache salt, with multimodal inputs folded in: a prompt's placeholder
+    tokens are equal for different images, so their identifiers key the cache too."""
+    salt = getattr(request, "cache_salt", None)
+    features: Iterable[Any] = getattr(request, "mm_features", None) or ()
+    idents = [str(getattr(f, "identifier", "")) for f in features]
+    if not idents:
+        return salt
+    return f"{salt or ''}|mm:{','.join(idents)}"
+
+
+def _copy(src: int, dst: int) -> Any:
+    from vllm.v1.core.kv_cache_utils import KVCacheBlockCopy
+
+    return KVCacheBlockCopy(src_block_id=src, dst_block_id=dst)

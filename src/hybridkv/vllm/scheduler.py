@@ -1,0 +1,160 @@
+"""`Scheduler`: vLLM's own scheduler, with hybridkv's `CacheManager` as its KV-cache
+manager. ``vllm serve MODEL --scheduler-cls hybridkv.vllm.Scheduler``.
+
+Why this seat: ``--scheduler-cls`` is the one place vLLM lets a user replace what owns
+the KV-cache manager, and subclassing its scheduler keeps every scheduling decision
+(budgets, chunked prefill, preemption order, spec-decode bookkeeping, outputs) vLLM's
+own; only the manager behind it changes (`hybridkv.vllm.kv_manager`). Three methods
+change: ``schedule`` commits the steps whose output arrived, ``update_from_output``
+marks the step as run, and the align-mode chunk split ends prefill chunks where
+hybridkv checkpoints (vLLM's workers write a state only where a step ends).
+
+Refused at start-up with the reason (`UnsupportedVllmSetup`): KV connectors (P/D
+disaggregation, offloading), pipeline parallelism, decode context parallelism,
+EAGLE / MTP drafters, and speculative decoding on models with state layers. Async
+scheduling is turned off with a logged reason: hybridkv commits a step once its output
+is known, and async scheduling runs the next schedule before that.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+from vllm.v1.core.sched.scheduler import Scheduler as VllmScheduler
+
+from hybridkv.vllm.kv_manager import VllmKVCacheManager
+from hybridkv.vllm.kv_plan import UnsupportedVllmSetup, vllm_groups
+
+logger = logging.getLogger("vllm.hybridkv")
+
+
+def _prefix_cache_stats_cls() -> Any:
+    try:
+        from vllm.v1.metrics.stats import PrefixCacheStats
+    except ImportError:  # pragma: no cover - both supported versions have it
+        return None
+    return PrefixCacheStats
+
+
+class Scheduler(VllmScheduler):
+    """vLLM's scheduler over hybridkv's cache manager (see the module docstring)."""
+
+    def __init__(self, vllm_config: Any, kv_cache_config: Any, *args: Any, **kwargs: Any) -> None:
+        sched = vllm_config.scheduler_config
+        if getattr(sched, "async_scheduling", False):
+            logger.warning(
+                "hybridkv: async scheduling turned off: hybridkv commits a step once its "
+                "output is known, and async scheduling schedules the next step before"
+            )
+            sched.async_scheduling = False
+        super().__init__(vllm_config, kv_cache_config, *args, **kwargs)
+        _check_supported(self, vllm_config)
+        groups = vllm_groups(kv_cache_config)
+        self.hybridkv_groups = groups
+        state_mode = getattr(self.cache_config, "mamba_cache_mode", "none") or "none"
+        if state_mode not in ("align", "none"):
+            raise UnsupportedVllmSetup(
+                f"mamba_cache_mode={state_mode!r}: hybridkv's scheduler translates 'align' "
+                "(prefix caching) and 'none'"
+            )
+        caching = bool(self.cache_config.enable_prefix_caching)
+        self.kv_cache_manager = VllmKVCacheManager(  # type: ignore[assignment]
+            groups,
+            num_blocks=kv_cache_config.num_blocks,
+            enable_caching=caching,
+            state_mode=state_mode if caching else "none",
+            num_spec_tokens=self.num_spec_tokens,
+            blocks_cls=KVCacheBlocks,
+            stats_cls=_prefix_cache_stats_cls(),
+            log_stats=self.log_stats,
+            group_specs=[g.kv_cache_spec for g in kv_cache_config.kv_cache_groups],
+        )
+        # vLLM's own Mamba split rules read its manager; hybridkv's split replaces them
+        self.mamba_partial_cache_hit = False
+        self.mamba_shared_prefix_checkpoint = False
+        self.mamba_has_prefill_checkpoint_blocks = False
+        self.state_block_size = min((g.block_size for g in groups if g.kind == "state"), default=0)
+        logger.info(
+            "hybridkv: vLLM's scheduler runs on hybridkv's cache manager (%d groups: %s; "
+            "%d blocks; prefix caching %s, state mode %s)",
+            len(groups),
+            ", ".join(f"{g.kind}/{g.block_size}" for g in groups),
+            kv_cache_config.num_blocks,
+            "on" if caching else "off",
+            state_mode if caching else "none",
+        )
+
+    # ------------------------------------------------------------------ the seams
+    def schedule(self, *args: Any, **kwargs: Any) -> Any:
+        self.kv_cache_manager.settle(self.requests)  # type: ignore[attr-defined]
+        return super().schedule(*args, **kwargs)
+
+    def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
+        self.kv_cache_manager.mark_executed()  # type: ignore[attr-defined]
+        return super().update_from_output(scheduler_output, model_runner_output)
+
+    def _mamba_block_aligned_split(
+        self,
+        request: Any,
+        num_new_tokens: int,
+        num_new_local_computed_tokens: int = 0,
+        num_external_computed_tokens: int = 0,
+    ) -> int:
+        """End a prefill chunk on the last state boundary strictly inside it, so the
+        state there is written (at the chunk's end) and checkpointed."""
+        B = self.state_block_size
+        start = request.num_computed_tokens + num_new_local_computed_tokens
+        start += num_external_computed_tokens
+        prefill_end = max(request.num_prompt_tokens, request.num_tokens - 1)
+        if not B or start >= prefill_end:
+            return num_new_tokens
+        end = start + num_new_tokens
+        last = (end - 1) // B * B
+        return last - start if last > start else num_new_tokens
+
+    def _free_cow_retained_blocks(self, blocks: Any, fence_seq: int) -> None:
+        """hybridkv pins a copy's source until the step commits: nothing is retained."""
+
+    def _request_remaining_blocks(self, request: Any) -> int:
+        """Only read for connector loads, which hybridkv's scheduler refuses."""
+        return 0
+
+    def check_invariants(self) -> None:
+        self.kv_cache_manager.check_invariants()  # type: ignore[attr-defined]
+
+
+def _check_supported(scheduler: Any, vllm_config: Any) -> None:
+    reasons = []
+    if getattr(scheduler, "connector", None) is not None:
+        reasons.append("a KV connector (kv_transfer_config) is configured")
+    if vllm_config.parallel_config.pipeline_parallel_size > 1:
+        reasons.append(
+            f"pipeline_parallel_size={vllm_config.parallel_config.pipeline_parallel_size}"
+        )
+    if getattr(scheduler, "dcp_world_size", 1) > 1:
+        reasons.append(f"decode context parallelism ({scheduler.dcp_world_size})")
+    spec = vllm_config.speculative_config
+    if spec is not None:
+        method = getattr(spec, "method", None)
+        if method not in ("ngram", "suffix"):
+            reasons.append(
+                f"speculative method {method!r} (its drafter's KV groups are not translated "
+                "yet; n-gram and suffix drafters are)"
+            )
+        elif getattr(vllm_config.model_config, "is_hybrid", False) or _has_state(scheduler):
+            reasons.append(
+                "speculative decoding on a model with state layers (the worker's per-draft "
+                "state columns are not translated yet)"
+            )
+    if reasons:
+        raise UnsupportedVllmSetup(
+            "hybridkv.vllm.Scheduler cannot run this engine: "
+            + "; ".join(reasons)
+            + ". Run without --scheduler-cls (the plugin still plans the KV cache)."
+        )
+
+
+def _has_state(scheduler: Any) -> bool:
+    return bool(getattr(scheduler, "has_mamba_layers", False))
