@@ -38,3 +38,96 @@ def test_bf16_state_slot_runs_equal_gather_path_bit_for_bit(monkeypatch, slots):
     untouched = [s for s in range(ssm.shape[0]) if s not in slots]
     assert fast.ssm[untouched].isnan().all()
     assert not torch.equal(fast.ssm[slots].float(), ssm[slots].float())  # states moved
+
+
+def _moe(gen: torch.Generator, *, shared_inter: int = 8, dtype=torch.float32):
+    from hybridkv.engine.models.common import GatedMLP, activation
+    from hybridkv.engine.models.qwen3_5 import SparseMoE
+
+    experts, hidden, inter = 4, 16, 8
+
+    def w(*shape):
+        return (torch.randn(*shape, generator=gen) * 0.3).to(dtype)
+
+    return SparseMoE(
+        router=w(experts, hidden),
+        gate_up=w(experts, 2 * inter, hidden),
+        down=w(experts, hidden, inter),
+        top_k=2,
+        norm_topk_prob=True,
+        act_name="silu",
+        shared=GatedMLP(
+            w(shared_inter, hidden),
+            w(shared_inter, hidden),
+            w(hidden, shared_inter),
+            activation("silu"),
+        ),
+        shared_gate=w(1, hidden),
+    )
+
+
+def _cast(moe, dtype):
+    from dataclasses import replace
+
+    from hybridkv.engine.models.common import GatedMLP
+
+    shared = GatedMLP(
+        moe.shared.gate.to(dtype),
+        moe.shared.up.to(dtype),
+        moe.shared.down.to(dtype),
+        moe.shared.act,
+    )
+    return replace(
+        moe,
+        router=moe.router.to(dtype),
+        gate_up=moe.gate_up.to(dtype),
+        down=moe.down.to(dtype),
+        shared=shared,
+        shared_gate=moe.shared_gate.to(dtype),
+    )
+
+
+@pytest.mark.parametrize("num_tokens", [1, 5, 32])
+def test_dense_moe_equals_the_dispatch_loop_in_float64(num_tokens):
+    """The dense form (every expert, routing weights as column scales, one down product)
+    computes the loop's sum: equal to float64 rounding."""
+    from hybridkv.engine.models.moe import DenseMoE
+
+    gen = torch.Generator().manual_seed(num_tokens)
+    moe = _cast(_moe(gen), torch.float64)
+    x = torch.randn(num_tokens, 16, generator=gen, dtype=torch.float64)
+    dense = moe._dense_form()
+    assert isinstance(dense, DenseMoE)
+    want = moe(x)  # float64: the loop
+    torch.testing.assert_close(dense(x), want, rtol=1e-12, atol=1e-12)
+
+
+def test_float32_never_takes_the_dense_form():
+    """float32 keeps the loop (its sums match transformers'): no dense weights built."""
+    moe = _moe(torch.Generator().manual_seed(0))
+    moe(torch.randn(4, 16))
+    assert moe._dense is None
+
+
+@pytest.mark.parametrize("num_tokens", [3, 200])
+def test_bf16_moe_within_bf16_rounding_of_float64(num_tokens):
+    """bf16: the dense form for short steps (<= DENSE_MAX_TOKENS), the loop for long
+    ones; both within bf16 rounding of the float64 loop."""
+    from hybridkv.engine.models.moe import DENSE_MAX_TOKENS
+
+    gen = torch.Generator().manual_seed(7)
+    moe64 = _cast(_moe(gen), torch.float64)
+    moe16 = _cast(moe64, torch.bfloat16)
+    x = torch.randn(num_tokens, 16, generator=gen).to(torch.bfloat16)
+    got = moe16(x)
+    assert (moe16._dense is not None) == (num_tokens <= DENSE_MAX_TOKENS)
+    want = _cast(moe16, torch.float64)(x.double())  # same rounded weights, exact sums
+    torch.testing.assert_close(got.double(), want, rtol=0.05, atol=0.02)
+
+
+def test_dense_form_declined_for_a_shared_expert_of_another_width():
+    moe = _cast(_moe(torch.Generator().manual_seed(3), shared_inter=12), torch.bfloat16)
+    x = torch.randn(4, 16).to(torch.bfloat16)
+    assert moe._dense_form() is None
+    want = _cast(moe, torch.float64)(x.double())
+    torch.testing.assert_close(moe(x).double(), want, rtol=0.05, atol=0.02)  # the loop

@@ -23,7 +23,14 @@ from hybridkv.engine.models.gated_deltanet import (
     qwen3_5_projector,
     qwen3_next_projector,
 )
-from hybridkv.engine.models.moe import dispatch_experts, fused_glu, load_stacked_experts
+from hybridkv.engine.models.moe import (
+    REDUCED_DTYPES,
+    DenseMoE,
+    dense_pays,
+    dispatch_experts,
+    fused_glu,
+    load_stacked_experts,
+)
 from hybridkv.engine.models.rope import make_rope, rope_parameters
 from hybridkv.engine.packed_linear import linear
 from hybridkv.errors import EngineError
@@ -43,6 +50,8 @@ class SparseMoE:
     shared_gate: torch.Tensor | None  # [1, hidden]
     expert_gate_up: list[torch.Tensor] = field(init=False, repr=False)
     expert_down: list[torch.Tensor] = field(init=False, repr=False)
+    _dense: DenseMoE | None = field(init=False, repr=False, default=None)
+    _no_dense: bool = field(init=False, repr=False, default=False)
 
     def __post_init__(self) -> None:
         # One view object per expert, kept: `packed_linear.linear` packs a weight the
@@ -51,6 +60,10 @@ class SparseMoE:
         self.expert_down = list(self.down.unbind(0))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype in REDUCED_DTYPES and dense_pays(x.shape[0], self.num_experts):
+            dense = self._dense_form()
+            if dense is not None:
+                return dense(x)
         act = activation(self.act_name)
         probs = torch.softmax(linear(x, self.router), dim=-1, dtype=torch.float)
         weights, experts = torch.topk(probs, self.top_k, dim=-1)
@@ -66,6 +79,30 @@ class SparseMoE:
         if self.shared is not None and self.shared_gate is not None:
             out = out + torch.sigmoid(linear(x, self.shared_gate)) * self.shared(x)
         return out
+
+    @property
+    def num_experts(self) -> int:
+        return int(self.gate_up.shape[0])
+
+    def _dense_form(self) -> DenseMoE | None:
+        """`DenseMoE` for reduced-precision decode steps (built once; None when the
+        shared expert's width differs from the experts': then the loop runs)."""
+        if self._dense is None and not self._no_dense:
+            shared = None
+            if self.shared is not None:
+                shared = (self.shared.gate, self.shared.up, self.shared.down)
+            self._dense = DenseMoE.build(
+                self.router,
+                self.gate_up,
+                self.down,
+                top_k=self.top_k,
+                norm_topk_prob=self.norm_topk_prob,
+                act=activation(self.act_name),
+                shared=shared,
+                shared_gate=self.shared_gate,
+            )
+            self._no_dense = self._dense is None
+        return self._dense
 
 
 def _load_moe(ckpt: Checkpoint, prefix: str, config: dict[str, Any]) -> SparseMoE:
