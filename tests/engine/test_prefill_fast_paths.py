@@ -110,3 +110,29 @@ def test_bound_offset_norm_equals_the_plain_form(dtype):
     bound = bind_norm(rms_norm_offset, weight, 1e-6)
     assert torch.equal(bound(x), rms_norm_offset(x, weight, 1e-6))
     assert torch.equal(bind_norm(rms_norm, weight, 1e-6)(x), rms_norm(x, weight, 1e-6))
+
+
+@pytest.mark.parametrize("ratio", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prepare_grouped_heads_major_equals_default_layout(ratio, dtype):
+    """The heads-major layout (for the chunked rule) holds exactly the default's values,
+    and the chunked rule's transpose of it is already contiguous (no second copy)."""
+    gen = torch.Generator().manual_seed(11 + ratio)
+    q, k = (torch.randn(3, 70, 2, 16, generator=gen).to(dtype) for _ in range(2))
+    v = torch.randn(3, 70, 2 * ratio, 8, generator=gen).to(dtype)
+    g, beta = (torch.rand(3, 70, 2 * ratio, generator=gen) for _ in range(2))
+    want = delta_rule.prepare_grouped(q, k, v, g, beta, ratio)
+    got = delta_rule.prepare_grouped(q, k, v, g, beta, ratio, heads_major=True)
+    for a, b in zip(got, want, strict=True):
+        assert a.shape == b.shape
+        assert torch.equal(a, b)
+    for x in got[:3]:
+        assert x.transpose(1, 2).is_contiguous()
+    state = torch.randn(3, 2 * ratio, 16, 8, generator=gen) * 0.3
+    rows, ks = torch.arange(3), [70, 70, 64]
+    for a, b in zip(
+        delta_rule.delta_rule_chunked(*got, state, rows, ks),
+        delta_rule.delta_rule_chunked(*want, state, rows, ks),
+        strict=True,
+    ):
+        assert torch.equal(a, b)

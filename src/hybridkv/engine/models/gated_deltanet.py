@@ -232,7 +232,13 @@ class GatedDeltaNet:
             # in place: `causal_conv_grid` returns a fresh buffer (same values as silu)
             q, k, v = self._split_heads(F.silu(conv_out, inplace=True), repeat=False)
             q, k, v, g_grid, beta_grid = delta_rule.prepare_grouped(
-                q, k, v, grid.pad(g), grid.pad(beta), ratio
+                q,
+                k,
+                v,
+                grid.pad(g),
+                grid.pad(beta),
+                ratio,
+                heads_major=grid.max_len > SHORT_MAX_TOKENS,
             )
             if conv_views is not None and ssm_views is not None and part.slot_runs is not None:
                 outs = [
