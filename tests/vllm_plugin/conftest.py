@@ -25,10 +25,12 @@ def vllm_python() -> str:
     return sys.executable  # these tests run inside vLLM's venv
 
 
-def engine(python: str, settings: dict[str, object], *, plugin: bool) -> Iterator[object]:
+def engine(
+    python: str, settings: dict[str, object], *, plugin: bool, env: dict[str, str] | None = None
+) -> Iterator[object]:
     from hybridkv.vllm.engine_process import EngineProcess
 
-    proc = EngineProcess(python, settings, plugin=plugin)
+    proc = EngineProcess(python, settings, plugin=plugin, env=env)
     try:
         yield proc
     finally:

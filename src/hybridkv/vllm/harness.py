@@ -53,11 +53,15 @@ def _answer(payload: dict[str, Any]) -> None:
     sys.stdout.flush()
 
 
-def _generate(llm: Any, prompts: list[list[int]], max_tokens: int) -> tuple[list[Any], float]:
+def _generate(
+    llm: Any, prompts: list[list[int]], max_tokens: int, logprobs: int | None = None
+) -> tuple[list[Any], float]:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
+    params = SamplingParams(
+        temperature=0, max_tokens=max_tokens, ignore_eos=True, detokenize=False, logprobs=logprobs
+    )
     start = time.perf_counter()
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
     return outs, time.perf_counter() - start
@@ -74,17 +78,21 @@ def _chat(llm: Any, cmd: dict[str, Any], vocab: int) -> dict[str, Any]:
     prompts = [fresh(int(cmd["first_tokens"])) for _ in range(sessions)]
     bounds = [0] * sessions
     per_turn = []
+    logprobs = cmd.get("logprobs")
     for _ in range(turns):
-        outs, seconds = _generate(llm, prompts, max_tokens)
-        per_turn.append(
-            {
-                "seconds": seconds,
-                "prompt_tokens": sum(len(p) for p in prompts),
-                "hit_tokens": sum(o.num_cached_tokens or 0 for o in outs),
-                "bound_tokens": sum(bounds),
-                "outputs": [list(o.outputs[0].token_ids) for o in outs],
-            }
-        )
+        outs, seconds = _generate(llm, prompts, max_tokens, logprobs)
+        turn: dict[str, Any] = {
+            "seconds": seconds,
+            "prompt_tokens": sum(len(p) for p in prompts),
+            "hit_tokens": sum(o.num_cached_tokens or 0 for o in outs),
+            "bound_tokens": sum(bounds),
+            "outputs": [list(o.outputs[0].token_ids) for o in outs],
+        }
+        if logprobs:  # the first generated position's top tokens, per session
+            turn["first_logprobs"] = [
+                {str(t): lp.logprob for t, lp in o.outputs[0].logprobs[0].items()} for o in outs
+            ]
+        per_turn.append(turn)
         bounds = [
             len(p) + len(o.outputs[0].token_ids) - 1 for p, o in zip(prompts, outs, strict=True)
         ]

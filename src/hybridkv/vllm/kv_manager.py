@@ -27,6 +27,7 @@ start-up by `hybridkv.vllm.scheduler`.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -34,7 +35,7 @@ from typing import Any
 
 from hybridkv.cache import CacheManager
 from hybridkv.errors import InvariantError
-from hybridkv.vllm.kv_plan import VllmGroup, plan_for_vllm
+from hybridkv.vllm.kv_plan import UnsupportedVllmSetup, VllmGroup, plan_for_vllm
 from hybridkv.vllm.rows import WorkerRows
 
 logger = logging.getLogger("vllm.hybridkv")
@@ -44,6 +45,21 @@ logger = logging.getLogger("vllm.hybridkv")
 # states inside a checkpoint interval mid-request, which an append-only worker row
 # cannot follow (`rows`), so it stays off here.
 VLLM_CHECKPOINT_RULES = ("turn_end",)
+# ``HYBRIDKV_VLLM_CHECKPOINT_RULES``: a comma-separated list instead ("" for align only)
+RULES_ENV = "HYBRIDKV_VLLM_CHECKPOINT_RULES"
+
+
+def checkpoint_rules_from_env() -> tuple[str, ...]:
+    value = os.environ.get(RULES_ENV)
+    if value is None:
+        return VLLM_CHECKPOINT_RULES
+    rules = tuple(r.strip() for r in value.split(",") if r.strip())
+    if "junction" in rules:
+        raise UnsupportedVllmSetup(
+            f"{RULES_ENV}={value!r}: the junction rule places states inside a checkpoint "
+            "interval, which vLLM's append-only worker rows cannot follow; use turn_end"
+        )
+    return rules
 
 
 class _Block:
@@ -110,6 +126,7 @@ class VllmKVCacheManager:
             state_mode=state_mode,
         )
         self.eviction_policy = eviction_policy
+        self.checkpoint_rules = checkpoint_rules_from_env() if enable_caching else ()
         self.cache = self._new_cache()
         self.state_group_ids = [g.group_id for g in groups if g.kind == "state"]
         self.rows = WorkerRows(
@@ -134,7 +151,7 @@ class VllmKVCacheManager:
             self.plan,
             enable_prefix_caching=self.enable_caching,
             eviction_policy=self.eviction_policy,
-            checkpoint_rules=VLLM_CHECKPOINT_RULES if self.enable_caching else (),
+            checkpoint_rules=self.checkpoint_rules,
             checkpoints_inside_steps=False,
         )
 
