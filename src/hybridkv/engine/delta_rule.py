@@ -149,6 +149,8 @@ def delta_rule_decode_(
     beta: torch.Tensor,
     state: torch.Tensor,
     work: torch.Tensor | None = None,
+    *,
+    decayed: bool = False,
 ) -> torch.Tensor:
     """One token per row, the state updated in place in the *stored* layout ``[R, H, dv,
     dk]`` (float32: a gathered copy, or the rows' slots of the buffer as a view). The
@@ -159,14 +161,25 @@ def delta_rule_decode_(
     rows x 8 heads x 64 x 64). ``q, k [R, 1, H, dk]``, ``v [R, 1, H, dv]``, ``g, beta
     [R, 1, H]``, already `prepare`d. ``work``: a float32 ``[R, H, dk, dv]`` buffer for
     the two products, strided as the state (`engine.scratch`: 4 MB at 32 rows,
-    page-faulted afresh on every call when allocated). Returns ``o [R, 1, H, dv]``."""
+    page-faulted afresh on every call when allocated). ``decayed``: the caller has
+    already multiplied the state by ``exp(g)`` (`decay_into`). Returns ``o [R, 1, H,
+    dv]``."""
     s = state.transpose(-1, -2)  # [R, H, dk, dv] view of the stored [R, H, dv, dk]
     k_col, q_col = k[:, 0, :, :, None], q[:, 0, :, :, None]  # [R, H, dk, 1]
-    s.mul_(g[:, 0].exp()[..., None, None])
+    if not decayed:
+        s.mul_(g[:, 0].exp()[..., None, None])
     predicted = (s * k_col if work is None else torch.mul(s, k_col, out=work)).sum(dim=-2)
     delta = (v[:, 0] - predicted) * beta[:, 0, :, None]  # predicted: S^T k, [R, H, dv]
     s.addcmul_(k_col, delta[:, :, None, :])  # S += k delta^T
     return (s * q_col if work is None else torch.mul(s, q_col, out=work)).sum(dim=-2)[:, None]
+
+
+def decay_into(out: torch.Tensor, state: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """``out = float32(state) * exp(g)`` per (row, head), for `delta_rule_decode_` with
+    ``decayed=True``: the cast of a reduced-precision stored state and the kernel's
+    first step in one pass (float32 of a bf16 value is exact, so the values are those
+    of a cast copy decayed in place). ``state [R, H, dv, dk]``, ``g [R, 1, H]``."""
+    return torch.mul(state, g[:, 0].exp()[..., None, None], out=out)
 
 
 def delta_rule_chunked(

@@ -330,14 +330,22 @@ def _decode_run(
     buffer). float32 states are updated in place through the view. Other dtypes (bf16
     models keep a bf16 state) are read into a float32 copy and written back through the
     view: the same casts as the gather path (``index_select`` -> float, kernel, ``to``
-    + ``index_put``), so the same values, but one strided copy each way instead of a
+    + ``index_put``), so the same values, but one strided pass each way instead of a
     gather plus a cast and a cast plus an indexed store (at 32 rows ~4 ms of a ~35 ms
-    bf16 decode step went to those four ops, profiled)."""
+    bf16 decode step went to those four ops, profiled). The pass in is also the
+    kernel's decay (`delta_rule.decay_into`), into a scratch buffer (no fresh pages)."""
     if view.dtype == torch.float32:
         return delta_rule.delta_rule_decode_(q, k, v, g, beta, view, _work(batch, view))
-    stored = torch.empty(view.shape, dtype=torch.float32, device=view.device)
-    stored.copy_(view)
-    out = delta_rule.delta_rule_decode_(q, k, v, g, beta, stored, _work(batch, stored))
+    shape = tuple(view.shape)
+    stored = (
+        torch.empty(shape, dtype=torch.float32, device=view.device)
+        if batch.scratch is None
+        else batch.scratch.take("delta_rule_state", shape, torch.float32, view.device)
+    )
+    delta_rule.decay_into(stored, view, g)
+    out = delta_rule.delta_rule_decode_(
+        q, k, v, g, beta, stored, _work(batch, stored), decayed=True
+    )
     view.copy_(stored)
     return out
 
