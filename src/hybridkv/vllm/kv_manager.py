@@ -62,6 +62,11 @@ def checkpoint_rules_from_env() -> tuple[str, ...]:
     return rules
 
 
+def tuple2(src: int, dst: int) -> tuple[int, int]:
+    """A block copy as a plain pair (vLLM's ``KVCacheBlockCopy`` is a named pair)."""
+    return (src, dst)
+
+
 class _Block:
     """The part of vLLM's ``KVCacheBlock`` its scheduler reads from an allocation."""
 
@@ -90,7 +95,8 @@ class _Step:
 class VllmKVCacheManager:
     """A stand-in for vLLM's ``KVCacheManager`` backed by `CacheManager`.
 
-    ``blocks_cls``: vLLM's ``KVCacheBlocks`` (the scheduler builds its outputs from it).
+    ``blocks_cls``: vLLM's ``KVCacheBlocks`` (the scheduler builds its outputs from it);
+    ``copy_cls``: vLLM's ``KVCacheBlockCopy`` (the worker's block copies).
     """
 
     def __init__(
@@ -106,6 +112,7 @@ class VllmKVCacheManager:
         log_stats: bool = False,
         eviction_policy: str = "chain",
         group_specs: list[Any] | None = None,
+        copy_cls: Any = tuple2,
     ) -> None:
         self.groups = groups
         # vLLM's engine core reads each group's block size and spec from
@@ -134,6 +141,7 @@ class VllmKVCacheManager:
             align=enable_caching and state_mode == "align",
         )
         self._blocks_cls = blocks_cls
+        self._copy_cls = copy_cls
         self.empty_kv_cache_blocks = blocks_cls(tuple(() for _ in groups))
         self._stats_cls = stats_cls
         self.log_stats = log_stats and stats_cls is not None
@@ -325,7 +333,8 @@ class VllmKVCacheManager:
     def take_kv_cache_block_copies(self) -> tuple[list[Any], list[Any]]:
         copies, self._copies = self._copies, []
         # hybridkv pins a copy's source itself until the step commits: nothing to retain
-        return [_copy(src, dst) for src, dst in copies], []
+        make = self._copy_cls
+        return [make(src, dst) for src, dst in copies], []
 
     def take_new_block_ids(self) -> list[int]:
         ids, self._new_block_ids = self._new_block_ids, []
@@ -365,9 +374,3 @@ def _salt(request: Any) -> str | None:
     if not idents:
         return salt
     return f"{salt or ''}|mm:{','.join(idents)}"
-
-
-def _copy(src: int, dst: int) -> Any:
-    from vllm.v1.core.kv_cache_utils import KVCacheBlockCopy
-
-    return KVCacheBlockCopy(src_block_id=src, dst_block_id=dst)

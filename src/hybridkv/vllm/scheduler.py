@@ -22,10 +22,12 @@ import logging
 from typing import Any
 
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+from vllm.v1.core.kv_cache_utils import KVCacheBlockCopy
 from vllm.v1.core.sched.scheduler import Scheduler as VllmScheduler
 
 from hybridkv.vllm.kv_manager import VllmKVCacheManager
 from hybridkv.vllm.kv_plan import UnsupportedVllmSetup, vllm_groups
+from hybridkv.vllm.rows import split_prefill_chunk
 
 logger = logging.getLogger("vllm.hybridkv")
 
@@ -67,6 +69,7 @@ class Scheduler(VllmScheduler):
             state_mode=state_mode if caching else "none",
             num_spec_tokens=self.num_spec_tokens,
             blocks_cls=KVCacheBlocks,
+            copy_cls=KVCacheBlockCopy,
             stats_cls=_prefix_cache_stats_cls(),
             log_stats=self.log_stats,
             group_specs=[g.kv_cache_spec for g in kv_cache_config.kv_cache_groups],
@@ -104,15 +107,10 @@ class Scheduler(VllmScheduler):
     ) -> int:
         """End a prefill chunk on the last state boundary strictly inside it, so the
         state there is written (at the chunk's end) and checkpointed."""
-        B = self.state_block_size
         start = request.num_computed_tokens + num_new_local_computed_tokens
         start += num_external_computed_tokens
         prefill_end = max(request.num_prompt_tokens, request.num_tokens - 1)
-        if not B or start >= prefill_end:
-            return num_new_tokens
-        end = start + num_new_tokens
-        last = (end - 1) // B * B
-        return last - start if last > start else num_new_tokens
+        return split_prefill_chunk(start, num_new_tokens, prefill_end, self.state_block_size)
 
     def _free_cow_retained_blocks(self, blocks: Any, fence_seq: int) -> None:
         """hybridkv pins a copy's source until the step commits: nothing is retained."""

@@ -1,0 +1,366 @@
+"""`VllmKVCacheManager` driven the way vLLM's scheduler drives its manager, checked by a
+fake worker that reads the rows exactly as vLLM's worker does (`hybridkv.vllm.rows`).
+
+No vLLM needed: requests are stand-ins with the fields the facade reads. The worker
+keeps, per block, what it holds: attention slots hold token ids, a state block holds the
+token sequence the state has consumed. Before every step it checks that the request's
+computed tokens are exactly what it reads (attention: every slot below ``c``; state:
+the state it starts from), so a wrong row, column, copy or commit fails the test.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hybridkv.errors import HybridKVError, InvariantError
+from hybridkv.vllm.kv_manager import VllmKVCacheManager, checkpoint_rules_from_env
+from hybridkv.vllm.kv_plan import UnsupportedVllmSetup, VllmGroup, vllm_groups
+from hybridkv.vllm.rows import split_prefill_chunk
+
+
+@dataclass
+class FakeRequest:
+    request_id: str
+    all_token_ids: list[int]
+    num_prompt_tokens: int
+    max_new: int
+    num_computed_tokens: int = 0
+    num_preemptions: int = 0
+    lora_request: Any = None
+    cache_salt: str | None = None
+    skip_reading_prefix_cache: bool = False
+    spec: int = 0  # drafts scheduled in the step in flight
+    drafts: list[int] = field(default_factory=list)
+    produced: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+
+class Blocks:
+    """vLLM's ``KVCacheBlocks`` as far as the facade builds it."""
+
+    def __init__(self, blocks: tuple) -> None:
+        self.blocks = blocks
+
+    def get_block_ids(self) -> tuple[list[int], ...]:
+        return tuple([b.block_id for b in g] for g in self.blocks)
+
+
+@dataclass
+class FakeWorker:
+    groups: list[VllmGroup]
+    align: bool
+    rows: dict[str, list[list[int]]] = field(default_factory=dict)
+    cols: dict[str, dict[int, int]] = field(default_factory=dict)
+    slots: dict[tuple[int, int], int] = field(default_factory=dict)  # (block, slot) -> token
+    states: dict[int, tuple[int, ...]] = field(default_factory=dict)  # block -> consumed
+
+    def drop(self, req_id: str) -> None:
+        self.rows.pop(req_id, None)
+        self.cols.pop(req_id, None)
+
+    def copy(self, copies: list[tuple[int, int]]) -> None:
+        """The step's block copies, before the step runs (every layer: state and slots)."""
+        for src, dst in copies:
+            self.states[dst] = self.states.get(src, ())
+            for g in self.groups:
+                for s in range(g.block_size):
+                    if (src, s) in self.slots:
+                        self.slots[(dst, s)] = self.slots[(src, s)]
+
+    def run(self, req: FakeRequest, n: int) -> None:
+        """One step of ``n`` scheduled tokens (incl. drafts) from ``req.num_computed_tokens``
+        (vLLM advanced it already: the step starts at ``c = num_computed - n``)."""
+        c = req.num_computed_tokens - n
+        tokens = req.all_token_ids
+        rows = self.rows[req.request_id]
+        for g in self.groups:
+            row = rows[g.group_id]
+            B = g.block_size
+            if g.kind == "state":
+                cols = self.cols.setdefault(req.request_id, {})
+                cur = -(-(c + n) // B) - 1 if self.align else 0
+                prev = cols.get(g.group_id, (c - 1) // B if self.align else 0)
+                if self.align and prev not in (-1, cur):
+                    self.states[row[cur]] = self.states.get(row[prev], ())
+                if c:
+                    assert self.states.get(row[cur]) == tuple(tokens[:c]), (req.request_id, c)
+                self.states[row[cur]] = tuple(tokens[: c + n])
+                cols[g.group_id] = cur
+                continue
+            lo = max(0, c - g.span_tokens + 1) if g.kind == "sliding" else 0
+            for p in range(lo, c):
+                assert self.slots.get((row[p // B], p % B)) == tokens[p], (req.request_id, p)
+            for p in range(c, c + n):
+                self.slots[(row[p // B], p % B)] = tokens[p] if p < len(tokens) else -1
+
+
+def _manager(groups: list[VllmGroup], num_blocks: int, *, caching: bool = True, spec: int = 0):
+    return VllmKVCacheManager(
+        groups,
+        num_blocks=num_blocks,
+        enable_caching=caching,
+        state_mode="align" if caching else "none",
+        num_spec_tokens=spec,
+        blocks_cls=Blocks,
+    )
+
+
+def _drive(
+    groups: list[VllmGroup],
+    num_blocks: int,
+    sessions: int,
+    turns: int,
+    seed: int,
+    *,
+    spec: int = 0,
+    budget: int = 96,
+    caching: bool = True,
+) -> VllmKVCacheManager:
+    """A scheduler loop in vLLM's shape: FCFS admission with a token budget, chunked
+    prefill split where hybridkv checkpoints, preemption of the newest on failure,
+    multi-turn sessions (the next prompt extends the previous context)."""
+    rng = random.Random(seed)
+    kv = _manager(groups, num_blocks, caching=caching, spec=spec)
+    worker = FakeWorker(groups, align=caching)
+    B = min((g.block_size for g in groups if g.kind == "state"), default=0)
+    contexts = [
+        [rng.randrange(1, 50) for _ in range(rng.randrange(5, 40))] for _ in range(sessions)
+    ]
+    for turn in range(turns):
+        waiting = [
+            FakeRequest(f"s{i}t{turn}", list(ctx), len(ctx), rng.randrange(1, 12))
+            for i, ctx in enumerate(contexts)
+        ]
+        running: list[FakeRequest] = []
+        finished: list[FakeRequest] = []
+        steps = 0
+        while waiting or running:
+            steps += 1
+            assert steps < 2000
+            kv.settle({r.request_id: r for r in running + waiting})
+            kv.new_step_starts()
+            scheduled: list[tuple[FakeRequest, int]] = []
+            appended: dict[str, Any] = {}
+            left = budget
+            for req in list(running):
+                if req not in running:  # preempted for an earlier one this step
+                    continue
+                drafts = 0
+                if spec and req.num_computed_tokens >= req.num_prompt_tokens:
+                    drafts = rng.randrange(0, spec + 1)  # the draft count varies per step
+                n = req.num_tokens - req.num_computed_tokens + drafts
+                n = min(n, left)
+                if B and caching:
+                    n = split_prefill_chunk(req.num_computed_tokens, n, req.num_prompt_tokens, B)
+                if n <= 0:
+                    continue
+                while (blocks := kv.allocate_slots(req, n)) is None:
+                    victim = running.pop()
+                    kv.free(victim)
+                    worker.drop(victim.request_id)
+                    victim.num_computed_tokens = 0
+                    victim.num_preemptions += 1
+                    waiting.insert(0, victim)
+                    scheduled = [(r, m) for r, m in scheduled if r is not victim]
+                    if victim is req:
+                        break
+                else:
+                    req.spec = max(0, req.num_computed_tokens + n - req.num_tokens)
+                    scheduled.append((req, n))
+                    appended[req.request_id] = blocks
+                    left -= n
+            while waiting and left > 0:
+                req = waiting[0]
+                _, hit, _ = kv.get_computed_blocks(req)
+                assert hit < req.num_tokens
+                n = min(req.num_tokens - hit, left)
+                if B and caching:
+                    n = split_prefill_chunk(hit, n, req.num_prompt_tokens, B)
+                if kv.allocate_slots(req, n, num_new_computed_tokens=hit) is None:
+                    break
+                waiting.pop(0)
+                req.num_computed_tokens = hit
+                req.spec = 0
+                running.append(req)
+                scheduled.append((req, n))
+                left -= n
+            worker.copy(kv.take_kv_cache_block_copies()[0])
+            for req, n in scheduled:
+                blocks = appended.get(req.request_id)
+                if blocks is None:  # admitted this step: vLLM sends the whole row
+                    worker.rows[req.request_id] = [
+                        list(r) for r in kv.get_block_ids(req.request_id)
+                    ]
+                else:  # running: vLLM sends what the allocation appended
+                    for row, new in zip(
+                        worker.rows[req.request_id], blocks.get_block_ids(), strict=True
+                    ):
+                        row.extend(new)
+                req.num_computed_tokens += n
+                # drafts in flight: the tokens the drafter proposed
+                req.drafts = [rng.randrange(1, 50) for _ in range(req.spec)]
+                req.all_token_ids.extend(req.drafts)
+                worker.run(req, n)
+                del req.all_token_ids[len(req.all_token_ids) - len(req.drafts) :]
+            kv.mark_executed()
+            for req, _ in scheduled:
+                if req.num_computed_tokens < req.num_tokens:
+                    continue  # a prefill chunk
+                accepted = rng.randrange(0, req.spec + 1) if req.spec else 0
+                req.num_computed_tokens -= req.spec - accepted
+                req.all_token_ids.extend([*req.drafts[:accepted], rng.randrange(1, 50)])
+                req.produced += accepted + 1
+                if req.produced >= req.max_new:
+                    running.remove(req)
+                    kv.free(req)
+                    worker.drop(req.request_id)
+                    finished.append(req)
+            kv.check_invariants()
+        for req in finished:
+            i = int(req.request_id[1:].split("t")[0])
+            contexts[i] = req.all_token_ids + [rng.randrange(1, 50) for _ in range(5)]
+    kv.check_invariants()
+    assert kv.usage == 0.0
+    assert kv.cache.num_free_blocks(0) == num_blocks - 1
+    return kv
+
+
+HYBRID = [VllmGroup(0, "full", 8), VllmGroup(1, "state", 8)]
+
+
+def test_multi_turn_hybrid_reads_exactly_its_tokens() -> None:
+    kv = _drive(HYBRID, 200, sessions=4, turns=3, seed=1)
+    assert kv.cache.stats().num_hit_tokens > 0
+
+
+def test_turn_end_hits_reach_the_previous_context() -> None:
+    """Turn 2 of one session resumes at the end of turn 1's computed tokens."""
+    kv = _manager(HYBRID, 100)
+    worker = FakeWorker(HYBRID, align=True)
+    req = FakeRequest("a", list(range(1, 21)), 20, 3)
+    assert kv.get_computed_blocks(req)[1] == 0
+    kv.new_step_starts()
+    assert kv.allocate_slots(req, 16) is not None  # split: the chunk ends at 16
+    worker.rows["a"] = [list(r) for r in kv.get_block_ids("a")]
+    req.num_computed_tokens = 16
+    worker.run(req, 16)
+    kv.mark_executed()
+    kv.settle({"a": req})
+    kv.new_step_starts()
+    kv.allocate_slots(req, 4)
+    req.num_computed_tokens = 20
+    worker.rows["a"] = [list(r) for r in kv.get_block_ids("a")]
+    worker.run(req, 4)
+    kv.mark_executed()
+    req.all_token_ids.append(99)
+    kv.free(req)
+    nxt = FakeRequest("b", [*range(1, 21), 99, 5, 6], 23, 1)
+    assert kv.get_computed_blocks(nxt)[1] == 20  # the turn end (every computed token)
+    kv.check_invariants()
+
+
+def test_sliding_window_with_varying_drafts() -> None:
+    """Attention-only (sliding + full), drafts 0..3 per step (the #39271 shape: the draft
+    count shrinks and grows): nothing raises, every read is right, all blocks return."""
+    groups = [VllmGroup(0, "full", 4), VllmGroup(1, "sliding", 4, 8)]
+    _drive(groups, 300, sessions=4, turns=2, seed=2, spec=3)
+
+
+def test_pressure_preempts_and_recovers() -> None:
+    _drive(HYBRID, 24, sessions=6, turns=2, seed=3, budget=40)
+
+
+def test_prefix_caching_off_uses_one_state_block() -> None:
+    kv = _drive(HYBRID, 120, sessions=3, turns=2, seed=4, caching=False)
+    assert kv.cache.stats().num_hit_tokens == 0
+
+
+@settings(max_examples=10, deadline=None)
+@given(
+    seed=st.integers(0, 10_000),
+    num_blocks=st.integers(40, 120),  # one request's largest need fits (~80 tokens)
+    block=st.sampled_from([4, 8]),
+    budget=st.integers(9, 64),
+)
+def test_random_lives_hybrid(seed: int, num_blocks: int, block: int, budget: int) -> None:
+    groups = [VllmGroup(0, "full", block), VllmGroup(1, "state", block)]
+    _drive(groups, num_blocks, sessions=3, turns=2, seed=seed, budget=budget)
+
+
+def test_split_prefill_chunk() -> None:
+    assert split_prefill_chunk(0, 300, 300, 256) == 256
+    assert split_prefill_chunk(256, 44, 300, 256) == 44
+    assert split_prefill_chunk(0, 1000, 1000, 256) == 768
+    assert split_prefill_chunk(300, 250, 600, 256) == 212  # a turn-end start mid-block
+    assert split_prefill_chunk(300, 1, 300, 256) == 1  # decode: unchanged
+    assert split_prefill_chunk(0, 100, 100, 0) == 100  # no state group
+
+
+def test_group_translation_and_refusals() -> None:
+    class Spec:
+        def __init__(self, **kw: Any) -> None:
+            self.__dict__.update(kw)
+
+    class FullAttentionSpec(Spec): ...
+
+    class SlidingWindowSpec(FullAttentionSpec): ...
+
+    class MambaSpec(Spec): ...
+
+    class CrossAttentionSpec(FullAttentionSpec): ...
+
+    class Group:
+        def __init__(self, spec: Any) -> None:
+            self.kv_cache_spec = spec
+            self.layer_names = ["model.layers.0.attn"]
+
+    class Config:
+        def __init__(self, *specs: Any) -> None:
+            self.kv_cache_groups = [Group(s) for s in specs]
+
+    got = vllm_groups(
+        Config(
+            FullAttentionSpec(block_size=16),
+            SlidingWindowSpec(block_size=16, sliding_window=512),
+            MambaSpec(block_size=256),
+        )
+    )
+    assert got == [
+        VllmGroup(0, "full", 16),
+        VllmGroup(1, "sliding", 16, 512),
+        VllmGroup(2, "state", 256),
+    ]
+    with pytest.raises(UnsupportedVllmSetup, match="CrossAttentionSpec"):
+        vllm_groups(Config(CrossAttentionSpec(block_size=16)))
+    with pytest.raises(UnsupportedVllmSetup, match="needs >= 2"):
+        _manager(HYBRID, 1)
+
+
+def test_rules_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("HYBRIDKV_VLLM_CHECKPOINT_RULES", raising=False)
+    assert checkpoint_rules_from_env() == ("turn_end",)
+    monkeypatch.setenv("HYBRIDKV_VLLM_CHECKPOINT_RULES", "")
+    assert checkpoint_rules_from_env() == ()
+    monkeypatch.setenv("HYBRIDKV_VLLM_CHECKPOINT_RULES", "turn_end,junction")
+    with pytest.raises(HybridKVError, match="append-only"):
+        checkpoint_rules_from_env()
+
+
+def test_a_moved_block_is_refused() -> None:
+    """A row column the worker already holds cannot change: the translation refuses."""
+    from hybridkv.cache.delta import GroupDelta, StepDelta
+    from hybridkv.vllm.rows import WorkerRows
+
+    rows = WorkerRows([None], align=True)
+    rows.step("r", StepDelta(groups={0: GroupDelta(0, (5, 6))}, admitted=True), {}, 8)
+    with pytest.raises(InvariantError, match="only grow"):
+        rows.step("r", StepDelta(groups={0: GroupDelta(1, (7,))}), {}, 1)
