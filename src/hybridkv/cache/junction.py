@@ -48,6 +48,9 @@ if TYPE_CHECKING:
 # Children kept per (group, parent): a parent with more (many prompts diverging at the
 # same block) keeps the newest; the oldest are likely evicted already.
 MAX_CHILDREN_PER_PARENT = 8
+# `ChildIndex.memo` starts afresh past this many payloads (one prompt span met that
+# many distinct children: under one parent, groups and passes, at most 8 per group)
+_MEMO_PAYLOADS = 256
 
 
 class CopyOrder(NamedTuple):
@@ -68,6 +71,13 @@ class ChildIndex:
     def __init__(self) -> None:
         self.by_parent: dict[tuple[int, bytes], dict[BlockId, bytes]] = {}
         self.parent_of: dict[BlockId, tuple[int, bytes]] = {}
+        # `find_partial`'s memo: the common prefix (tokens) of the last prompt span
+        # compared (``memo_want``) with each payload compared to it. A pure function of
+        # two values, so it never goes stale; it serves every group of the pool, whose
+        # children under one parent hold the same tokens (one comparison, not one per
+        # group and pass of the lookup's fixed point)
+        self.memo_want = b""
+        self.memo: dict[bytes, int] = {}
 
     def __len__(self) -> int:
         return len(self.parent_of)
@@ -114,7 +124,8 @@ class ChildIndex:
             )
 
 
-def _payload(tokens: Sequence[int], start: int, end: int) -> bytes:
+def token_bytes(tokens: Sequence[int], start: int, end: int) -> bytes:
+    """``tokens[start:end]`` as bytes, 8 per token (a child's payload, a prompt span)."""
     span = tokens[start:end]
     return (span if isinstance(span, array) else array("q", span)).tobytes()
 
@@ -138,7 +149,9 @@ def note_children(
     for j in range(max(first, 1), last):
         block = blocks[j]
         if own.get(block) == hashes[(j + 1) * step - 1] and block not in children.parent_of:
-            children.add(group, hashes[j * step - 1], block, _payload(tokens, j * B, (j + 1) * B))
+            children.add(
+                group, hashes[j * step - 1], block, token_bytes(tokens, j * B, (j + 1) * B)
+            )
 
 
 def _common_prefix(a: bytes, b: bytes) -> int:
@@ -176,13 +189,24 @@ def find_partial(
     entries = children.by_parent.get((manager.group_id, hashes[anchor // unit - 1]))
     if not entries:
         return None
-    end = min(limit, anchor + manager.block_size - 1, len(tokens) - 1)
-    if end <= anchor:
+    span_end = min(anchor + manager.block_size - 1, len(tokens) - 1)
+    room = min(limit, span_end) - anchor  # the hit may reach at most anchor + room
+    if room <= 0:
         return None
-    want = _payload(tokens, anchor, end)
+    # The common prefix of the span up to ``limit`` with a payload is that of the whole
+    # span, capped at ``room``: the memo holds the whole span's (shared by every limit)
+    want = token_bytes(tokens, anchor, span_end)
+    memo = children.memo
+    if want != children.memo_want or len(memo) > _MEMO_PAYLOADS:
+        children.memo_want = want
+        memo = children.memo = {}
     best: tuple[int, BlockId] | None = None
     for block, payload in entries.items():
-        length = _common_prefix(want, payload)
+        length = memo.get(payload)
+        if length is None:
+            length = memo[payload] = _common_prefix(want, payload)
+        if length > room:
+            length = room
         if length and (best is None or anchor + length > best[0]):
             best = (anchor + length, block)
     return best

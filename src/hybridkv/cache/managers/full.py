@@ -20,7 +20,7 @@ from typing import ClassVar
 
 from hybridkv.cache.block import NULL_BLOCK
 from hybridkv.cache.delta import GroupDelta
-from hybridkv.cache.junction import find_partial, is_copy_source, note_children
+from hybridkv.cache.junction import find_partial, is_copy_source, note_children, token_bytes
 from hybridkv.cache.managers.base import NO_GROWTH, UNBOUNDED, Bounds, GroupManager
 from hybridkv.cache.turn_end import find_turn_end, store_turn_end
 from hybridkv.errors import InvariantError
@@ -283,15 +283,30 @@ class FullAttentionManager(GroupManager):
         num_full = (min(c2, len(tokens) - 1) if self.key_ahead else c2) // B  # cacheable_end
         if num_full > state.num_cached:
             pool = self.pool
-            if num_full == state.num_cached + 1 and self.caching and pool.children is None:
-                # one block filled (a decode step): `cache_table`'s loop body, once
-                block = state.blocks[num_full - 1]
-                if block != NULL_BLOCK and block not in pool.hashes:
+            if num_full == state.num_cached + 1 and self.caching:
+                # one block filled (a decode step): `cache_table`'s loop body, once, and
+                # `note_children`'s (junction copies; groups keyed ahead index none)
+                j = num_full - 1
+                block = state.blocks[j]
+                own = pool.hashes
+                if block != NULL_BLOCK and block not in own:
                     end = num_full * B
                     if self.key_ahead:
                         self.try_cache(block, hashes, tokens, end)
                     else:
                         pool.cache(block, self.group_id, hashes[end // self.unit_tokens - 1], end)
+                children = pool.children
+                if children is not None and j and not self.key_ahead:
+                    step = B // self.unit_tokens
+                    if own.get(block) == hashes[num_full * step - 1] and (
+                        block not in children.parent_of
+                    ):
+                        children.add(
+                            self.group_id,
+                            hashes[j * step - 1],
+                            block,
+                            token_bytes(tokens, j * B, num_full * B),
+                        )
             elif self.caching and not self.key_ahead:  # keys: chain hashes (`key`)
                 self.pool.cache_table(
                     self.group_id,
