@@ -139,3 +139,29 @@ def test_unsupported_setup_is_refused(tiny_qwen3_next: Path, vllm_python: str) -
     with pytest.raises(HybridKVError, match="UnsupportedVllmSetup") as info:
         _run(vllm_python, settings, [])
     assert "speculative decoding on a model with state layers" in str(info.value)
+
+
+def test_ngram_drafts_on_sliding_window_model(tiny_gemma3: Path, vllm_python: str) -> None:
+    """n-gram drafts (0..3 per step, the count varies) with prefix caching on an
+    attention-only model: the reference's tokens, stock's hits, every block back."""
+    spec = {
+        "method": "ngram",
+        "num_speculative_tokens": 3,
+        "prompt_lookup_max": 4,
+        "prompt_lookup_min": 2,
+    }
+    prompts = [[(i * 7 + j) % 50 + 1 for j in range(12)] * 25 for i in range(4)]
+    commands = [
+        {"op": "generate", "prompts": prompts, "max_tokens": 32},
+        {"op": "generate", "prompts": [p + [3, 4, 5] * 10 for p in prompts], "max_tokens": 32},
+        {"op": "sched"},
+    ]
+    commands[1]["reset"] = False
+    base = {**SETTINGS, "model": str(tiny_gemma3), "speculative_config": spec}
+    ref = _run(vllm_python, {**base, "enable_prefix_caching": False}, commands[:2])
+    theirs = _run(vllm_python, base, commands[:2])
+    first, second, sched = _run(vllm_python, {**base, **OURS}, commands)
+    assert [first["outputs"], second["outputs"]] == [r["outputs"] for r in ref]
+    assert second["cached"] == theirs[1]["cached"]
+    assert sum(second["cached"]) > 0
+    _check_drained(sched)

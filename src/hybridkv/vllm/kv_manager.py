@@ -193,7 +193,10 @@ class VllmKVCacheManager:
                 f"request {req_id!r}: vLLM reports {request.num_computed_tokens} computed "
                 f"tokens after a step from {step.computed} with {step.num_new} new ones"
             )
-        self.cache.commit(req_id, accepted, new_ids)
+        # A request that stops inside a step (max_tokens, a stop token) keeps only the
+        # tokens up to the stop; vLLM's count may still include the drafts past it.
+        accepted = min(accepted, known + len(new_ids) - step.computed - step.num_new)
+        self.cache.commit(req_id, max(accepted, 0), new_ids)
         self._num_tokens[req_id] = known + len(new_ids)
         self.num_steps_committed += 1
 
