@@ -217,8 +217,12 @@ def _drive(
                     continue  # a prefill chunk
                 accepted = rng.randrange(0, req.spec + 1) if req.spec else 0
                 req.num_computed_tokens -= req.spec - accepted
-                req.all_token_ids.extend([*req.drafts[:accepted], rng.randrange(1, 50)])
-                req.produced += accepted + 1
+                new = [*req.drafts[:accepted], rng.randrange(1, 50)]
+                # vLLM keeps only the tokens up to max_tokens; its computed count does not
+                # shrink with them
+                new = new[: req.max_new - req.produced]
+                req.all_token_ids.extend(new)
+                req.produced += len(new)
                 if req.produced >= req.max_new:
                     running.remove(req)
                     kv.free(req)
