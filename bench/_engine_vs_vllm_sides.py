@@ -22,6 +22,7 @@ from hybridkv.errors import HybridKVError
 WORKER = Path(__file__).resolve().parent / "_engine_vs_vllm_worker.py"
 MARK = "EVV "
 START_TIMEOUT_S = 900.0
+WARM_TOKENS = 200  # a prefill step of 2 x 200 tokens: past the MoE's dense form
 T = TypeVar("T")
 
 
@@ -57,9 +58,11 @@ class EngineSide:
         max_model_len: int,
         max_num_seqs: int,
         max_num_batched_tokens: int,
+        torch_compile: bool = True,
     ) -> None:
         self.folder = folder
         self.options: dict[str, Any] = {
+            "torch_compile": torch_compile,
             "dtype": "bfloat16",
             "device": device,
             "memory_bytes": 1 << 30,  # as vLLM's VLLM_CPU_KVCACHE_SPACE=1 (GiB)
@@ -71,9 +74,16 @@ class EngineSide:
 
     def run(self, prompts: Sequence[Sequence[int]], new_tokens: int) -> Run:
         llm = LLM(self.folder, **self.options)
-        # Untimed warm-up: first-call allocations; a token range no benchmark prompt uses
-        # at position 0, so it shares no prefix-cache block with the timed prompts.
+        # Untimed warm-up: first-call allocations, and every weight seen twice (bf16
+        # weights are packed for oneDNN on their second use; the MoE runs a dense form
+        # for short steps and the per-expert loop for long ones, so both a short and two
+        # long steps); with torch_compile, the compiled paths' first shapes (compiled
+        # once per process). Prompts start with token 0, which no benchmark prompt does,
+        # so they share no prefix-cache block with the timed prompts.
         llm.generate([[0] * 8], max_new_tokens=2, ignore_eos=True)
+        for pair in ((1, 2), (3, 4)):
+            warm = [[0, i] + [i] * (WARM_TOKENS - 2) for i in pair]
+            llm.generate(warm, max_new_tokens=2, ignore_eos=True)
         before = llm.stats()
         results, seconds, cpu = timed(
             lambda: llm.generate(prompts, max_new_tokens=new_tokens, ignore_eos=True),

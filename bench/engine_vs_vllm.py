@@ -12,13 +12,19 @@ of distinct prompts, and 32 prompts sharing a 224-token prefix (``shared32``).
     python bench/engine_vs_vllm.py [--reps 5] [--cases 1,8,32,shared32] [--quick]
                                    [--vllm-python .venv-vllm/bin/python] [--model DIR]
                                    [--threads N] [--vllm-bind 0-1] [--device cpu|cuda]
+                                   [--eager] [--engine-eager] [--new-tokens N]
     hybridkv bench engine_vs_vllm -- --reps 5
 
 vLLM runs in its own virtualenv (``scripts/install_vllm_cpu.sh``) as one long-lived
 worker process (`bench/_engine_vs_vllm_worker.py`); its start-up (~70 s of torch.compile
 warm-up on 2 cores, cached in ~/.cache/vllm afterwards) is not timed. Its prefix cache is
 reset before every run. The engine side builds a fresh `LLM` per run (untimed, so no run
-hits a previous run's prefix cache) and warms it with one short untimed request. Both
+hits a previous run's prefix cache) and warms it with a few untimed requests (one short,
+two pairs of 200 tokens: every weight packed, the MoE's short- and long-step forms run).
+Like vLLM, the engine compiles by default: ``LLM(torch_compile=True)``
+(`hybridkv.engine.compiled`: the bf16 prefill steps' norms and chunked delta rule
+algebra), compiled once per process during the first untimed runs; ``--engine-eager``
+turns it off, ``--eager`` turns vLLM's off. Both
 sides get the same token budget per step (vLLM's resolved ``max_num_batched_tokens``) and
 ``max_num_seqs`` 64; each case first runs once per side untimed, then ``--reps`` timed
 runs alternate (engine first on even reps, vLLM first on odd ones).
@@ -124,6 +130,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--eager", action="store_true", help="vLLM without torch.compile (enforce_eager)"
     )
     parser.add_argument(
+        "--engine-eager",
+        action="store_true",
+        help="the engine without torch.compile (default: LLM(torch_compile=True), which "
+        "compiles its bf16 prefill elementwise chains, hybridkv.engine.compiled)",
+    )
+    parser.add_argument(
         "--vllm-bind",
         default=None,
         help="VLLM_CPU_OMP_THREADS_BIND for vLLM (default: vLLM's own 'auto': on 2 cores one "
@@ -132,7 +144,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="smoke run (see module doc)")
     args = parser.parse_args(argv)
     if args.quick:
-        args.reps, args.new_tokens, args.eager = 1, 16, True
+        args.reps, args.new_tokens, args.eager, args.engine_eager = 1, 16, True, True
         if args.cases == parser.get_default("cases"):
             args.cases = "1,8"
     if args.reps < 1:
@@ -172,6 +184,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             max_model_len=max_len,
             max_num_seqs=MAX_NUM_SEQS,
             max_num_batched_tokens=int(vllm.ready["max_num_batched_tokens"]),
+            torch_compile=not args.engine_eager,
         )
         try:
             table = run_cases(args, engine, vllm, console, threads)
@@ -184,10 +197,11 @@ def run_cases(
     args: argparse.Namespace, engine: EngineSide, vllm: VllmSide, console: Console, threads: int
 ) -> Table:
     compile_note = "eager" if args.eager else "torch.compile"
+    engine_note = "eager" if args.engine_eager else "torch_compile"
     table = Table(
         title=f"hybridkv LLM.generate vs vLLM {vllm.ready['version']} ({compile_note}) "
         f"LLM.generate: {PROMPT_TOKENS}-token prompts, {args.new_tokens} new, greedy, bf16, "
-        f"{args.device}, engine {threads} thread(s), vLLM bind "
+        f"{args.device}, engine ({engine_note}) {threads} thread(s), vLLM bind "
         f"{args.vllm_bind or 'auto'}, median \\[min-max] of {args.reps} "
         "alternating runs (shared host: other jobs ran)"
     )

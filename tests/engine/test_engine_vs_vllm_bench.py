@@ -39,6 +39,9 @@ def test_quick_mode_and_reps() -> None:
     assert (args.reps, args.new_tokens, args.eager, args.cases) == (1, 16, True, "1,8")
     assert bench.parse_args(["--quick", "--cases", "shared32"]).cases == "shared32"
     assert bench.parse_args([]).reps == 5
+    assert bench.parse_args(["--quick"]).engine_eager  # the smoke run compiles nothing
+    assert not bench.parse_args([]).engine_eager  # both sides compile by default
+    assert bench.parse_args(["--engine-eager"]).engine_eager
     with pytest.raises(SystemExit):
         bench.parse_args(["--reps", "0"])
 

@@ -31,6 +31,7 @@ from contextlib import contextmanager
 
 import torch
 
+from hybridkv.engine import compiled
 from hybridkv.engine.state_ops import l2norm
 
 CHUNK_TOKENS = 64
@@ -192,9 +193,13 @@ def delta_rule_chunked(
     rows: torch.Tensor,
     ks: list[int],
     chunk_tokens: int = CHUNK_TOKENS,
+    *,
+    fused: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The chunked form (module docstring); point p is the state after ``ks[p]`` tokens
-    of row ``rows[p]``. Inputs already `prepare`d."""
+    of row ``rows[p]``. Inputs already `prepare`d. ``fused``: the per-chunk elementwise
+    chains run through ``torch.compile`` (`engine.compiled`: opt-in, for reduced-
+    precision models only; float32 values then differ in the last bits)."""
     _, length, heads, _ = q.shape
     # [R, H, L, d] so that matmuls run per (row, head); contiguous once here, so every
     # chunk's slice is a strided view the batched matmuls take without a copy
@@ -206,20 +211,18 @@ def delta_rule_chunked(
     ks_t = torch.tensor(ks, dtype=torch.long)
     for p in (ks_t == 0).nonzero().flatten().tolist():
         captured[p] = state[rows[p]]
+    system_fn, out_fn, state_fn = _chunk_system, _chunk_out, _next_state
+    if fused:
+        system_fn = compiled.get("chunk_system", _chunk_system)
+        out_fn = compiled.get("chunk_out", _chunk_out)
+        state_fn = compiled.get("next_state", _next_state)
     for start in range(0, length, chunk_tokens):
         end = min(start + chunk_tokens, length)
         size = end - start
         qc, kc, vc = q[:, :, start:end], k[:, :, start:end], v[:, :, start:end]
-        bc = beta[:, :, start:end]
-        cum = g[:, :, start:end].cumsum(-1)  # [R, H, C]
-        ones = torch.ones(size, size, dtype=torch.bool, device=q.device)
-        incl = torch.tril(ones)
-        gap = cum[..., :, None] - cum[..., None, :]
-        decay = gap.masked_fill(~incl, float("-inf")).exp()  # D, zero above the diagonal
-        strict = decay.masked_fill(incl & ~torch.tril(ones, -1), 0.0)
-        system = bc[..., None] * (strict * (kc @ kc.transpose(-1, -2)))
-        system = system + torch.eye(size, dtype=q.dtype, device=q.device)
-        rhs = bc[..., None] * (vc - cum.exp()[..., None] * (kc @ state))
+        system, rhs, cum, decay = system_fn(
+            kc, vc, beta[:, :, start:end], g[:, :, start:end], state
+        )
         # Flattened to [R * H, C, C]: the batched solve is several times faster in 3-d.
         with one_thread():
             u = torch.linalg.solve_triangular(
@@ -228,18 +231,53 @@ def delta_rule_chunked(
                 upper=False,
                 unitriangular=True,
             ).view(rhs.shape)
-        out[:, :, start:end] = (
-            cum.exp()[..., None] * (qc @ state) + (decay * (qc @ kc.transpose(-1, -2))) @ u
-        )
+        out[:, :, start:end] = out_fn(qc, kc, state, cum, decay, u)
         in_chunk = ((ks_t > start) & (ks_t <= end)).nonzero().flatten()
         if in_chunk.numel():
             _capture(captured, in_chunk, rows, ks_t - start, state, cum, decay, kc, u)
         if end == length:  # the state after the grid is read only through captures
             break
-        last = size - 1
-        weights = decay[..., last, :, None] * u  # [R, H, C, dv]
-        state = cum[..., last].exp()[..., None, None] * state + kc.transpose(-1, -2) @ weights
+        state = state_fn(state, cum, decay, kc, u)
     return out.transpose(1, 2), captured
+
+
+def _chunk_system(
+    kc: torch.Tensor, vc: torch.Tensor, bc: torch.Tensor, gc: torch.Tensor, state: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One chunk's unit-lower system and right side (module doc), the cumulative gate
+    ``G`` ``[R, H, C]`` and the decay ``D`` (zero above the diagonal)."""
+    size = kc.shape[-2]
+    cum = gc.cumsum(-1)  # [R, H, C]
+    ones = torch.ones(size, size, dtype=torch.bool, device=kc.device)
+    incl = torch.tril(ones)
+    gap = cum[..., :, None] - cum[..., None, :]
+    decay = gap.masked_fill(~incl, float("-inf")).exp()  # D, zero above the diagonal
+    strict = decay.masked_fill(incl & ~torch.tril(ones, -1), 0.0)
+    system = bc[..., None] * (strict * (kc @ kc.transpose(-1, -2)))
+    system = system + torch.eye(size, dtype=kc.dtype, device=kc.device)
+    rhs = bc[..., None] * (vc - cum.exp()[..., None] * (kc @ state))
+    return system, rhs, cum, decay
+
+
+def _chunk_out(
+    qc: torch.Tensor,
+    kc: torch.Tensor,
+    state: torch.Tensor,
+    cum: torch.Tensor,
+    decay: torch.Tensor,
+    u: torch.Tensor,
+) -> torch.Tensor:
+    """``O = diag(exp G) Q S0 + (D o Q K^T)_incl U`` for one chunk."""
+    return cum.exp()[..., None] * (qc @ state) + (decay * (qc @ kc.transpose(-1, -2))) @ u
+
+
+def _next_state(
+    state: torch.Tensor, cum: torch.Tensor, decay: torch.Tensor, kc: torch.Tensor, u: torch.Tensor
+) -> torch.Tensor:
+    """The state after the whole chunk (`_capture`'s formula at its last token)."""
+    last = kc.shape[-2] - 1
+    weights = decay[..., last, :, None] * u  # [R, H, C, dv]
+    return cum[..., last].exp()[..., None, None] * state + kc.transpose(-1, -2) @ weights
 
 
 def _capture(

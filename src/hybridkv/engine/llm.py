@@ -31,6 +31,12 @@ stop it. Tokens a verify step accepted after the stop token are dropped.
 
 ``device`` ("cpu", "cuda", "cuda:1", a `torch.device`) holds the weights, the cache pools
 and every batch tensor; the Python side (scheduler, cache manager) stays on the host.
+
+``torch_compile=True`` (off by default) compiles the elementwise chains of bf16 / fp16
+prefill steps on the CPU (norms, the Gated DeltaNet output norm, the chunked delta
+rule's per-chunk algebra; `engine.compiled`), for the whole process. The first such
+step of each new shape compiles (seconds to a minute): warm up before timing. float32
+never takes those paths.
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ import torch
 
 from hybridkv.cache import CacheManager
 from hybridkv.cache.free_queue import DEFAULT_EVICTION_POLICY
+from hybridkv.engine import compiled
 from hybridkv.engine.block_tables import DeviceBlockTables
 from hybridkv.engine.llm_options import (
     DEFAULT_MAX_MODEL_LEN,
@@ -108,8 +115,11 @@ class LLM:
         cache_aware: bool = True,
         eviction_policy: str = DEFAULT_EVICTION_POLICY,
         checkpoint_rules: Sequence[str] | None = None,
+        torch_compile: bool = False,
         **plan_options: Any,
     ) -> None:
+        if torch_compile:  # process-wide, bf16 / fp16 prefill-sized steps only
+            compiled.enable()
         self.model_path = Path(model_path)
         self.device = resolve_device(device)
         cache_dtype = parse_dtype(dtype)

@@ -15,6 +15,7 @@ from typing import Any, Protocol, cast
 import torch
 import torch.nn.functional as F
 
+from hybridkv.engine import compiled
 from hybridkv.engine.context import ForwardBatch, LayerCache
 from hybridkv.engine.loader import Checkpoint
 from hybridkv.engine.packed_linear import linear
@@ -215,6 +216,8 @@ class CausalLM:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Llama-style RMSNorm: normalise in float32, cast back, then scale."""
+    if compiled.applies(x):  # opt-in, bf16 prefill only (`engine.compiled`)
+        return compiled.rms_norm(x, weight, eps)
     xf = x.float()
     normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * normed.to(x.dtype)
@@ -244,6 +247,8 @@ def bind_norm(
 
 def _rms_norm_scaled(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
     """`rms_norm_offset` with ``scale = 1 + weight`` (float32) given."""
+    if compiled.applies(x):  # opt-in, bf16 prefill only (`engine.compiled`)
+        return compiled.rms_norm_scaled(x, scale, eps)
     xf = x.float()
     normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return (normed * scale).to(x.dtype)

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from hybridkv.engine import delta_rule
+from hybridkv.engine import compiled, delta_rule
 from hybridkv.engine.context import ForwardBatch, LayerCache, StateCache
 from hybridkv.engine.loader import Checkpoint, cfg_get, cfg_require
 from hybridkv.engine.models.common import STATE, LayerDesc
@@ -274,7 +274,15 @@ class GatedDeltaNet:
                 )
             else:
                 out, states = delta_rule.delta_rule_chunked(
-                    q, k, v, g_grid, beta_grid, state, part.point_rows, list(part.point_k_host)
+                    q,
+                    k,
+                    v,
+                    g_grid,
+                    beta_grid,
+                    state,
+                    part.point_rows,
+                    list(part.point_k_host),
+                    fused=compiled.applies(mixed),  # opt-in, bf16 only (`engine.compiled`)
                 )
             grid.unpad_into(core, out)
             write_conv(cache.conv, part, history)
@@ -306,6 +314,8 @@ class GatedDeltaNet:
 
     def _gated_norm(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         """RMSNorm over each head (plain weight, no +1), then times silu(gate)."""
+        if compiled.applies(x):  # opt-in, bf16 prefill only (`engine.compiled`)
+            return compiled.gated_norm(x, gate, self.norm_weight, self.eps)
         xf = x.float()
         normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         out = normed.to(x.dtype)

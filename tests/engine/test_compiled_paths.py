@@ -1,0 +1,81 @@
+"""The opt-in compiled paths (`hybridkv.engine.compiled`): off by default, taken only by
+reduced-precision CPU steps of at least `MIN_TOKENS` rows, and (slow: they compile)
+equal to the eager forms within float32 / bf16 rounding."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from hybridkv.engine import compiled, delta_rule  # noqa: E402
+from hybridkv.engine.models.common import _rms_norm_scaled, rms_norm  # noqa: E402
+
+
+@pytest.fixture
+def switched_on():
+    was = compiled.enabled()
+    compiled.enable()
+    try:
+        yield
+    finally:
+        compiled.enable(was)
+
+
+def test_off_by_default_and_float32_never_applies(switched_on):
+    rows = compiled.MIN_TOKENS
+    assert compiled.applies(torch.zeros(rows, 8, dtype=torch.bfloat16))
+    assert not compiled.applies(torch.zeros(rows - 1, 8, dtype=torch.bfloat16))  # decode
+    assert not compiled.applies(torch.zeros(rows, 8))  # float32: the exactness contract
+    compiled.enable(False)
+    assert not compiled.applies(torch.zeros(rows, 8, dtype=torch.bfloat16))
+
+
+def test_the_default_process_has_it_off():
+    # Nothing in the default suite turns it on for good (the fixture restores it).
+    assert not compiled.enabled()
+
+
+@pytest.mark.slow
+def test_compiled_norms_match_eager(switched_on):
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(100, 64, generator=gen).to(torch.bfloat16)
+    weight = torch.randn(64, generator=gen)
+    scale = 1.0 + weight * 0.1
+    eager = (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6) * scale).to(
+        torch.bfloat16
+    )
+    torch.testing.assert_close(_rms_norm_scaled(x, scale, 1e-6), eager)
+    w16 = weight.to(torch.bfloat16)
+    compiled.enable(False)
+    want = rms_norm(x, w16, 1e-6)
+    compiled.enable()
+    torch.testing.assert_close(rms_norm(x, w16, 1e-6), want)
+    gate = torch.randn(100, 4, 16, generator=gen).to(torch.bfloat16)
+    heads = x.view(100, 4, 16)
+    got = compiled.gated_norm(heads, gate, w16[:16], 1e-6)
+    xf = heads.float()
+    normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(torch.bfloat16)
+    ref = ((w16[:16] * normed) * torch.nn.functional.silu(gate.float())).to(torch.bfloat16)
+    torch.testing.assert_close(got, ref, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.slow
+def test_fused_chunked_rule_matches_eager():
+    """``fused=True`` (compiled per-chunk algebra) against the eager chunked rule, on
+    two row counts and a ragged last chunk (the dynamic shapes the engine meets)."""
+    for rows, length in ((2, 150), (3, 70)):
+        gen = torch.Generator().manual_seed(rows)
+        q, k = (torch.randn(rows, length, 4, 16, generator=gen) for _ in range(2))
+        v = torch.randn(rows, length, 4, 8, generator=gen)
+        g, beta = (
+            -torch.rand(rows, length, 4, generator=gen),
+            torch.rand(rows, length, 4, generator=gen),
+        )
+        args = delta_rule.prepare(q, k, v, g, beta)
+        state = torch.randn(rows, 4, 16, 8, generator=gen) * 0.3
+        ks = [length] * rows
+        eager = delta_rule.delta_rule_chunked(*args, state, torch.arange(rows), ks)
+        fused = delta_rule.delta_rule_chunked(*args, state, torch.arange(rows), ks, fused=True)
+        for a, b in zip(fused, eager, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
