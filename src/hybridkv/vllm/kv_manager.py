@@ -254,6 +254,8 @@ class VllmKVCacheManager:
                 f"at {num_new_computed_tokens}"
             )
         self._steps[req_id] = _Step(c, num_new, self._step_id)
+        if started and not delta and self.rows.same_columns(req_id, c + num_new_tokens):
+            return self.empty_kv_cache_blocks  # the common decode step: nothing moved
         slots = {g: self.cache.state_slots(req_id, g) for g in self.state_group_ids}
         rows = self.rows.step(req_id, delta, slots, num_new_tokens)
         self._copies.extend(rows.copies)

@@ -72,6 +72,19 @@ class WorkerRows:
         found = self.requests.get(req_id)
         return [[] for _ in self.state_block_sizes] if found is None else found.rows
 
+    def same_columns(self, req_id: str, end_tokens: int) -> bool:
+        """Whether a step ending at ``end_tokens`` keeps every state group in the column
+        the worker used last (then a step that took no block changes no row: inside a
+        checkpoint interval the running state is private and updated in place)."""
+        record = self.requests.get(req_id)
+        if record is None:
+            return False
+        for gid, col in record.state_cols.items():
+            B = self.state_block_sizes[gid]
+            if B is not None and self.align and -(-end_tokens // B) - 1 != col:
+                return False
+        return True
+
     def step(
         self,
         req_id: str,
