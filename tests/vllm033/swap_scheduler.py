@@ -1,0 +1,162 @@
+"""A pytest plugin that runs vLLM 0.33's own scheduler tests with `hybridkv.vllm.Scheduler`
+in the place of vLLM's scheduler (``scripts/run_vllm_scheduler_tests.sh`` drives it).
+
+No vLLM test code lives here: vLLM's test files are downloaded from its source release
+and run unchanged. The plugin only
+
+* replaces the name ``Scheduler`` (and ``AsyncScheduler``: hybridkv's scheduler turns
+  async scheduling off) in vLLM's test helper module ``tests.v1.core.utils``, whose
+  ``create_scheduler`` builds the scheduler of almost every test, and in the test module
+  itself (a few tests build ``Scheduler(...)`` directly), when ``HYBRIDKV_SWAP=1``;
+* records, per test, its outcome, whether a hybridkv scheduler was built, and the last
+  line of the failure, as JSON lines in ``HYBRIDKV_SWAP_LOG`` (the summary reads them).
+
+``python swap_scheduler.py hub DIR`` writes the Hugging Face hub cache the tests' model
+names resolve to offline (config.json only, from transformers' config classes, whose
+defaults are those checkpoints' geometry): the tests read configs, never weights.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+SWAP = os.environ.get("HYBRIDKV_SWAP", "0") == "1"
+LOG_PATH = os.environ.get("HYBRIDKV_SWAP_LOG", "")
+# vLLM's test modules whose ``Scheduler`` name is replaced
+PATCHED_MODULES = ("tests.v1.core.utils", "tests.v1.core.test_scheduler")
+
+_built: list[str] = []  # qualified class names of the schedulers built in the current test
+
+
+def _counting(cls: type) -> type:
+    """``cls`` with a constructor that records each scheduler it builds."""
+    init = cls.__init__
+
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        _built.append(f"{type(self).__module__}.{type(self).__qualname__}")
+        init(self, *args, **kwargs)
+
+    cls.__init__ = __init__  # type: ignore[method-assign]
+    return cls
+
+
+@pytest.fixture(autouse=True)
+def _hybridkv_scheduler(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    _built.clear()
+    if SWAP:
+        from hybridkv.vllm import Scheduler
+
+        for name in PATCHED_MODULES:
+            module = sys.modules.get(name)
+            if module is None:
+                continue
+            for attr in ("Scheduler", "AsyncScheduler"):
+                if hasattr(module, attr):
+                    monkeypatch.setattr(module, attr, Scheduler)
+    yield
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    from vllm.v1.core.sched.scheduler import Scheduler as VllmScheduler
+
+    _counting(VllmScheduler)  # hybridkv's subclass calls it too
+
+
+def _failure_line(report: pytest.TestReport) -> str:
+    crash = getattr(report.longrepr, "reprcrash", None)
+    if crash is not None:
+        return str(crash.message).splitlines()[0][:300] if crash.message else ""
+    return str(report.longrepr).splitlines()[-1][:300] if report.longrepr else ""
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if not LOG_PATH:
+        return
+    if report.when == "call" or (report.when == "setup" and report.outcome != "passed"):
+        outcome = report.outcome
+        if report.when == "setup" and outcome == "failed":
+            outcome = "error"
+        record = {
+            "test": report.nodeid.split("::", 1)[-1],
+            "outcome": outcome,
+            "hybridkv": any(name.startswith("hybridkv.") for name in _built),
+            "schedulers": len(_built),
+            "error": _failure_line(report) if outcome in ("failed", "error") else "",
+        }
+        with open(LOG_PATH, "a") as log:
+            log.write(json.dumps(record) + "\n")
+
+
+# ---------------------------------------------------------------------- offline hub
+HUB_MODELS = {
+    # model name in vLLM's tests -> transformers config class with that geometry
+    "facebook/opt-125m": ("OPTConfig", "OPTForCausalLM"),
+    "Qwen/Qwen3-Next-80B-A3B-Instruct": ("Qwen3NextConfig", "Qwen3NextForCausalLM"),
+    "llava-hf/llava-1.5-7b-hf": ("LlavaConfig", "LlavaForConditionalGeneration"),
+}
+REVISION = "0" * 40
+
+
+def write_hub(cache_dir: Path) -> None:
+    """config.json of each model in ``HUB_MODELS`` in a hub cache at ``cache_dir``."""
+    import transformers
+
+    for name, (config_cls, arch) in HUB_MODELS.items():
+        repo = cache_dir / ("models--" + name.replace("/", "--"))
+        snapshot = repo / "snapshots" / REVISION
+        snapshot.mkdir(parents=True, exist_ok=True)
+        (repo / "refs").mkdir(exist_ok=True)
+        (repo / "refs" / "main").write_text(REVISION)
+        config = getattr(transformers, config_cls)(architectures=[arch])
+        config.save_pretrained(snapshot)
+
+
+# ---------------------------------------------------------------------- summary
+def _load(path: Path) -> dict[str, dict[str, Any]]:
+    if not path.exists():
+        return {}
+    return {r["test"]: r for r in map(json.loads, path.read_text().splitlines())}
+
+
+def summarize(stock_log: Path, swapped_log: Path) -> str:
+    """The swapped run against the stock run, test by test: counts, then every test
+    that passes on vLLM's scheduler and not on hybridkv's, grouped by its failure."""
+    stock, swapped = _load(stock_log), _load(swapped_log)
+    counts: dict[str, int] = {}
+    regressions: dict[str, list[str]] = {}
+    for test, rec in swapped.items():
+        base = stock.get(test, {}).get("outcome", "not run")
+        ours = rec["outcome"]
+        if base != "passed" and stock:
+            key = f"stock {base} (environment or vLLM), hybridkv {ours}"
+        elif ours == "passed":
+            key = "passed" + ("" if rec["hybridkv"] else " (no hybridkv scheduler built)")
+        else:
+            key = f"{ours} with hybridkv" + ("" if rec["hybridkv"] else " (not built)")
+            regressions.setdefault(rec["error"] or ours, []).append(test)
+        counts[key] = counts.get(key, 0) + 1
+    lines = [f"{len(swapped)} tests with hybridkv.vllm.Scheduler swapped in", ""]
+    lines += [f"  {n:4d}  {key}" for key, n in sorted(counts.items(), key=lambda kv: -kv[1])]
+    lines += ["", "Failures on hybridkv's scheduler that pass on vLLM's, by error:"]
+    for error, tests in sorted(regressions.items(), key=lambda kv: -len(kv[1])):
+        lines.append(f"- [{len(tests)}] {error}")
+        lines += [f"      {t}" for t in sorted(tests)]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "hub":
+        write_hub(Path(sys.argv[2]))
+    elif len(sys.argv) == 4 and sys.argv[1] == "summary":
+        print(summarize(Path(sys.argv[2]), Path(sys.argv[3])))
+    else:
+        raise SystemExit(
+            "usage: python swap_scheduler.py hub DIR | summary STOCK.jsonl SWAPPED.jsonl"
+        )
