@@ -35,3 +35,24 @@ for plugin in (False, True):
         log = proc.kv_log()
         print("plugin" if plugin else "stock", log, "tokens", [len(o) for o in out["outputs"]])
 PYEOF
+# hybridkv's cache manager behind vLLM's scheduler (docs/vllm_scheduler.md) on CUDA: the
+# tiny Qwen3-Next hybrid (no draft: drafts on state-layer models are refused), multi-turn
+# chat, stock vs --scheduler-cls hybridkv.vllm.Scheduler, hits per turn and the scheduler
+# check after the run.
+timeout 900 "$PY" - "$work" <<'PYEOF'
+import sys
+from pathlib import Path
+
+from hybridkv.vllm.engine_process import EngineProcess
+from hybridkv.vllm.tiny_models import write_tiny_qwen3_next
+
+model = write_tiny_qwen3_next(Path(sys.argv[1]) / "tiny_qwen3_next")
+base = {"model": str(model), "max_model_len": 2048, "in_process": True, "enforce_eager": True}
+chat = {"op": "chat", "sessions": 8, "turns": 3, "first_tokens": 300, "user_tokens": 30,
+        "max_tokens": 24, "seed": 3}
+for extra in ({}, {"scheduler_cls": "hybridkv.vllm.Scheduler"}):
+    with EngineProcess(sys.executable, {**base, **extra}, plugin=True) as proc:
+        turns = proc.call(chat)["turns"]
+        print(extra or "stock", [(t["hit_tokens"], t["bound_tokens"]) for t in turns],
+              proc.call({"op": "sched"}))
+PYEOF
