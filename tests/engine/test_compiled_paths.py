@@ -79,3 +79,34 @@ def test_fused_chunked_rule_matches_eager():
         fused = delta_rule.delta_rule_chunked(*args, state, torch.arange(rows), ks, fused=True)
         for a, b in zip(fused, eager, strict=True):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_fused_prefill_prep_matches_eager():
+    """The compiled conv + silu and the one-pass q / k preparation against the eager
+    forms (bf16 inputs, float32 outputs within bf16 input rounding)."""
+    from hybridkv.engine.state_batched import causal_conv_grid
+
+    gen = torch.Generator().manual_seed(5)
+    for rows, length in ((2, 70), (3, 100)):
+        x = torch.randn(rows, length, 12, generator=gen).to(torch.bfloat16)
+        state = torch.randn(rows, 12, 3, generator=gen).to(torch.bfloat16)
+        weight = torch.randn(12, 4, generator=gen).to(torch.bfloat16)
+        out, history = causal_conv_grid(x, state, weight, None)
+        fused, fused_history = causal_conv_grid(x, state, weight, None, silu=True)
+        assert torch.equal(fused_history, history)
+        torch.testing.assert_close(fused, torch.nn.functional.silu(out), rtol=2e-2, atol=2e-2)
+        q, k = (
+            torch.randn(rows, length, 2, 16, generator=gen).to(torch.bfloat16) for _ in range(2)
+        )
+        v = torch.randn(rows, length, 4, 8, generator=gen).to(torch.bfloat16)
+        g, beta = (
+            -torch.rand(rows, length, 4, generator=gen),
+            torch.rand(rows, length, 4, generator=gen),
+        )
+        want = delta_rule.prepare_grouped(q, k, v, g, beta, 2, heads_major=True)
+        got = delta_rule.prepare_grouped(q, k, v, g, beta, 2, heads_major=True, fused=True)
+        for a, b in zip(got, want, strict=True):
+            assert a.shape == b.shape and a.dtype == b.dtype
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        assert all(x.transpose(1, 2).is_contiguous() for x in got[:3])  # no copy in the rule

@@ -1,6 +1,7 @@
 """Opt-in ``torch.compile`` of the elementwise chains of reduced-precision prefill steps:
-the rms norms, the Gated DeltaNet output norm with its gate, and the chunked delta rule's
-per-chunk algebra (`delta_rule.delta_rule_chunked` with ``fused=True``: the system, the
+the rms norms, the Gated DeltaNet output norm with its gate, its causal conv with the silu
+after it, the l2 norm of q and k with their repeat to value heads, and the chunked delta
+rule's per-chunk algebra (`delta_rule.delta_rule_chunked` with ``fused=True``: the system, the
 outputs and the state update around the triangular solve, which stays eager on one
 thread).
 
@@ -101,3 +102,31 @@ def gated_norm(
 ) -> torch.Tensor:
     """The Gated DeltaNet output norm (per head, plain weight) times ``silu(gate)``."""
     return get("gated_norm", _gated_norm)(x, gate, weight, eps)  # type: ignore[no-any-return]
+
+
+def _l2norm_heads_major(x: torch.Tensor, ratio: int, scale: float) -> torch.Tensor:
+    rows, length, heads, dim = x.shape
+    xf = x.float()
+    normed = xf * torch.rsqrt((xf * xf).sum(dim=-1, keepdim=True) + 1e-6) * scale
+    repeated = normed.permute(0, 2, 1, 3)[:, :, None].expand(rows, heads, ratio, length, dim)
+    return repeated.reshape(rows, heads * ratio, length, dim)
+
+
+def l2norm_heads_major(x: torch.Tensor, ratio: int, scale: float) -> torch.Tensor:
+    """`delta_rule.prepare_grouped`'s q / k for the chunked rule in one pass: float32,
+    l2-normalised per head vector (``eps`` 1e-6, as `state_ops.l2norm`), times
+    ``scale``, each head repeated ``ratio`` times, stored ``[R, H * ratio, L, d]``."""
+    return get("l2norm_heads_major", _l2norm_heads_major)(x, ratio, scale)  # type: ignore[no-any-return]
+
+
+def _conv_silu(history: torch.Tensor, taps: torch.Tensor, first: int, length: int) -> torch.Tensor:
+    out = history[:, first : first + length] * taps[:, 0]
+    for j in range(1, taps.shape[-1]):
+        out = out + history[:, first + j : first + j + length] * taps[:, j]
+    return F.silu(out)
+
+
+def conv_silu(history: torch.Tensor, taps: torch.Tensor, first: int, length: int) -> torch.Tensor:
+    """`state_batched.causal_conv_grid`'s taps over the channels-last ``history [R, rows
+    + L, C]`` and the silu after them, in one pass."""
+    return get("conv_silu", _conv_silu)(history, taps, first, length)  # type: ignore[no-any-return]

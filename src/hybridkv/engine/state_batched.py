@@ -25,7 +25,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
+from hybridkv.engine import compiled
 from hybridkv.engine.context import ForwardBatch
 from hybridkv.engine.varlen import Padded, padded_for, split_by_length
 from hybridkv.errors import EngineError
@@ -225,7 +227,12 @@ def gather_state(buffer: torch.Tensor, part: StatePart) -> torch.Tensor:
 
 
 def causal_conv_grid(
-    x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    x: torch.Tensor,
+    state: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    *,
+    silu: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Depthwise causal conv of ``x [R, L, C]`` continuing from ``state [R, C, rows]``.
 
@@ -239,6 +246,9 @@ def causal_conv_grid(
     tap order for prefill and decode. Measured for ``[32, 256, 1024]``, kernel 4, one
     thread: 29 ms (history) + 45 ms (taps), against 58 + 93 ms for a channels-first
     history and `F.conv1d` (oneDNN depthwise), with equal values on that input.
+
+    ``silu`` (no bias; `engine.compiled`, opt-in, reduced precision only): the taps and
+    the silu after them run as one compiled pass, and the output is after the silu.
     """
     kernel = weight.shape[-1]
     rows = state.shape[-1]
@@ -248,11 +258,15 @@ def causal_conv_grid(
     history = torch.cat([state.to(x.dtype).transpose(1, 2), x], dim=1)  # [R, rows + L, C]
     taps = weight.to(x.dtype)
     first = rows - (kernel - 1)  # the oldest column the first output reads
+    if silu and bias is None:
+        return compiled.conv_silu(history, taps, first, length), history.transpose(1, 2)
     out = history[:, first : first + length] * taps[:, 0]
     for j in range(1, kernel):
         out.addcmul_(history[:, first + j : first + j + length], taps[:, j])
     if bias is not None:
         out.add_(bias.to(x.dtype))
+    if silu:
+        F.silu(out, inplace=True)
     return out, history.transpose(1, 2)
 
 

@@ -223,14 +223,17 @@ class GatedDeltaNet:
             conv_views = ssm_views = None
             if grid.max_len == 1:
                 conv_views, ssm_views = slot_views(cache.conv, part), slot_views(cache.ssm, part)
+            fused = compiled.applies(mixed) and grid.max_len > SHORT_MAX_TOKENS  # opt-in
             conv_out, history = causal_conv_grid(
                 grid.pad(mixed),
                 gather_state(cache.conv, part) if conv_views is None else read_views(conv_views),
                 self.conv_weight,
                 None,
+                silu=fused,
             )
-            # in place: `causal_conv_grid` returns a fresh buffer (same values as silu)
-            q, k, v = self._split_heads(F.silu(conv_out, inplace=True), repeat=False)
+            if not fused:  # in place: a fresh buffer (same values as silu)
+                F.silu(conv_out, inplace=True)
+            q, k, v = self._split_heads(conv_out, repeat=False)
             q, k, v, g_grid, beta_grid = delta_rule.prepare_grouped(
                 q,
                 k,
@@ -239,6 +242,7 @@ class GatedDeltaNet:
                 grid.pad(beta),
                 ratio,
                 heads_major=grid.max_len > SHORT_MAX_TOKENS,
+                fused=fused,
             )
             if conv_views is not None and ssm_views is not None and part.slot_runs is not None:
                 outs = [
@@ -282,7 +286,7 @@ class GatedDeltaNet:
                     state,
                     part.point_rows,
                     list(part.point_k_host),
-                    fused=compiled.applies(mixed),  # opt-in, bf16 only (`engine.compiled`)
+                    fused=fused,
                 )
             grid.unpad_into(core, out)
             write_conv(cache.conv, part, history)
