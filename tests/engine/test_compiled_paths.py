@@ -110,3 +110,23 @@ def test_fused_prefill_prep_matches_eager():
             assert a.shape == b.shape and a.dtype == b.dtype
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
         assert all(x.transpose(1, 2).is_contiguous() for x in got[:3])  # no copy in the rule
+
+
+@pytest.mark.slow
+def test_compiled_decode_step_matches_eager_kernel(switched_on):
+    """`compiled.delta_step` after `delta_rule.decay_into` against the eager decode
+    kernel on the same bf16 slots (outputs and new states to float32 rounding)."""
+    gen = torch.Generator().manual_seed(9)
+    rows, heads = 9, 4
+    buffer = torch.randn(40, heads, 8, 16, generator=gen).to(torch.bfloat16)
+    view = buffer[1 : 1 + 3 * rows : 3]
+    assert compiled.decode_applies(view) and not compiled.decode_applies(view[:2])
+    q, k = (torch.randn(rows, 1, heads, 16, generator=gen) for _ in range(2))
+    v = torch.randn(rows, 1, heads, 8, generator=gen)
+    g, beta = -torch.rand(rows, 1, heads, generator=gen), torch.rand(rows, 1, heads, generator=gen)
+    stored = view.float()
+    want = delta_rule.delta_rule_decode_(q, k, v, g, beta, stored)
+    decayed = delta_rule.decay_into(torch.empty(stored.shape), view, g)
+    got, new = compiled.delta_step(decayed, q, k, v, beta)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(new, stored, rtol=1e-5, atol=1e-5)

@@ -30,6 +30,9 @@ import torch
 import torch.nn.functional as F
 
 MIN_TOKENS = 64
+# The Gated DeltaNet decode update (`delta_step`) is compiled from this many rows on: at
+# 8-32 rows its ~7 passes over ``[R, H, dv, dk]`` float32 states cost more than the call.
+MIN_DECODE_ROWS = 8
 REDUCED_DTYPES = (torch.bfloat16, torch.float16)
 
 _enabled = False
@@ -130,3 +133,34 @@ def conv_silu(history: torch.Tensor, taps: torch.Tensor, first: int, length: int
     """`state_batched.causal_conv_grid`'s taps over the channels-last ``history [R, rows
     + L, C]`` and the silu after them, in one pass."""
     return get("conv_silu", _conv_silu)(history, taps, first, length)  # type: ignore[no-any-return]
+
+
+def decode_applies(state: torch.Tensor) -> bool:
+    """Whether a decode run over ``state [R, H, dv, dk]`` (the stored bf16 / fp16 slots)
+    takes `delta_step`: switched on, reduced precision, CPU, `MIN_DECODE_ROWS` rows."""
+    return (
+        _enabled
+        and state.dtype in REDUCED_DTYPES
+        and state.device.type == "cpu"
+        and state.shape[0] >= MIN_DECODE_ROWS
+    )
+
+
+def _delta_step(
+    decayed: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    s = decayed.transpose(-1, -2)  # [R, H, dk, dv]
+    k_col, q_col = k[:, 0, :, :, None], q[:, 0, :, :, None]
+    predicted = (s * k_col).sum(dim=-2)
+    delta = (v[:, 0] - predicted) * beta[:, 0, :, None]
+    new = s + k_col * delta[:, :, None, :]
+    return (new * q_col).sum(dim=-2)[:, None], new.transpose(-1, -2)
+
+
+def delta_step(
+    decayed: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`delta_rule.delta_rule_decode_` after its decay (``decayed [R, H, dv, dk]``
+    float32, `delta_rule.decay_into`), compiled: returns ``o [R, 1, H, dv]`` and the
+    new state ``[R, H, dv, dk]`` (not in place: the caller casts it into the slots)."""
+    return get("delta_step", _delta_step)(decayed, q, k, v, beta)  # type: ignore[no-any-return]

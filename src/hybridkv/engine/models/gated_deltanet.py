@@ -357,6 +357,10 @@ def _decode_run(
         else batch.scratch.take("delta_rule_state", shape, torch.float32, view.device)
     )
     delta_rule.decay_into(stored, view, g)
+    if compiled.decode_applies(view):  # opt-in (`engine.compiled`)
+        out, new = compiled.delta_step(stored, q, k, v, beta)
+        view.copy_(new)
+        return out
     out = delta_rule.delta_rule_decode_(
         q, k, v, g, beta, stored, _work(batch, stored), decayed=True
     )
