@@ -34,8 +34,8 @@ before torch loads, so for both sides alike) keeps such runs comparable
 from __future__ import annotations
 
 import argparse
-import random
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -51,10 +51,15 @@ from rich.table import Table
 
 from hybridkv.engine import LLM
 
-PROMPT_TOKENS = 256
-SHARED_PREFIX_TOKENS = 224
-NEW_TOKENS = 64
-VOCAB = 4096
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+# The same prompts as bench/engine_vs_vllm.py (one definition of the cases)
+from engine_vs_vllm import (
+    NEW_TOKENS,
+    PROMPT_TOKENS,
+    VOCAB,
+    make_prompts,
+)
+
 T = TypeVar("T")
 
 
@@ -84,16 +89,6 @@ def build_model(folder: Path, seed: int = 0) -> torch.nn.Module:
     model.generation_config.pad_token_id = 0
     model.save_pretrained(folder)
     return model
-
-
-def make_prompts(case: str, seed: int = 1) -> list[list[int]]:
-    rng = random.Random(seed)
-    if case.startswith("shared"):
-        n = int(case.removeprefix("shared"))
-        prefix = [rng.randrange(1, VOCAB) for _ in range(SHARED_PREFIX_TOKENS)]
-        tail = PROMPT_TOKENS - SHARED_PREFIX_TOKENS
-        return [prefix + [rng.randrange(1, VOCAB) for _ in range(tail)] for _ in range(n)]
-    return [[rng.randrange(1, VOCAB) for _ in range(PROMPT_TOKENS)] for _ in range(int(case))]
 
 
 def run_hf(model: torch.nn.Module, prompts: Sequence[Sequence[int]]) -> list[list[int]]:
