@@ -76,6 +76,10 @@ class BlockPool:
         self.num_takeovers = 0
         # junction copies: cached full blocks by parent hash (`cache.junction`)
         self.children: ChildIndex | None = None
+        # While the coordinator serves one request's call (lookup, commit, turn-end
+        # keep), token spans as bytes by (start, end, kind), shared by the groups that
+        # ask for the same span (`junction.span_bytes`); None outside such a call
+        self.spans: dict[tuple[int, int, int], bytes] | None = None
 
     # ------------------------------------------------------------------ queries
     @property

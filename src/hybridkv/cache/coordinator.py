@@ -103,30 +103,83 @@ class Coordinator:
         lookup's ``found`` stays valid while this does not change."""
         return sum(pool.num_evictions + pool.num_takeovers for pool in self.pools)
 
+    def _spans_on(self) -> bool:
+        """Open every pool's span cache (`junction.span_bytes`) for one request's call
+        in which several groups may build the same token spans (callers ask only with
+        several groups and the turn_end rule, which the junction rule needs); False
+        when a call this one is part of opened it already. The caller closes it
+        (`_spans_off`) when done."""
+        if self.pools[0].spans is not None:
+            return False
+        for pool in self.pools:
+            pool.spans = {}
+        return True
+
+    def _spans_off(self) -> None:
+        for pool in self.pools:
+            pool.spans = None
+
     def find_hit(
         self,
         hashes: Sequence[bytes],
         tokens: Sequence[int],
         limit: int,
         found: list[dict[int, BlockId]],
+        answers: dict[tuple[int, int], int] | None = None,
     ) -> int:
         """Longest prefix (<= ``limit`` tokens) every group can serve; ``found[g]``
-        collects the cached blocks group ``g`` saw."""
+        collects the cached blocks group ``g`` saw; ``answers`` (if given) collects
+        each ``(group, limit) -> max_hit`` asked (for `attention_match`)."""
         if not self.caching or limit <= 0:
             return 0
         managers = self.managers
         num = len(managers)
         agreed = g = 0
-        while agreed < num:
-            new_limit = managers[g].max_hit(hashes, tokens, limit, found[g])
-            if new_limit == 0:
-                return 0
-            if new_limit < limit:
-                limit, agreed = new_limit, 1  # this group agrees with its own answer
-            else:
-                agreed += 1
-            g = g + 1 if g + 1 < num else 0
+        opened = num > 1 and self.turn_end and self._spans_on()
+        try:
+            while agreed < num:
+                new_limit = managers[g].max_hit(hashes, tokens, limit, found[g])
+                if answers is not None:
+                    answers[(g, limit)] = new_limit
+                if new_limit == 0:
+                    return 0
+                if new_limit < limit:
+                    limit, agreed = new_limit, 1  # this group agrees with its own answer
+                else:
+                    agreed += 1
+                g = g + 1 if g + 1 < num else 0
+        finally:
+            if opened:
+                self._spans_off()
         return limit
+
+    def attention_match(
+        self,
+        hashes: Sequence[bytes],
+        tokens: Sequence[int],
+        limit: int,
+        found: list[dict[int, BlockId]],
+        answers: dict[tuple[int, int], int],
+    ) -> int:
+        """Longest prefix every non-state group holds (one pass, no state clamp): the
+        junction rule's checkpoint. ``found`` and ``answers``: `find_hit`'s, of the same
+        lookup. Within a lookup nothing changes the cache, so a group's `max_hit` at a
+        limit it was asked already answers the same (and a repeat would have no effect:
+        the blocks it records are the same, and a ghost it misses is gone already):
+        ``answers`` serves it, and only the limits `find_hit` never asked cost a scan."""
+        match = limit
+        opened = len(self.managers) > 1 and self.turn_end and self._spans_on()
+        try:
+            for g, manager in enumerate(self.managers):
+                if not manager.is_state:
+                    known = answers.get((g, match))
+                    if known is None:
+                        known = manager.max_hit(hashes, tokens, match, found[g])
+                    match = known
+        finally:
+            if opened:
+                self._spans_off()
+        return match
 
     def hit_states(
         self,
@@ -247,13 +300,22 @@ class Coordinator:
         nothing to do. Returns ``nulled`` extended with the table positions that became
         the null block (merged per group: released positions are contiguous)."""
         managers = self.managers
-        for g in range(len(managers)) if groups is None else groups:
-            span = managers[g].commit(states[g], c, n, lookahead, accepted, hashes, tokens)
-            if span is not None:
-                if nulled is None:
-                    nulled = {}
-                old = nulled.get(g)
-                nulled[g] = span if old is None else (min(old[0], span[0]), max(old[1], span[1]))
+        todo = range(len(managers)) if groups is None else groups
+        # the groups that cache one block build its bytes once
+        opened = len(todo) > 1 and self.turn_end and self._spans_on()
+        try:
+            for g in todo:
+                span = managers[g].commit(states[g], c, n, lookahead, accepted, hashes, tokens)
+                if span is not None:
+                    if nulled is None:
+                        nulled = {}
+                    old = nulled.get(g)
+                    nulled[g] = (
+                        span if old is None else (min(old[0], span[0]), max(old[1], span[1]))
+                    )
+        finally:
+            if opened:
+                self._spans_off()
         return nulled
 
     def keep_turn_ends(
@@ -261,8 +323,14 @@ class Coordinator:
     ) -> None:
         """turn_end rule: every group caches what holds its data at ``c`` (the request's
         settled computed tokens) before `release_all` (see `cache.turn_end`)."""
-        for manager, state in zip(self.managers, states, strict=True):
-            manager.keep_turn_end(state, c, hashes, tokens)
+        # one key per span, not one per group
+        opened = len(self.managers) > 1 and self.turn_end and self._spans_on()
+        try:
+            for manager, state in zip(self.managers, states, strict=True):
+                manager.keep_turn_end(state, c, hashes, tokens)
+        finally:
+            if opened:
+                self._spans_off()
 
     def release_all(self, states: list[Any]) -> None:
         # Groups in reverse so that, in a shared pool, the first group's blocks are

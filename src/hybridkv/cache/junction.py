@@ -130,6 +130,24 @@ def token_bytes(tokens: Sequence[int], start: int, end: int) -> bytes:
     return (span if isinstance(span, array) else array("q", span)).tobytes()
 
 
+# `span_bytes` kinds: a bare span (a junction payload or prompt span); a turn-end key
+# (`turn_end._key`), keyed ahead or not
+SPAN = -1
+
+
+def span_bytes(pool: BlockPool, tokens: Sequence[int], start: int, end: int) -> bytes:
+    """`token_bytes`, shared through ``pool.spans`` while the coordinator serves one
+    request's call (``tokens`` is then that request's, unchanged during the call), so
+    that the groups asking for one span build it once."""
+    spans = pool.spans
+    if spans is None:
+        return token_bytes(tokens, start, end)
+    out = spans.get((start, end, SPAN))
+    if out is None:
+        out = spans[(start, end, SPAN)] = token_bytes(tokens, start, end)
+    return out
+
+
 def note_children(
     manager: GroupManager,
     blocks: Sequence[BlockId],
@@ -139,19 +157,38 @@ def note_children(
     tokens: Sequence[int],
 ) -> None:
     """Index ``blocks[j]``, j in ``[max(first, 1), last)``, that this commit cached
-    (block ``j`` under the chain hash at ``j * B``)."""
+    (block ``j`` under the chain hash at ``j * B``): `ChildIndex.add` for each, in one
+    loop (a prefill chunk indexes every block it filled)."""
     children = manager.pool.children
     if children is None or manager.key_ahead:
+        return
+    lo = max(first, 1)
+    if lo >= last:
         return
     B = manager.block_size
     step = B // manager.unit_tokens
     own, group = manager.pool.hashes, manager.group_id
-    for j in range(max(first, 1), last):
+    by_parent, parent_of = children.by_parent, children.parent_of
+    # the chunk's tokens as bytes once (shared by the groups of this call, `span_bytes`);
+    # each payload is then one bytes slice
+    data = span_bytes(manager.pool, tokens, lo * B, last * B)
+    width = 8 * B
+    for j in range(lo, last):
         block = blocks[j]
-        if own.get(block) == hashes[(j + 1) * step - 1] and block not in children.parent_of:
-            children.add(
-                group, hashes[j * step - 1], block, token_bytes(tokens, j * B, (j + 1) * B)
-            )
+        if own.get(block) == hashes[(j + 1) * step - 1] and block not in parent_of:
+            offset = (j - lo) * width
+            payload = data[offset : offset + width]
+            parent = (group, hashes[j * step - 1])
+            kids = by_parent.get(parent)
+            if kids is None:
+                by_parent[parent] = {block: payload}
+            else:
+                kids[block] = payload
+                if len(kids) > MAX_CHILDREN_PER_PARENT:  # as `ChildIndex.add`
+                    oldest = next(iter(kids))
+                    del kids[oldest]
+                    del parent_of[oldest]
+            parent_of[block] = parent
 
 
 def _common_prefix(a: bytes, b: bytes) -> int:
@@ -195,7 +232,7 @@ def find_partial(
         return None
     # The common prefix of the span up to ``limit`` with a payload is that of the whole
     # span, capped at ``room``: the memo holds the whole span's (shared by every limit)
-    want = token_bytes(tokens, anchor, span_end)
+    want = span_bytes(manager.pool, tokens, anchor, span_end)
     memo = children.memo
     if want != children.memo_want or len(memo) > _MEMO_PAYLOADS:
         children.memo_want = want

@@ -172,13 +172,17 @@ class CacheManager(StepPaths):
             self._ensure_hashes(r, len(r.tokens))
             coordinator = self.coordinator
             found: list[dict[int, BlockId]] = [{} for _ in self._managers]
-            hit = coordinator.find_hit(r.hashes, r.tokens, len(r.tokens) - 1, found)
+            answers: dict[tuple[int, int], int] = {}  # (group, limit) -> max_hit
+            limit = len(r.tokens) - 1
+            hit = coordinator.find_hit(r.hashes, r.tokens, limit, found, answers)
             if hit:
                 states = coordinator.hit_states(r.hashes, r.tokens, hit, found)
                 if states is not None:
                     r.pending_states = (coordinator.num_evictions(), states)
-            if self._junction:
-                self._junctions[req_id] = self._attention_match(r, len(r.tokens) - 1, found)
+            if self._junction:  # where the prompt leaves the cached attention chains
+                self._junctions[req_id] = coordinator.attention_match(
+                    r.hashes, r.tokens, limit, found, answers
+                )
         r.pending_hit = hit
         return hit
 
@@ -233,15 +237,3 @@ class CacheManager(StepPaths):
         r.nulled = None
         r.num_computed = 0
         r.clear_limits()
-
-    def _attention_match(
-        self, r: RequestRecord, limit: int, found: list[dict[int, BlockId]]
-    ) -> int:
-        """Longest prefix every non-state group holds (one pass, no state clamp): where
-        the prompt leaves the cached chains, the junction rule's checkpoint. ``found``:
-        the lookup's blocks per group (reused, extended)."""
-        match = limit
-        for g, manager in enumerate(self._managers):
-            if not manager.is_state:
-                match = manager.max_hit(r.hashes, r.tokens, match, found[g])
-        return match

@@ -47,10 +47,10 @@ kept (that would need a copy of the block being written).
 
 from __future__ import annotations
 
-from array import array
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from hybridkv.cache.junction import token_bytes
 from hybridkv.errors import InvariantError
 from hybridkv.ids import BlockId
 
@@ -129,11 +129,17 @@ class PartialIndex:
 def _key(
     manager: GroupManager, anchor: bytes, tokens: Sequence[int], start: int, end: int
 ) -> bytes:
-    span = tokens[start:end]
-    payload = (span if isinstance(span, array) else array("q", span)).tobytes()
-    key = _TAG + anchor + payload
-    if manager.key_ahead:
+    ahead = 1 if manager.key_ahead else 0
+    spans = manager.pool.spans  # one build per call of the coordinator (`span_bytes`)
+    if spans is not None:
+        key = spans.get((start, end, ahead))
+        if key is not None:
+            return key
+    key = _TAG + anchor + token_bytes(tokens, start, end)
+    if ahead:
         key += int(tokens[end]).to_bytes(8, "little", signed=True)
+    if spans is not None:
+        spans[(start, end, ahead)] = key
     return key
 
 
@@ -157,12 +163,11 @@ def find_turn_end(
     whose tokens prefix ``tokens[anchor:]`` and that ends at or below ``limit``
     (``exact``: ends exactly at ``limit``); (end, block) or None."""
     partial = manager.pool.partial
-    if partial is None:
-        return None
-    anchor_hash = _anchor_hash(manager, hashes, anchor)
-    if anchor_hash is None:
-        return None
-    entries = partial.entries(manager.group_id, anchor_hash)
+    unit = manager.unit_tokens
+    if partial is None or anchor <= 0 or anchor // unit > len(hashes):
+        return None  # `_anchor_hash` is None: inline, as `entries` below (a lookup's
+    anchor_hash = hashes[anchor // unit - 1]  # every token group asks at every pass)
+    entries = partial.by_anchor.get((manager.group_id, anchor_hash))
     if not entries:
         return None
     best: tuple[int, BlockId] | None = None

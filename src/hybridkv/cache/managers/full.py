@@ -20,7 +20,7 @@ from typing import ClassVar
 
 from hybridkv.cache.block import NULL_BLOCK
 from hybridkv.cache.delta import GroupDelta
-from hybridkv.cache.junction import find_partial, is_copy_source, note_children, token_bytes
+from hybridkv.cache.junction import find_partial, is_copy_source, note_children, span_bytes
 from hybridkv.cache.managers.base import NO_GROWTH, UNBOUNDED, Bounds, GroupManager
 from hybridkv.cache.turn_end import find_turn_end, store_turn_end
 from hybridkv.errors import InvariantError
@@ -305,7 +305,7 @@ class FullAttentionManager(GroupManager):
                             self.group_id,
                             hashes[j * step - 1],
                             block,
-                            token_bytes(tokens, j * B, num_full * B),
+                            span_bytes(pool, tokens, j * B, num_full * B),
                         )
             elif self.caching and not self.key_ahead:  # keys: chain hashes (`key`)
                 self.pool.cache_table(
