@@ -165,3 +165,21 @@ def test_ngram_drafts_on_sliding_window_model(tiny_gemma3: Path, vllm_python: st
     assert second["cached"] == theirs[1]["cached"]
     assert sum(second["cached"]) > 0
     _check_drained(sched)
+
+
+def test_engine_core_process_with_stats(tiny_qwen3_next: Path, vllm_python: str) -> None:
+    """As ``vllm serve`` runs it: the engine core in its own process, stats on (vLLM's
+    prefix-cache stats filled by hybridkv's manager); its start-up line, the bound hit."""
+    settings = {
+        **SETTINGS,
+        "model": str(tiny_qwen3_next),
+        **OURS,
+        "in_process": False,
+        "disable_log_stats": False,
+    }
+    chat = {**CHAT, "sessions": 4, "turns": 2, "logprobs": None}
+    for proc in engine(vllm_python, settings, plugin=True):
+        turns = proc.call(chat)["turns"]  # type: ignore[attr-defined]
+        log = proc.log_text  # type: ignore[attr-defined]
+    assert "vLLM's scheduler runs on hybridkv's cache manager" in log
+    assert turns[1]["hit_tokens"] == turns[1]["bound_tokens"] > 0
