@@ -169,15 +169,21 @@ def note_children(
     step = B // manager.unit_tokens
     own, group = manager.pool.hashes, manager.group_id
     by_parent, parent_of = children.by_parent, children.parent_of
-    # the chunk's tokens as bytes once (shared by the groups of this call, `span_bytes`);
-    # each payload is then one bytes slice
-    data = span_bytes(manager.pool, tokens, lo * B, last * B)
+    # One group: the chunk's tokens as bytes once, each payload one slice of them.
+    # Several (a coordinator call with `BlockPool.spans` open): each payload once, the
+    # same bytes object for every group (hybrid blocks hold KBs of tokens, and a copy
+    # per group costs memory and cache misses at every later comparison)
+    spans = manager.pool.spans
+    data = token_bytes(tokens, lo * B, last * B) if spans is None else b""
     width = 8 * B
     for j in range(lo, last):
         block = blocks[j]
         if own.get(block) == hashes[(j + 1) * step - 1] and block not in parent_of:
-            offset = (j - lo) * width
-            payload = data[offset : offset + width]
+            if spans is None:
+                offset = (j - lo) * width
+                payload = data[offset : offset + width]
+            else:
+                payload = span_bytes(manager.pool, tokens, j * B, (j + 1) * B)
             parent = (group, hashes[j * step - 1])
             kids = by_parent.get(parent)
             if kids is None:
