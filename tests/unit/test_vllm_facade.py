@@ -124,6 +124,7 @@ def _drive(
     spec: int = 0,
     budget: int = 96,
     caching: bool = True,
+    shared: int = 0,
 ) -> VllmKVCacheManager:
     """A scheduler loop in vLLM's shape: FCFS admission with a token budget, chunked
     prefill split where hybridkv checkpoints, preemption of the newest on failure,
@@ -132,8 +133,10 @@ def _drive(
     kv = _manager(groups, num_blocks, caching=caching, spec=spec)
     worker = FakeWorker(groups, align=caching)
     B = min((g.block_size for g in groups if g.kind == "state"), default=0)
+    system = [rng.randrange(1, 50) for _ in range(shared)]  # a prompt every session shares
     contexts = [
-        [rng.randrange(1, 50) for _ in range(rng.randrange(5, 40))] for _ in range(sessions)
+        system + [rng.randrange(1, 50) for _ in range(rng.randrange(5, 40))]
+        for _ in range(sessions)
     ]
     for turn in range(turns):
         waiting = [
@@ -160,7 +163,9 @@ def _drive(
                 n = req.num_tokens - req.num_computed_tokens + drafts
                 n = min(n, left)
                 if B and caching:
-                    n = split_prefill_chunk(req.num_computed_tokens, n, req.num_prompt_tokens, B)
+                    n = split_prefill_chunk(
+                        req.num_computed_tokens, n, req.num_prompt_tokens, B, kv.junction_point(req)
+                    )
                 if n <= 0:
                     continue
                 while (blocks := kv.allocate_slots(req, n)) is None:
@@ -184,7 +189,9 @@ def _drive(
                 assert hit < req.num_tokens
                 n = min(req.num_tokens - hit, left)
                 if B and caching:
-                    n = split_prefill_chunk(hit, n, req.num_prompt_tokens, B)
+                    n = split_prefill_chunk(
+                        hit, n, req.num_prompt_tokens, B, kv.junction_point(req)
+                    )
                 if kv.allocate_slots(req, n, num_new_computed_tokens=hit) is None:
                     break
                 waiting.pop(0)
@@ -246,6 +253,14 @@ def test_multi_turn_hybrid_reads_exactly_its_tokens() -> None:
     assert kv.cache.stats().num_hit_tokens > 0
 
 
+def test_shared_system_prompt_junctions() -> None:
+    """Sessions share a 29-token system prompt: junction checkpoints (state at the
+    boundary below where prompts part, attention's partial block copied) let later
+    sessions hit past the align boundaries; every read stays exact."""
+    kv = _drive(HYBRID, 200, sessions=5, turns=2, seed=5, shared=29, budget=40)
+    assert kv.cache.stats().num_hit_tokens > 0
+
+
 def test_turn_end_hits_reach_the_previous_context() -> None:
     """Turn 2 of one session resumes at the end of turn 1's computed tokens."""
     kv = _manager(HYBRID, 100)
@@ -291,13 +306,16 @@ def test_prefix_caching_off_uses_one_state_block() -> None:
 @settings(max_examples=10, deadline=None)
 @given(
     seed=st.integers(0, 10_000),
-    num_blocks=st.integers(40, 120),  # one request's largest need fits (~80 tokens)
+    num_blocks=st.integers(48, 120),  # one request's largest need fits (~100 tokens)
     block=st.sampled_from([4, 8]),
     budget=st.integers(9, 64),
+    shared=st.sampled_from([0, 13, 20]),
 )
-def test_random_lives_hybrid(seed: int, num_blocks: int, block: int, budget: int) -> None:
+def test_random_lives_hybrid(
+    seed: int, num_blocks: int, block: int, budget: int, shared: int
+) -> None:
     groups = [VllmGroup(0, "full", block), VllmGroup(1, "state", block)]
-    _drive(groups, num_blocks, sessions=3, turns=2, seed=seed, budget=budget)
+    _drive(groups, num_blocks, sessions=3, turns=2, seed=seed, budget=budget, shared=shared)
 
 
 def test_split_prefill_chunk() -> None:
@@ -307,6 +325,8 @@ def test_split_prefill_chunk() -> None:
     assert split_prefill_chunk(300, 250, 600, 256) == 212  # a turn-end start mid-block
     assert split_prefill_chunk(300, 1, 300, 256) == 1  # decode: unchanged
     assert split_prefill_chunk(0, 100, 100, 0) == 100  # no state group
+    assert split_prefill_chunk(0, 1000, 1000, 256, junction=512) == 512  # junction first
+    assert split_prefill_chunk(300, 600, 900, 256, junction=768) == 468
 
 
 def test_group_translation_and_refusals() -> None:
@@ -351,11 +371,11 @@ def test_group_translation_and_refusals() -> None:
 
 def test_rules_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("HYBRIDKV_VLLM_CHECKPOINT_RULES", raising=False)
-    assert checkpoint_rules_from_env() == ("turn_end",)
+    assert checkpoint_rules_from_env() == ("junction", "turn_end")
     monkeypatch.setenv("HYBRIDKV_VLLM_CHECKPOINT_RULES", "")
     assert checkpoint_rules_from_env() == ()
-    monkeypatch.setenv("HYBRIDKV_VLLM_CHECKPOINT_RULES", "turn_end,junction")
-    with pytest.raises(HybridKVError, match="append-only"):
+    monkeypatch.setenv("HYBRIDKV_VLLM_CHECKPOINT_RULES", "turn_end,every_block")
+    with pytest.raises(HybridKVError, match="every_block"):
         checkpoint_rules_from_env()
 
 

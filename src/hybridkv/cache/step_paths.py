@@ -259,9 +259,11 @@ class StepPaths(CacheViews):
             for g in self._state_group_ids:
                 interval = self._managers[g].block_size
                 # with turn_end keys a checkpoint may sit inside an interval: at the
-                # attention match itself (cache/turn_end.py)
+                # attention match itself (cache/turn_end.py) -- not for engines that
+                # write states only at step ends (`checkpoints_inside_steps=False`)
                 junction = match // interval * interval
-                if self._turn_end and match > interval:  # a turn-end key needs an anchor
+                inside = self._managers[g].inside_steps
+                if self._turn_end and match > interval and inside:  # a turn-end key needs an anchor
                     junction = match
                 states[g].junction = junction if junction > c else 0
         delta = coordinator.try_allocate(states, c, n, lookahead, True, None, r.nulled)

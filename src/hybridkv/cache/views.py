@@ -35,6 +35,9 @@ class CacheViews:
     _num_hit_tokens: int
     _num_preemptions: int
     _num_alloc_failures: int
+    _junction: bool
+    _junctions: dict[str, int]
+    _state_group_ids: list[int]
 
     def has_request(self, req_id: str) -> bool:
         return req_id in self._requests
@@ -73,6 +76,20 @@ class CacheViews:
 
     def block_tables(self, req_id: str) -> dict[int, list[BlockId]]:
         return {m.group_id: self.block_table(req_id, m.group_id) for m in self._managers}
+
+    def junction_point(self, req_id: str) -> int:
+        """Junction rule, for schedulers of engines that write states only where a step
+        ends: the position past the computed tokens where a step should end so that the
+        state there is checkpointed (0: none). Before admission, from the lookup."""
+        if not self._junction:
+            return 0
+        r = self._get(req_id)
+        g = self._state_group_ids[0]
+        if not r.started:
+            interval = self._managers[g].block_size
+            return self._junctions.get(req_id, 0) // interval * interval
+        junction: int = r.states[g].junction
+        return junction if junction > r.num_computed else 0
 
     def state_slots(self, req_id: str, group_id: int) -> StepSlots:
         """Blocks a state group reads and writes in the allocated step (see `StepSlots`)."""

@@ -40,11 +40,12 @@ from hybridkv.vllm.rows import WorkerRows
 
 logger = logging.getLogger("vllm.hybridkv")
 
-# hybridkv's rules inside vLLM: turn-end checkpoints (multi-turn chat hits the end of
-# the previous turn) and align checkpoints where chunks end. The junction rule places
-# states inside a checkpoint interval mid-request, which an append-only worker row
-# cannot follow (`rows`), so it stays off here.
-VLLM_CHECKPOINT_RULES = ("turn_end",)
+# hybridkv's rules inside vLLM: align checkpoints where chunks end, junction
+# checkpoints (where a prompt leaves the cached prefix, floored to a state boundary: a
+# state inside an interval mid-request is something vLLM's append-only rows cannot
+# follow) with junction copies of attention blocks, and turn-end checkpoints (multi-turn
+# chat resumes at the previous turn's last computed token).
+VLLM_CHECKPOINT_RULES = ("junction", "turn_end")
 # ``HYBRIDKV_VLLM_CHECKPOINT_RULES``: a comma-separated list instead ("" for align only)
 RULES_ENV = "HYBRIDKV_VLLM_CHECKPOINT_RULES"
 
@@ -54,10 +55,11 @@ def checkpoint_rules_from_env() -> tuple[str, ...]:
     if value is None:
         return VLLM_CHECKPOINT_RULES
     rules = tuple(r.strip() for r in value.split(",") if r.strip())
-    if "junction" in rules:
+    unknown = sorted(set(rules) - set(VLLM_CHECKPOINT_RULES))
+    if unknown:
         raise UnsupportedVllmSetup(
-            f"{RULES_ENV}={value!r}: the junction rule places states inside a checkpoint "
-            "interval, which vLLM's append-only worker rows cannot follow; use turn_end"
+            f"{RULES_ENV}={value!r}: rules {unknown} are unknown; use any of "
+            f"{list(VLLM_CHECKPOINT_RULES)}"
         )
     return rules
 
@@ -284,6 +286,11 @@ class VllmKVCacheManager:
             self.cache.free(req_id)
         self._num_tokens.pop(req_id, None)
         self.rows.drop(req_id)
+
+    def junction_point(self, request: Any) -> int:
+        """Where the request's next prefill chunk should end for a junction checkpoint."""
+        req_id = request.request_id
+        return self.cache.junction_point(req_id) if self.cache.has_request(req_id) else 0
 
     # ------------------------------------------------------------------ queries
     @property

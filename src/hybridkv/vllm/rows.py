@@ -189,11 +189,18 @@ class WorkerRows:
                     )
 
 
-def split_prefill_chunk(start: int, num_new_tokens: int, prefill_end: int, block_size: int) -> int:
+def split_prefill_chunk(
+    start: int, num_new_tokens: int, prefill_end: int, block_size: int, junction: int = 0
+) -> int:
     """Tokens to schedule in a prefill chunk from ``start``: up to the last state boundary
-    (multiple of ``block_size``) strictly inside the chunk, so the state there is written
-    at the chunk's end and checkpointed; past ``prefill_end`` (decode) unchanged."""
+    (multiple of ``block_size``) strictly inside the chunk, or the junction rule's
+    boundary when it comes first, so the state there is written at the chunk's end and
+    checkpointed; past ``prefill_end`` (decode) unchanged."""
     if not block_size or start >= prefill_end:
         return num_new_tokens
-    last = (start + num_new_tokens - 1) // block_size * block_size
-    return last - start if last > start else num_new_tokens
+    end = start + num_new_tokens
+    last = (end - 1) // block_size * block_size
+    stop = last if last > start else end
+    if start < junction < stop:
+        stop = junction
+    return stop - start

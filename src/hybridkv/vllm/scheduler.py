@@ -110,7 +110,10 @@ class Scheduler(VllmScheduler):
         start = request.num_computed_tokens + num_new_local_computed_tokens
         start += num_external_computed_tokens
         prefill_end = max(request.num_prompt_tokens, request.num_tokens - 1)
-        return split_prefill_chunk(start, num_new_tokens, prefill_end, self.state_block_size)
+        junction = self.kv_cache_manager.junction_point(request)  # type: ignore[attr-defined]
+        return split_prefill_chunk(
+            start, num_new_tokens, prefill_end, self.state_block_size, junction
+        )
 
     def _free_cow_retained_blocks(self, blocks: Any, fence_seq: int) -> None:
         """hybridkv pins a copy's source until the step commits: nothing is retained."""
