@@ -38,6 +38,12 @@ def run_step(scheduler: Scheduler, executor: Executor) -> tuple[SchedulerOutput,
     """One step of ``scheduler`` executed by ``executor`` (see the module doc)."""
     offered = executor.propose(scheduler.decode_ready())
     output = scheduler.schedule(offered)
-    results = executor.execute(output)
+    try:
+        results = executor.execute(output)
+    except BaseException:
+        # the step's requests are in an unknown state: cancel them (their blocks go back),
+        # so the scheduler is not left waiting for an update that never comes
+        scheduler.abandon(output)
+        raise
     report = scheduler.update(output, results)
     return output, report

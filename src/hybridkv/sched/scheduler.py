@@ -337,6 +337,26 @@ class Scheduler:
         self.num_steps += 1
         return report
 
+    def abandon(self, output: SchedulerOutput) -> list[Request]:
+        """The step ``output`` will never be settled (its executor raised): its scheduled
+        requests are cancelled and their blocks released, so the scheduler can go on
+        with the others. Returns the cancelled requests (the caller tells their owners)."""
+        if output is not self._pending:
+            raise SchedulerError(
+                f"abandon() for step {output.step}, but the step in flight is "
+                f"{None if self._pending is None else self._pending.step}"
+            )
+        self._pending = None
+        self.num_steps += 1
+        cancelled: list[Request] = []
+        for chunk in output.chunks:
+            req = chunk.request
+            if req.status is Status.RUNNING:
+                self.running.remove(req)
+                self._retire(req, Status.CANCELLED)
+                cancelled.append(req)
+        return cancelled
+
     def _cut(self, chunk: ScheduledChunk, result: StepResult | None) -> tuple[list[int], int]:
         req = chunk.request
         if result is None:
