@@ -51,6 +51,7 @@ def stock(tiny_qwen3_next: Path, vllm_python: str) -> list[dict[str, Any]]:
 def _check_drained(sched: dict[str, Any]) -> None:
     """Every request gone, every block back (hybridkv's invariants ran in `sched`)."""
     assert sched["class"] == "hybridkv.vllm.scheduler.Scheduler"
+    assert sched["hybridkv_active"] is True
     assert sched["running"] == sched["waiting"] == sched["hybridkv_requests"] == 0
     assert sched["free_blocks"] == sched["num_blocks"] - 1  # all but the null block
     assert sched["usage"] == 0.0
@@ -126,19 +127,27 @@ def test_sliding_window_model(tiny_gemma3: Path, vllm_python: str) -> None:
     _check_drained(sched)
 
 
-def test_unsupported_setup_is_refused(tiny_qwen3_next: Path, vllm_python: str) -> None:
-    """n-gram drafts on a model with state layers: refused at start-up, with the reason."""
-    from hybridkv.errors import HybridKVError
-
+def test_untranslated_setup_keeps_vllms_manager(tiny_qwen3_next: Path, vllm_python: str) -> None:
+    """n-gram drafts on a model with state layers (prefix caching off, which stock vLLM-CPU
+    runs): hybridkv's scheduler leaves vLLM's own manager in place, says why in one
+    warning, and the engine serves."""
     settings = {
         **SETTINGS,
         "model": str(tiny_qwen3_next),
         **OURS,
+        "enable_prefix_caching": False,
         "speculative_config": {"method": "ngram", "num_speculative_tokens": 3},
     }
-    with pytest.raises(HybridKVError, match="UnsupportedVllmSetup") as info:
-        _run(vllm_python, settings, [])
-    assert "speculative decoding on a model with state layers" in str(info.value)
+    prompt = {"op": "generate", "prompts": [[5, 6, 7, 8] * 40], "max_tokens": 16}
+    for proc in engine(vllm_python, settings, plugin=True):
+        out = proc.call(prompt)  # type: ignore[attr-defined]
+        sched = proc.call({"op": "sched"})  # type: ignore[attr-defined]
+        log = proc.log_text  # type: ignore[attr-defined]
+    assert len(out["outputs"][0]) == 16
+    assert sched["class"] == "hybridkv.vllm.scheduler.Scheduler"
+    assert sched["hybridkv_active"] is False
+    assert "speculative decoding on a model with state layers" in log
+    assert "vLLM's own KV-cache manager stays" in log
 
 
 def test_ngram_drafts_on_sliding_window_model(tiny_gemma3: Path, vllm_python: str) -> None:

@@ -142,7 +142,8 @@ class SchedTimer:
             "running": len(s.running),
             "waiting": len(s.waiting),
         }
-        if hasattr(s, "check_invariants"):
+        out["hybridkv_active"] = bool(getattr(s, "hybridkv_active", False))
+        if out["hybridkv_active"]:
             s.check_invariants()
             cache = s.kv_cache_manager.cache
             out["free_blocks"] = cache.num_free_blocks(0)

@@ -9,9 +9,10 @@ change: ``schedule`` commits the steps whose output arrived, ``update_from_outpu
 marks the step as run, and the align-mode chunk split ends prefill chunks where
 hybridkv checkpoints (vLLM's workers write a state only where a step ends).
 
-Refused at start-up with the reason (`UnsupportedVllmSetup`): KV connectors (P/D
-disaggregation, offloading), pipeline parallelism, decode context parallelism,
-EAGLE / MTP drafters, and speculative decoding on models with state layers. Async
+Left to vLLM's own KV-cache manager, with one warning naming the reason: KV connectors
+(P/D disaggregation, offloading), pipeline parallelism, decode context parallelism,
+EAGLE / MTP drafters, speculative decoding on models with state layers, and layer kinds
+without a hybridkv manager (cross-attention...). When hybridkv manages, async
 scheduling is turned off with a logged reason: hybridkv commits a step once its output
 is known, and async scheduling runs the next schedule before that.
 """
@@ -44,23 +45,26 @@ class Scheduler(VllmScheduler):
     """vLLM's scheduler over hybridkv's cache manager (see the module docstring)."""
 
     def __init__(self, vllm_config: Any, kv_cache_config: Any, *args: Any, **kwargs: Any) -> None:
+        super().__init__(vllm_config, kv_cache_config, *args, **kwargs)
+        self.hybridkv_active = False
+        try:
+            _check_supported(self, vllm_config)
+            groups = vllm_groups(kv_cache_config)
+        except UnsupportedVllmSetup as err:
+            # as the plugin does with plans: what hybridkv cannot translate stays vLLM's
+            logger.warning("hybridkv: %s; vLLM's own KV-cache manager stays", err)
+            return
+        self.hybridkv_active = True
+        self.hybridkv_groups = groups
         sched = vllm_config.scheduler_config
         if getattr(sched, "async_scheduling", False):
+            # read by the engine core after the scheduler is built (batch queue size)
             logger.warning(
                 "hybridkv: async scheduling turned off: hybridkv commits a step once its "
                 "output is known, and async scheduling schedules the next step before"
             )
             sched.async_scheduling = False
-        super().__init__(vllm_config, kv_cache_config, *args, **kwargs)
-        _check_supported(self, vllm_config)
-        groups = vllm_groups(kv_cache_config)
-        self.hybridkv_groups = groups
         state_mode = getattr(self.cache_config, "mamba_cache_mode", "none") or "none"
-        if state_mode not in ("align", "none"):
-            raise UnsupportedVllmSetup(
-                f"mamba_cache_mode={state_mode!r}: hybridkv's scheduler translates 'align' "
-                "(prefix caching) and 'none'"
-            )
         caching = bool(self.cache_config.enable_prefix_caching)
         self.kv_cache_manager = VllmKVCacheManager(  # type: ignore[assignment]
             groups,
@@ -91,11 +95,13 @@ class Scheduler(VllmScheduler):
 
     # ------------------------------------------------------------------ the seams
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
-        self.kv_cache_manager.settle(self.requests)  # type: ignore[attr-defined]
+        if self.hybridkv_active:
+            self.kv_cache_manager.settle(self.requests)  # type: ignore[attr-defined]
         return super().schedule(*args, **kwargs)
 
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
-        self.kv_cache_manager.mark_executed()  # type: ignore[attr-defined]
+        if self.hybridkv_active:
+            self.kv_cache_manager.mark_executed()  # type: ignore[attr-defined]
         return super().update_from_output(scheduler_output, model_runner_output)
 
     def _mamba_block_aligned_split(
@@ -107,6 +113,10 @@ class Scheduler(VllmScheduler):
     ) -> int:
         """End a prefill chunk on the last state boundary strictly inside it, so the
         state there is written (at the chunk's end) and checkpointed."""
+        if not self.hybridkv_active:
+            return super()._mamba_block_aligned_split(  # type: ignore[no-any-return]
+                request, num_new_tokens, num_new_local_computed_tokens, num_external_computed_tokens
+            )
         start = request.num_computed_tokens + num_new_local_computed_tokens
         start += num_external_computed_tokens
         prefill_end = max(request.num_prompt_tokens, request.num_tokens - 1)
@@ -117,13 +127,18 @@ class Scheduler(VllmScheduler):
 
     def _free_cow_retained_blocks(self, blocks: Any, fence_seq: int) -> None:
         """hybridkv pins a copy's source until the step commits: nothing is retained."""
+        if not self.hybridkv_active:
+            super()._free_cow_retained_blocks(blocks, fence_seq)
 
     def _request_remaining_blocks(self, request: Any) -> int:
-        """Only read for connector loads, which hybridkv's scheduler refuses."""
+        """Only read for connector loads, which hybridkv's scheduler leaves to vLLM."""
+        if not self.hybridkv_active:
+            return super()._request_remaining_blocks(request)  # type: ignore[no-any-return]
         return 0
 
     def check_invariants(self) -> None:
-        self.kv_cache_manager.check_invariants()  # type: ignore[attr-defined]
+        if self.hybridkv_active:
+            self.kv_cache_manager.check_invariants()  # type: ignore[attr-defined]
 
 
 def _check_supported(scheduler: Any, vllm_config: Any) -> None:
@@ -151,9 +166,8 @@ def _check_supported(scheduler: Any, vllm_config: Any) -> None:
             )
     if reasons:
         raise UnsupportedVllmSetup(
-            "hybridkv.vllm.Scheduler cannot run this engine: "
+            "hybridkv.vllm.Scheduler does not translate this engine's KV cache: "
             + "; ".join(reasons)
-            + ". Run without --scheduler-cls (the plugin still plans the KV cache)."
         )
 
 
