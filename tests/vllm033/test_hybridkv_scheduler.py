@@ -14,10 +14,11 @@ vLLM's issue #39271 (`test_hybrid_model_mamba_align_with_dynamic_draft_tokens` i
 0.33's tests/v1/core/test_prefix_caching.py): with suffix decoding the number of drafts
 changes every step, and vLLM's Mamba manager asserted when a step asked for fewer blocks
 than the last (a 55-token prompt with blocks of 16, 16 drafts with one accepted, then one
-draft). hybridkv's scheduler refuses speculative decoding on models with state layers
-(the worker's per-draft state columns are not translated), so the scenario runs here on
-the configs that take drafts (full attention; sliding window + full attention), and the
-hybrid + drafts config is checked to be refused with the reason.
+draft). hybridkv's manager does not take speculative decoding on models with state
+layers (the worker's per-draft state columns are not translated): on that configuration
+`hybridkv.vllm.Scheduler` keeps vLLM's own manager and says why. The scenario runs on all
+three configurations: on full attention and sliding window + full attention through
+hybridkv's manager, on the hybrid one through the fallback (checked to be the fallback).
 
 Runs only in vLLM 0.33's venv (``scripts/install_vllm033.sh``)::
 
@@ -27,6 +28,7 @@ Runs only in vLLM 0.33's venv (``scripts/install_vllm033.sh``)::
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -153,14 +155,20 @@ def build_scheduler(
 
 
 def make_request(req_id: str, prompt: Sequence[int], max_tokens: int) -> Any:
+    """vLLM's `Request` with the block hasher vLLM's engine gives it (vLLM's own manager,
+    when hybridkv's scheduler falls back to it, keys the prefix cache with it)."""
     from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
     from vllm.v1.request import Request
 
+    init_none_hash(sha256)
     return Request(
         request_id=req_id,
         prompt_token_ids=list(prompt),
         sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True),
         pooling_params=None,
+        block_hasher=get_request_block_hasher(BLOCK_SIZE, sha256),
     )
 
 
@@ -193,12 +201,20 @@ class Worker:
 
 def check_step(scheduler: Any, worker: Worker, out: Any, layout: str) -> None:
     """The manager's invariants; the worker's rows equal the manager's for every
-    scheduled request; attention rows cover every token the step computes."""
+    scheduled request; attention rows cover every token the step computes. (vLLM's own
+    manager, when hybridkv's scheduler falls back to it, answers ``get_block_ids`` too,
+    with null blocks where it freed a state the worker's row still names.)"""
     scheduler.check_invariants()
     manager = scheduler.kv_cache_manager
     for req_id in out.num_scheduled_tokens:
         rows = worker.rows[req_id]
-        assert tuple(rows) == manager.get_block_ids(req_id), req_id
+        held = manager.get_block_ids(req_id)
+        if not scheduler.hybridkv_active:
+            held = tuple(
+                [w if m == 0 else m for w, m in zip(row, mine, strict=True)]
+                for row, mine in zip(rows, held, strict=True)
+            )
+        assert tuple(rows) == held, req_id
         request = scheduler.requests[req_id]
         needed = -(-request.num_computed_tokens // BLOCK_SIZE)  # after the step
         assert len(rows[0]) >= needed, (req_id, len(rows[0]), needed)
@@ -252,11 +268,14 @@ def check_drained(scheduler: Any, num_blocks: int) -> None:
     """No request left anywhere; every block but the null block free (cached or not)."""
     scheduler.schedule()  # commits the last executed step and frees what finished
     scheduler.check_invariants()
-    cache = scheduler.kv_cache_manager.cache
     assert not scheduler.requests
-    assert cache.stats().num_requests == 0
-    assert cache.num_free_blocks(0) == num_blocks - 1
-    assert scheduler.kv_cache_manager.usage == 0.0
+    manager = scheduler.kv_cache_manager
+    assert manager.usage == 0.0
+    if not scheduler.hybridkv_active:  # vLLM's own manager
+        assert manager.block_pool.get_num_free_blocks() == num_blocks - 1
+        return
+    assert manager.cache.stats().num_requests == 0
+    assert manager.cache.num_free_blocks(0) == num_blocks - 1
 
 
 def run_to_end(
@@ -283,21 +302,26 @@ PROMPT_55 = [i for i in range(3) for _ in range(BLOCK_SIZE)] + [3] * 7  # 3 bloc
 DRAFT_ROUNDS = [(16, 1), (1, 0), (0, 0), (5, 5), (16, 16), (3, 1), (0, 0), (16, 2), (2, 2)]
 
 
-@pytest.mark.parametrize("layout", ["full", "sliding"])
+@pytest.mark.parametrize("layout", ["full", "sliding", "hybrid"])
 def test_dynamic_draft_counts(model_dir: Path, layout: str) -> None:
     """vLLM #39271's scenario through the scheduler: the draft count shrinks and grows
     every step (16 -> 1 -> 0 -> 5 -> 16 ...). Nothing raises, rows stay consistent, the
-    accepted drafts are the request's tokens, every block returns."""
+    accepted drafts are the request's tokens, every block returns. The hybrid
+    configuration runs on vLLM's manager (`test_hybrid_with_drafts_keeps_vllms_manager`)."""
     num_blocks = 30
     scheduler = build_scheduler(model_dir, layout, num_blocks=num_blocks, num_spec_tokens=16)
+    assert scheduler.hybridkv_active == (layout != "hybrid")
     worker = Worker()
     request = make_request("0", PROMPT_55, max_tokens=200)
     scheduler.add_request(request)
-    out = scheduler.schedule()
-    worker.apply(out)
-    check_step(scheduler, worker, out, layout)
-    assert out.num_scheduled_tokens == {"0": len(PROMPT_55)}
-    answer(scheduler, out)
+    chunks = []
+    while not request.output_token_ids:  # the prompt (one chunk, or two split at 48)
+        out = scheduler.schedule()
+        worker.apply(out)
+        check_step(scheduler, worker, out, layout)
+        chunks.append(out.num_scheduled_tokens["0"])
+        answer(scheduler, out)
+    assert chunks in ([len(PROMPT_55)], [48, len(PROMPT_55) - 48])
     expected = len(PROMPT_55) + 1
     for num_drafts, num_accepted in DRAFT_ROUNDS:
         propose(scheduler, {"0": num_drafts})
@@ -316,14 +340,29 @@ def test_dynamic_draft_counts(model_dir: Path, layout: str) -> None:
     check_drained(scheduler, num_blocks)
 
 
-def test_hybrid_with_drafts_is_refused(model_dir: Path) -> None:
-    """The #39271 configuration itself (Mamba align + full attention, drafts) is refused
-    at start-up, naming the reason and the way out."""
-    from hybridkv.vllm.kv_plan import UnsupportedVllmSetup
+def test_hybrid_with_drafts_keeps_vllms_manager(
+    model_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The #39271 configuration itself (Mamba align + full attention, drafts): hybridkv's
+    scheduler leaves the KV cache to vLLM's own manager and logs the reason once; the
+    same configuration without drafts is hybridkv's."""
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
 
-    with pytest.raises(UnsupportedVllmSetup, match="state layers") as err:
-        build_scheduler(model_dir, "hybrid", num_blocks=30, num_spec_tokens=16)
-    assert "--scheduler-cls" in str(err.value)
+    from hybridkv.vllm.kv_manager import VllmKVCacheManager
+
+    hybridkv_logger = logging.getLogger("vllm.hybridkv")  # vLLM's loggers do not propagate
+    hybridkv_logger.addHandler(caplog.handler)
+    try:
+        scheduler = build_scheduler(model_dir, "hybrid", num_blocks=30, num_spec_tokens=16)
+    finally:
+        hybridkv_logger.removeHandler(caplog.handler)
+    assert not scheduler.hybridkv_active
+    assert isinstance(scheduler.kv_cache_manager, KVCacheManager)
+    reasons = {r.getMessage() for r in caplog.records if "state layers" in r.getMessage()}
+    assert len(reasons) == 1, [r.getMessage() for r in caplog.records]
+    assert "vLLM's own KV-cache manager" in reasons.pop()
+    plain = build_scheduler(model_dir, "hybrid", num_blocks=30)
+    assert plain.hybridkv_active and isinstance(plain.kv_cache_manager, VllmKVCacheManager)
 
 
 def test_hybrid_align_prompt_and_decode(model_dir: Path) -> None:
