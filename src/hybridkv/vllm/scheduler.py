@@ -44,6 +44,8 @@ def _prefix_cache_stats_cls() -> Any:
 class Scheduler(VllmScheduler):
     """vLLM's scheduler over hybridkv's cache manager (see the module docstring)."""
 
+    hybridkv_active = False  # until __init__ takes the KV cache (vLLM's tests skip __init__)
+
     def __init__(self, vllm_config: Any, kv_cache_config: Any, *args: Any, **kwargs: Any) -> None:
         super().__init__(vllm_config, kv_cache_config, *args, **kwargs)
         self.hybridkv_active = False
@@ -151,10 +153,15 @@ def _check_supported(scheduler: Any, vllm_config: Any) -> None:
         )
     if getattr(scheduler, "dcp_world_size", 1) > 1:
         reasons.append(f"decode context parallelism ({scheduler.dcp_world_size})")
+    if getattr(getattr(vllm_config, "aux_output_config", None), "enabled", False):
+        reasons.append(
+            "auxiliary outputs (enable_return_routed_experts: vLLM's aux-output connector "
+            "holds vLLM's own block pool)"
+        )
     spec = vllm_config.speculative_config
     if spec is not None:
         method = getattr(spec, "method", None)
-        if method not in ("ngram", "suffix"):
+        if method not in ("ngram", "ngram_gpu", "suffix"):  # n-gram drafters hold no KV
             reasons.append(
                 f"speculative method {method!r} (its drafter's KV groups are not translated "
                 "yet; n-gram and suffix drafters are)"
