@@ -388,3 +388,24 @@ def test_a_moved_block_is_refused() -> None:
     rows.step("r", StepDelta(groups={0: GroupDelta(0, (5, 6))}, admitted=True), {}, 8)
     with pytest.raises(InvariantError, match="only grow"):
         rows.step("r", StepDelta(groups={0: GroupDelta(1, (7,))}), {}, 1)
+
+
+def test_identical_prompt_in_one_schedule_waits_and_hits() -> None:
+    """Two requests with one prompt admitted in the same schedule: the second would
+    recompute every block the first computes; it waits one step and hits them."""
+    kv = _manager(HYBRID, 100)
+    prompt = list(range(1, 34))
+    a, b = (FakeRequest(name, list(prompt), 33, 2) for name in "ab")
+    kv.new_step_starts()
+    assert kv.get_computed_blocks(a)[1] == 0
+    assert kv.allocate_slots(a, 32) is not None  # the chunk ends on the boundary at 32
+    assert kv.get_computed_blocks(b)[1] == 0
+    assert kv.allocate_slots(b, 32) is None  # deferred: vLLM stops admitting this step
+    assert kv.num_deferred == 1
+    a.num_computed_tokens = 32
+    kv.mark_executed()
+    kv.settle({"a": a, "b": b})
+    kv.new_step_starts()
+    assert kv.get_computed_blocks(b)[1] == 32
+    assert kv.allocate_slots(b, 1, num_new_computed_tokens=32) is not None
+    kv.check_invariants()

@@ -153,6 +153,10 @@ class VllmKVCacheManager:
         self._copies: list[tuple[int, int]] = []
         self._new_block_ids: list[int] = []
         self._step_id = 0
+        # chain hashes of the hash units requests admitted in this schedule compute: a
+        # request that would compute the same unit waits one step and hits it instead
+        self._computing: set[bytes] = set()
+        self.num_deferred = 0
         self._executed = 0
         self.num_steps_committed = 0
 
@@ -169,6 +173,7 @@ class VllmKVCacheManager:
     def new_step_starts(self) -> None:
         """vLLM calls this at the top of each schedule."""
         self._step_id += 1
+        self._computing.clear()
 
     def mark_executed(self) -> None:
         """The steps allocated so far ran (their output is being processed)."""
@@ -246,9 +251,23 @@ class VllmKVCacheManager:
         total = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
         num_drafts = max(0, min(total - request.num_tokens, num_new_tokens))
         num_new = num_new_tokens - num_drafts
+        units: list[bytes] = []
+        if not started and self.enable_caching:
+            unit = self.cache.hash_unit_tokens
+            first = num_new_computed_tokens // unit
+            units = self.cache.block_hashes(
+                req_id, first, (num_new_computed_tokens + num_new) // unit
+            )
+            if units and units[0] in self._computing:
+                # vLLM makes a block hittable at allocation; hybridkv once computed: this
+                # request would compute what an admission of this schedule computes, so
+                # it waits one step (vLLM stops admitting for this step) and hits it then
+                self.num_deferred += 1
+                return None
         delta = self.cache.allocate(req_id, num_new, num_drafts + num_lookahead_tokens)
         if delta is None:
             return None
+        self._computing.update(units)
         c = self.cache.num_computed_tokens(req_id)
         if not started and c != num_new_computed_tokens:
             raise InvariantError(
