@@ -18,6 +18,7 @@ import torch
 
 from hybridkv.engine import LLM
 from hybridkv.errors import HybridKVError
+from hybridkv.vllm.engine_process import quit_process
 
 WORKER = Path(__file__).resolve().parent / "_engine_vs_vllm_worker.py"
 MARK = "EVV "
@@ -195,13 +196,5 @@ class VllmSide:
         )
 
     def close(self) -> None:
-        if self._proc.poll() is None:
-            try:
-                if self._proc.stdin is not None:
-                    self._proc.stdin.write(json.dumps({"op": "quit"}) + "\n")
-                    self._proc.stdin.close()
-                self._proc.wait(timeout=120)
-            except (OSError, subprocess.TimeoutExpired):
-                self._proc.kill()
-                self._proc.wait()
+        quit_process(self._proc, timeout_s=120)
         self._log.close()

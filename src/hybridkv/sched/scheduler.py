@@ -338,9 +338,8 @@ class Scheduler:
         return report
 
     def abandon(self, output: SchedulerOutput) -> list[Request]:
-        """The step ``output`` will never be settled (its executor raised): its scheduled
-        requests are cancelled and their blocks released, so the scheduler can go on
-        with the others. Returns the cancelled requests (the caller tells their owners)."""
+        """The step ``output`` will never be settled (its executor raised): cancel its
+        requests, releasing their blocks, so the others go on. Returns the cancelled."""
         if output is not self._pending:
             raise SchedulerError(
                 f"abandon() for step {output.step}, but the step in flight is "

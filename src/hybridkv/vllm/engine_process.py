@@ -49,6 +49,20 @@ def parse_kv_log(text: str) -> KvLog:
     )
 
 
+def quit_process(proc: subprocess.Popen[str], *, timeout_s: float) -> None:
+    """Ask a JSON-lines worker to quit (``{"op": "quit"}``); kill it if it does not."""
+    if proc.poll() is not None:
+        return
+    try:
+        if proc.stdin is not None:
+            proc.stdin.write(json.dumps({"op": "quit"}) + "\n")
+            proc.stdin.close()
+        proc.wait(timeout=timeout_s)
+    except (OSError, subprocess.TimeoutExpired):
+        proc.kill()
+        proc.wait()
+
+
 class EngineProcess:
     """One vLLM engine in its own process (``python`` from vLLM's venv)."""
 
@@ -105,15 +119,7 @@ class EngineProcess:
         return self._read()
 
     def close(self) -> None:
-        if self._proc.poll() is None:
-            try:
-                if self._proc.stdin is not None:
-                    self._proc.stdin.write(json.dumps({"op": "quit"}) + "\n")
-                    self._proc.stdin.close()
-                self._proc.wait(timeout=60)
-            except (OSError, subprocess.TimeoutExpired):
-                self._proc.kill()
-                self._proc.wait()
+        quit_process(self._proc, timeout_s=60)
         self._log.close()
 
     def __enter__(self) -> EngineProcess:

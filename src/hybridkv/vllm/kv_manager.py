@@ -26,7 +26,6 @@ start-up by `hybridkv.vllm.scheduler`.
 
 from __future__ import annotations
 
-import logging
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -37,8 +36,6 @@ from hybridkv.cache import CacheManager
 from hybridkv.errors import InvariantError
 from hybridkv.vllm.kv_plan import UnsupportedVllmSetup, VllmGroup, plan_for_vllm
 from hybridkv.vllm.rows import WorkerRows
-
-logger = logging.getLogger("vllm.hybridkv")
 
 # hybridkv's rules inside vLLM: align checkpoints where chunks end, junction
 # checkpoints (where a prompt leaves the cached prefix, floored to a state boundary: a
@@ -158,7 +155,6 @@ class VllmKVCacheManager:
         self._computing: set[bytes] = set()
         self.num_deferred = 0
         self._executed = 0
-        self.num_steps_committed = 0
 
     def _new_cache(self) -> CacheManager:
         return CacheManager(
@@ -205,7 +201,6 @@ class VllmKVCacheManager:
         accepted = min(accepted, known + len(new_ids) - step.computed - step.num_new)
         self.cache.commit(req_id, max(accepted, 0), new_ids)
         self._num_tokens[req_id] = known + len(new_ids)
-        self.num_steps_committed += 1
 
     # ------------------------------------------------------------------ lookups
     def _ensure(self, request: Any) -> str:

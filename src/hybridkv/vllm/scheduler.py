@@ -57,7 +57,6 @@ class Scheduler(VllmScheduler):
             logger.warning("hybridkv: %s; vLLM's own KV-cache manager stays", err)
             return
         self.hybridkv_active = True
-        self.hybridkv_groups = groups
         sched = vllm_config.scheduler_config
         if getattr(sched, "async_scheduling", False):
             # read by the engine core after the scheduler is built (batch queue size)
