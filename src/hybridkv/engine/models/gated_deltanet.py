@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from hybridkv.engine import compiled, delta_rule
+from hybridkv.engine import compiled, compiled_decode, delta_rule
 from hybridkv.engine.context import ForwardBatch, LayerCache, StateCache
 from hybridkv.engine.loader import Checkpoint, cfg_get, cfg_require
 from hybridkv.engine.models.common import STATE, LayerDesc
@@ -180,6 +180,10 @@ class GatedDeltaNet:
             raise EngineError(f"Gated DeltaNet layer got a {type(cache).__name__}, not StateCache")
         s = self.shape
         mixed, z, b, a = self.project(x)
+        if batched and compiled_decode.applies(x):  # opt-in, bf16 decode steps
+            normed = self._decode_compiled(mixed, z, b, a, batch, cache)
+            if normed is not None:
+                return linear(normed, self.out_proj)
         beta = torch.sigmoid(b)
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
         core = x.new_empty(x.shape[0], s.num_v_heads, s.head_v_dim)
@@ -190,6 +194,48 @@ class GatedDeltaNet:
         gate = z.view(-1, s.num_v_heads, s.head_v_dim)
         normed = self._gated_norm(core, gate).reshape(x.shape[0], s.value_dim)
         return linear(normed, self.out_proj)
+
+    def _decode_compiled(
+        self,
+        mixed: torch.Tensor,
+        z: torch.Tensor,
+        b: torch.Tensor,
+        a: torch.Tensor,
+        batch: ForwardBatch,
+        cache: StateCache,
+    ) -> torch.Tensor | None:
+        """`compiled_decode.gdn_decode` for a step in which every row decodes one token
+        from a slot of its own and stores the new state back there (a part with
+        `StatePart.slot_runs`); None for any other step (the eager path runs it)."""
+        parts = state_parts(batch, cache.group)
+        if len(parts) != 1:
+            return None
+        part = parts[0]
+        grid = part.layout
+        if grid.max_len != 1 or not grid.identity or part.slot_runs is None:
+            return None
+        s = self.shape
+        slots = part.read_slots
+        normed, conv_new, ssm_new = compiled_decode.gdn_decode(
+            mixed,
+            z,
+            b,
+            a,
+            self.A_log,
+            self.dt_bias,
+            cache.conv,
+            cache.ssm,
+            slots,
+            self.conv_weight.to(mixed.dtype),
+            self.norm_weight,
+            self.eps,
+            s.num_k_heads,
+            s.head_k_dim,
+        )
+        # slot runs: each row reads and writes back one slot of its own, distinct
+        cache.conv.index_copy_(0, slots, conv_new)
+        cache.ssm.index_copy_(0, slots, ssm_new)
+        return normed
 
     def _split_heads(
         self, conv_out: torch.Tensor, *, repeat: bool = True

@@ -1,0 +1,192 @@
+"""Opt-in ``torch.compile`` of whole decode-step layer cores (reduced precision, CPU).
+
+A decode step at batch 1 is mostly op overhead: ~4,500 aten calls of a few microseconds
+each around ~50 products (docs/engine_perf.md, rounds 8-10). The functions here take a
+layer's work between its products as one compiled region, so inductor fuses the casts,
+norms, gates and state updates into a few loops and the products stay oneDNN's packed
+calls (`packed_linear`), outside:
+
+- `gdn_decode`: a Gated DeltaNet layer between ``in_proj`` and ``out_proj`` for a step in
+  which every row decodes one token from a state of its own (gates, conv update + silu,
+  q / k l2 norms and repeat, state decay, delta rule step, gated output norm). It gathers
+  the rows' states from the buffers and returns the new ones in their stored dtype; the
+  caller stores them back at the same slots (the values the eager path stores).
+
+Same switch as `engine.compiled` (``LLM(torch_compile=True)``), same rules: bf16 / fp16
+on the CPU only, never float32 (held bit-exact against transformers) or CUDA.
+
+Static shapes, bucketed rows (as vLLM captures its decode graphs per batch size): a
+step's rows are padded up to the next of `ROW_BUCKETS` and each bucket compiles its own
+graph on first use (seconds each; inductor caches them on disk). Inductor's code for
+symbolic shapes was several times slower here: the Gated DeltaNet core at 32 rows took
+2.54 ms with ``dynamic=True`` against 0.64 ms static (eager 2.6 ms), at 1 row 122 against
+72 us (one thread, bf16). Padding rows read a real slot (the first row's) and are
+dropped before anything is stored. Steps with more rows than the last bucket run eager.
+
+Values differ from the eager bf16 path in the last bits (inductor computes a chain in
+float32 and rounds once): tests/engine/test_compiled_decode.py bounds them against a
+float64 composition of the eager path's own pieces.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from hybridkv.engine import compiled
+from hybridkv.errors import EngineError
+
+ROW_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64)
+# One static graph per bucket and per buffer shape: more than dynamo's default
+# recompile limit (8) per function once a process runs several engines.
+RECOMPILE_LIMIT = 64
+_static: dict[str, Callable[..., Any]] = {}
+
+
+def bucket(rows: int) -> int | None:
+    """The padded row count for a step of ``rows`` decode rows (None: too many, eager)."""
+    return next((b for b in ROW_BUCKETS if b >= rows), None)
+
+
+def _get_static(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    compiled_fn = _static.get(name)
+    if compiled_fn is None:
+        import torch._dynamo.config as dynamo_config
+
+        dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, RECOMPILE_LIMIT)
+        compiled_fn = torch.compile(fn, dynamic=False, fullgraph=True)
+        _static[name] = compiled_fn
+    return compiled_fn
+
+
+def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """``x [R, ...]`` with zero rows appended up to ``rows``."""
+    if x.shape[0] == rows:
+        return x
+    return torch.cat([x, x.new_zeros(rows - x.shape[0], *x.shape[1:])])
+
+
+def applies(x: torch.Tensor) -> bool:
+    """Whether a decode step over ``x [R, hidden]`` takes the compiled layer cores: the
+    switch is on, reduced precision, on the CPU, at most the last bucket's rows."""
+    return (
+        compiled.enabled()
+        and x.dtype in compiled.REDUCED_DTYPES
+        and x.device.type == "cpu"
+        and x.shape[0] <= ROW_BUCKETS[-1]
+    )
+
+
+def _gdn_decode(
+    mixed: torch.Tensor,
+    z: torch.Tensor,
+    b: torch.Tensor,
+    a: torch.Tensor,
+    a_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    conv_buffer: torch.Tensor,
+    ssm_buffer: torch.Tensor,
+    slots: torch.Tensor,
+    taps: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    num_k_heads: int,
+    head_k_dim: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    rows = mixed.shape[0]
+    conv_state = conv_buffer.index_select(0, slots)
+    ssm = ssm_buffer.index_select(0, slots)
+    dtype = mixed.dtype
+    num_v_heads, head_v_dim = ssm.shape[1], ssm.shape[2]
+    ratio = num_v_heads // num_k_heads
+    key_dim = num_k_heads * head_k_dim
+    # gates, as `GatedDeltaNet.forward`
+    beta = torch.sigmoid(b).float()
+    g = -a_log.float().exp() * F.softplus(a.float() + dt_bias)
+    # causal conv over the stored window plus the new token, then silu
+    # (`state_batched.causal_conv_grid`): history [R, C, K]
+    history = torch.cat([conv_state.to(dtype), mixed[:, :, None]], dim=2)
+    conv = F.silu((history * taps).sum(dim=2).to(dtype))
+    q, k, v = torch.split(conv, [key_dim, key_dim, num_v_heads * head_v_dim], dim=-1)
+    # `delta_rule.prepare_grouped`: float32, l2-normalised, q scaled, repeated to v heads
+    qf = q.reshape(rows, num_k_heads, head_k_dim).float()
+    kf = k.reshape(rows, num_k_heads, head_k_dim).float()
+    qf = qf * torch.rsqrt((qf * qf).sum(-1, keepdim=True) + 1e-6) * head_k_dim**-0.5
+    kf = kf * torch.rsqrt((kf * kf).sum(-1, keepdim=True) + 1e-6)
+    qf = qf.repeat_interleave(ratio, dim=1)  # [R, Hv, dk]
+    kf = kf.repeat_interleave(ratio, dim=1)
+    vf = v.reshape(rows, num_v_heads, head_v_dim).float()
+    # `delta_rule.delta_rule_decode_` on the stored [R, Hv, dv, dk] layout
+    state = ssm.float() * g.exp()[..., None, None]
+    predicted = (state * kf[:, :, None, :]).sum(-1)  # S^T k: [R, Hv, dv]
+    delta = (vf - predicted) * beta[..., None]
+    state = state + delta[..., None] * kf[:, :, None, :]
+    out = (state * qf[:, :, None, :]).sum(-1).to(dtype)  # [R, Hv, dv]
+    # `GatedDeltaNet._gated_norm`
+    of = out.float()
+    normed = (of * torch.rsqrt(of.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)
+    gate = z.reshape(rows, num_v_heads, head_v_dim)
+    gated = (norm_weight * normed * F.silu(gate.float())).to(dtype)
+    return (
+        gated.reshape(rows, num_v_heads * head_v_dim),
+        history[:, :, 1:].to(conv_state.dtype),
+        state.to(ssm.dtype),
+    )
+
+
+def gdn_decode(
+    mixed: torch.Tensor,
+    z: torch.Tensor,
+    b: torch.Tensor,
+    a: torch.Tensor,
+    a_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    conv_buffer: torch.Tensor,
+    ssm_buffer: torch.Tensor,
+    slots: torch.Tensor,
+    taps: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    num_k_heads: int,
+    head_k_dim: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One Gated DeltaNet decode token per row. ``mixed [R, conv_dim]`` (q | k | v, before
+    the conv), ``z [R, Hv * dv]``, ``b, a [R, Hv]``; row r's states are slot ``slots[r]``
+    of ``conv_buffer [S, conv_dim, K - 1]`` and ``ssm_buffer [S, Hv, dv, dk]`` (read
+    only here: gathered inside the graph, so the buffers, not per-step views, are the
+    graph's inputs and no storage offset or stride becomes a guard); ``taps [conv_dim,
+    K]``. Returns the gated, normed core ``[R, Hv * dv]`` (input of ``out_proj``), the
+    new conv state ``[R, conv_dim, K - 1]`` and the new ssm state ``[R, Hv, dv, dk]``,
+    in the buffers' dtypes, for the caller to store at ``slots``."""
+    rows = mixed.shape[0]
+    padded = bucket(rows)
+    if padded is None:
+        raise EngineError(
+            f"gdn_decode: {rows} decode rows, more than the last bucket {ROW_BUCKETS[-1]}: "
+            "check `applies` first"
+        )
+    if padded != rows:
+        pad = slots[:1].expand(padded - rows)
+        slots = torch.cat([slots, pad])
+        mixed, z, b, a = (_pad_rows(t, padded) for t in (mixed, z, b, a))
+    fn = _get_static("gdn_decode", _gdn_decode)
+    normed, conv_new, ssm_new = fn(
+        mixed,
+        z,
+        b,
+        a,
+        a_log,
+        dt_bias,
+        conv_buffer,
+        ssm_buffer,
+        slots,
+        taps,
+        norm_weight,
+        eps,
+        num_k_heads,
+        head_k_dim,
+    )
+    return normed[:rows], conv_new[:rows], ssm_new[:rows]
