@@ -43,12 +43,13 @@ torch.compile): checks the plumbing in a few minutes; its numbers are not claims
 of vLLM in ``--vllm-python``, e.g. vLLM 0.33), timed with ``torch.cuda.synchronize()``;
 `scripts/gpu_check.sh` runs it when such a venv exists.
 
-Threads: each side keeps its own default on this machine. vLLM-CPU's "auto" binding on 2
-cores runs one OpenMP thread on core 0 and reserves core 1 for its scheduler process; the
-engine's rule (`hybridkv.engine.threads`) runs one torch thread for a checkpoint this
-small. ``--threads N`` and ``--vllm-bind 0-1`` change them. On a shared machine, two-
-thread runs stall in OpenMP's spin-waiting barriers whenever another process holds a core
-(docs/engine_perf.md).
+Threads: both sides use every core of the machine. vLLM-CPU's "auto" binding on 2 cores
+runs one OpenMP thread on core 0 and its scheduler process (EngineCore) on core 1; the
+engine runs one torch thread per core (``--threads N`` changes it; the engine's own
+default for a checkpoint this small is one thread, `hybridkv.engine.threads`, which the
+benchmark overrides). ``--vllm-bind 0-1`` gives vLLM's worker both cores. On a shared
+machine, multi-thread runs stall in OpenMP's spin-waiting barriers whenever another
+process holds a core (docs/engine_perf.md).
 """
 
 from __future__ import annotations
@@ -115,8 +116,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--threads",
         type=int,
         default=None,
-        help="engine torch threads (default: the engine's own rule, one thread for a "
-        "checkpoint this small; vLLM keeps its own binding, see --vllm-bind)",
+        help="engine torch threads (default: one per core this process may run on, the "
+        "cores vLLM's worker and engine-core processes use between them; vLLM keeps its "
+        "own binding, see --vllm-bind)",
     )
     parser.add_argument("--new-tokens", type=int, default=NEW_TOKENS)
     parser.add_argument("--device", default="cpu", help="cpu or cuda (both sides)")
@@ -161,7 +163,9 @@ def main(argv: Sequence[str] | None = None) -> None:
             from hybridkv.vllm.tiny_models import write_tiny_qwen3_next
 
             write_tiny_qwen3_next(folder)
-        threads = apply_threads(args.threads, [folder])
+        threads = apply_threads(
+            args.threads if args.threads is not None else len(os.sched_getaffinity(0)), [folder]
+        )
         max_len = PROMPT_TOKENS + args.new_tokens + 64
         vllm = VllmSide(
             args.vllm_python,
