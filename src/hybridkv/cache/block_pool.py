@@ -21,7 +21,7 @@ released it as dead (out of every window that could still use it).
 from __future__ import annotations
 
 from array import array
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Iterable, Sequence
 
 from hybridkv.cache.block import NULL_BLOCK, BlockInfo
@@ -62,9 +62,13 @@ class BlockPool:
         # extension (the blocks that request added), so they are released as if hit.
         self.releasing_hot = False
         # chain policy: (group, hash) of recently evicted blocks -> evicted from the
-        # newest end; a lookup that misses one tells the policy it chose badly
-        self.ghosts: dict[tuple[int, bytes], bool] | None = (
-            {} if eviction_policy == "chain" else None
+        # newest end; a lookup that misses one tells the policy it chose badly. An
+        # OrderedDict, not a dict: dropping the oldest of a plain dict
+        # (``next(iter(d))``) scans the deleted entries before it, O(pool) per eviction
+        # once the index is full (7 us at 5.6k blocks); ``popitem(last=False)`` is O(1)
+        # and the order (insertion, a re-set key keeping its place) is the same
+        self.ghosts: OrderedDict[tuple[int, bytes], bool] | None = (
+            OrderedDict() if eviction_policy == "chain" else None
         )
         self.events = events
         self.num_evictions = 0
@@ -342,7 +346,7 @@ class BlockPool:
         if self.ghosts is not None:
             self.ghosts[(group, block_hash)] = self.free.last_victim_newest
             if len(self.ghosts) > self.num_blocks:
-                del self.ghosts[next(iter(self.ghosts))]
+                self.ghosts.popitem(last=False)
         self.num_evictions += 1
         if self.events is not None:
             self.events.append(
