@@ -54,7 +54,7 @@ def test_buckets():
 
 def _inputs(rows: int, seed: int) -> dict[str, object]:
     """A GDN layer's decode inputs: 2 key heads of 16, 4 value heads of 8, kernel 4,
-    states in bf16 buffers of 40 slots, rows on slots 3, 6, 9, ..."""
+    states in bf16 buffers of 40 slots (slot 0 the null slot), rows on slots 3, 6, 9, ..."""
     gen = torch.Generator().manual_seed(seed)
     nk, dk, nv, dv, kernel = 2, 16, 4, 8, 4
     conv_dim = 2 * nk * dk + nv * dv
@@ -69,7 +69,7 @@ def _inputs(rows: int, seed: int) -> dict[str, object]:
         "a": bf(rows, nv),
         "a_log": bf(nv, scale=0.5),
         "dt_bias": bf(nv, scale=0.5),
-        "conv_buffer": bf(40, conv_dim, kernel - 1),
+        "conv_state": bf(rows, conv_dim, kernel - 1),
         "ssm_buffer": bf(40, nv, dv, dk, scale=0.3),
         "slots": torch.arange(rows) * 3 + 3,
         "taps": bf(conv_dim, kernel, scale=0.5),
@@ -82,7 +82,8 @@ def _inputs(rows: int, seed: int) -> dict[str, object]:
 
 def _reference(inp: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The eager layer's own pieces (`GatedDeltaNet.forward`, `causal_conv_grid`,
-    `delta_rule.prepare_grouped`, `delta_rule_decode_`, the gated norm), in float64."""
+    `delta_rule.prepare_grouped`, `delta_rule_decode_`, the gated norm), in float64:
+    the core, and the rows' new conv and ssm states."""
     d = torch.float64
     slots = inp["slots"]
     nk, dk = inp["num_k_heads"], inp["head_k_dim"]
@@ -92,7 +93,7 @@ def _reference(inp: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     g = -inp["a_log"].to(d).exp() * F.softplus(inp["a"].to(d) + inp["dt_bias"].to(d))
     conv, history = causal_conv_grid(
         inp["mixed"].to(d)[:, None],
-        inp["conv_buffer"][slots].to(d),
+        inp["conv_state"].to(d),
         inp["taps"].to(d),
         None,
     )
@@ -118,39 +119,46 @@ def _reference(inp: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 @pytest.mark.parametrize("rows", [1, 3, 8])
 def test_gdn_decode_matches_the_eager_pieces(switched_on, rows):
     """Compiled bf16 against float64: outputs within bf16 rounding of the chain (each
-    bf16 store is 2^-8 relative); the buffers are read, never written; 3 rows run in
-    the 4-row bucket (padding rows read slot 3 and are dropped)."""
+    bf16 store is 2^-8 relative); the new ssm states land at the rows' slots and
+    nowhere else but the null slot 0 (3 rows run in the 4-row bucket, the padding row
+    on slot 0)."""
     inp = _inputs(rows, seed=rows)
-    before = (inp["conv_buffer"].clone(), inp["ssm_buffer"].clone())
-    normed, conv_new, ssm_new = compiled_decode.gdn_decode(**inp)
-    assert torch.equal(inp["conv_buffer"], before[0]) and torch.equal(inp["ssm_buffer"], before[1])
     want = _reference(inp)
-    assert normed.dtype == conv_new.dtype == ssm_new.dtype == torch.bfloat16
-    assert normed.shape == want[0].shape and ssm_new.shape == want[2].shape
-    assert torch.equal(conv_new, want[1].to(torch.bfloat16))  # a shift of stored values
-    torch.testing.assert_close(ssm_new.double(), want[2], rtol=2e-2, atol=1e-2)
+    ssm_before = inp["ssm_buffer"].clone()
+    normed, conv_new = compiled_decode.gdn_decode(**inp)
+    assert normed.dtype == conv_new.dtype == torch.bfloat16 and normed.shape == want[0].shape
     torch.testing.assert_close(normed.double(), want[0], rtol=4e-2, atol=4e-2)
+    assert torch.equal(conv_new, want[1].to(torch.bfloat16))  # a shift of the stored values
+    slots, ssm_after = inp["slots"], inp["ssm_buffer"]
+    torch.testing.assert_close(ssm_after[slots].double(), want[2], rtol=2e-2, atol=1e-2)
+    untouched = torch.ones(40, dtype=torch.bool)
+    untouched[slots] = False
+    untouched[compiled_decode.NULL_SLOT] = False
+    assert torch.equal(ssm_after[untouched], ssm_before[untouched])
+    if compiled_decode.bucket(rows) == rows:  # no padding row: slot 0 untouched too
+        assert torch.equal(ssm_after[0], ssm_before[0])
 
 
 @pytest.mark.slow
 def test_padded_bucket_rows_equal_their_own_bucket(switched_on):
-    """Rows do not mix: 3 rows padded to the 4-row bucket give the 4-row call's first
-    3 rows when the 4th row is the padding (slot 3 again, zero inputs)."""
+    """Rows do not mix: 3 rows padded to the 4-row bucket give the 4-row call's
+    outputs and stores when the 4th row is the padding (null slot, zero inputs)."""
     inp = _inputs(3, seed=11)
-    got = compiled_decode.gdn_decode(**inp)
     four = dict(inp)
-    for name in ("mixed", "z", "b", "a"):
+    for name in ("mixed", "z", "b", "a", "conv_state"):
         x = inp[name]
         four[name] = torch.cat([x, x.new_zeros(1, *x.shape[1:])])
-    four["slots"] = torch.cat([inp["slots"], inp["slots"][:1]])
+    four["slots"] = torch.cat([inp["slots"], inp["slots"].new_zeros(1)])
+    four["ssm_buffer"] = inp["ssm_buffer"].clone()
+    got = compiled_decode.gdn_decode(**inp)
     want = compiled_decode.gdn_decode(**four)
-    for a, b in zip(got, want, strict=True):
-        assert torch.equal(a, b[:3])
+    assert torch.equal(got[0], want[0][:3]) and torch.equal(got[1], want[1][:3])
+    assert torch.equal(inp["ssm_buffer"], four["ssm_buffer"])
 
 
 def test_too_many_rows_is_a_typed_error(switched_on):
     inp = _inputs(compiled_decode.ROW_BUCKETS[-1] + 1, seed=1)
-    inp["slots"] = torch.arange(compiled_decode.ROW_BUCKETS[-1] + 1) % 40
+    inp["slots"] = torch.arange(compiled_decode.ROW_BUCKETS[-1] + 1) % 39 + 1
     with pytest.raises(EngineError, match="decode rows"):
         compiled_decode.gdn_decode(**inp)
 

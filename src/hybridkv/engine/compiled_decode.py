@@ -8,9 +8,9 @@ calls (`packed_linear`), outside:
 
 - `gdn_decode`: a Gated DeltaNet layer between ``in_proj`` and ``out_proj`` for a step in
   which every row decodes one token from a state of its own (gates, conv update + silu,
-  q / k l2 norms and repeat, state decay, delta rule step, gated output norm). It gathers
-  the rows' states from the buffers and returns the new ones in their stored dtype; the
-  caller stores them back at the same slots (the values the eager path stores).
+  q / k l2 norms and repeat, state decay, delta rule step, gated output norm). It reads
+  the rows' ssm states from the cache buffer and writes the new ones back in place, inside
+  the graph (one pass over each state instead of a read, a new tensor and a copy).
 
 Same switch as `engine.compiled` (``LLM(torch_compile=True)``), same rules: bf16 / fp16
 on the CPU only, never float32 (held bit-exact against transformers) or CUDA.
@@ -20,8 +20,8 @@ step's rows are padded up to the next of `ROW_BUCKETS` and each bucket compiles 
 graph on first use (seconds each; inductor caches them on disk). Inductor's code for
 symbolic shapes was several times slower here: the Gated DeltaNet core at 32 rows took
 2.54 ms with ``dynamic=True`` against 0.64 ms static (eager 2.6 ms), at 1 row 122 against
-72 us (one thread, bf16). Padding rows read a real slot (the first row's) and are
-dropped before anything is stored. Steps with more rows than the last bucket run eager.
+72 us (one thread, bf16). Padding rows compute on zeros, read and write the null
+slot, and their outputs are dropped. Steps with more rows than the last bucket run eager.
 
 Values differ from the eager bf16 path in the last bits (inductor computes a chain in
 float32 and rounds once): tests/engine/test_compiled_decode.py bounds them against a
@@ -40,6 +40,9 @@ from hybridkv.engine import compiled
 from hybridkv.errors import EngineError
 
 ROW_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64)
+# Padding rows' state slot: block 0, the pool's null block (`cache.block.NULL_BLOCK`),
+# which no request holds and nothing reads.
+NULL_SLOT = 0
 # One static graph per bucket and per buffer shape: more than dynamo's default
 # recompile limit (8) per function once a process runs several engines.
 RECOMPILE_LIMIT = 64
@@ -87,7 +90,7 @@ def _gdn_decode(
     a: torch.Tensor,
     a_log: torch.Tensor,
     dt_bias: torch.Tensor,
-    conv_buffer: torch.Tensor,
+    conv_state: torch.Tensor,
     ssm_buffer: torch.Tensor,
     slots: torch.Tensor,
     taps: torch.Tensor,
@@ -95,9 +98,8 @@ def _gdn_decode(
     eps: float,
     num_k_heads: int,
     head_k_dim: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor]:
     rows = mixed.shape[0]
-    conv_state = conv_buffer.index_select(0, slots)
     ssm = ssm_buffer.index_select(0, slots)
     dtype = mixed.dtype
     num_v_heads, head_v_dim = ssm.shape[1], ssm.shape[2]
@@ -130,11 +132,9 @@ def _gdn_decode(
     normed = (of * torch.rsqrt(of.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)
     gate = z.reshape(rows, num_v_heads, head_v_dim)
     gated = (norm_weight * normed * F.silu(gate.float())).to(dtype)
-    return (
-        gated.reshape(rows, num_v_heads * head_v_dim),
-        history[:, :, 1:].to(conv_state.dtype),
-        state.to(ssm.dtype),
-    )
+    # stored in place (inductor writes the rows into the buffer, no copy of them)
+    ssm_buffer.index_put_((slots,), state.to(ssm_buffer.dtype))
+    return gated.reshape(rows, num_v_heads * head_v_dim), history[:, :, 1:].to(conv_state.dtype)
 
 
 def gdn_decode(
@@ -144,7 +144,7 @@ def gdn_decode(
     a: torch.Tensor,
     a_log: torch.Tensor,
     dt_bias: torch.Tensor,
-    conv_buffer: torch.Tensor,
+    conv_state: torch.Tensor,
     ssm_buffer: torch.Tensor,
     slots: torch.Tensor,
     taps: torch.Tensor,
@@ -152,15 +152,18 @@ def gdn_decode(
     eps: float,
     num_k_heads: int,
     head_k_dim: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One Gated DeltaNet decode token per row. ``mixed [R, conv_dim]`` (q | k | v, before
-    the conv), ``z [R, Hv * dv]``, ``b, a [R, Hv]``; row r's states are slot ``slots[r]``
-    of ``conv_buffer [S, conv_dim, K - 1]`` and ``ssm_buffer [S, Hv, dv, dk]`` (read
-    only here: gathered inside the graph, so the buffers, not per-step views, are the
-    graph's inputs and no storage offset or stride becomes a guard); ``taps [conv_dim,
-    K]``. Returns the gated, normed core ``[R, Hv * dv]`` (input of ``out_proj``), the
-    new conv state ``[R, conv_dim, K - 1]`` and the new ssm state ``[R, Hv, dv, dk]``,
-    in the buffers' dtypes, for the caller to store at ``slots``."""
+    the conv), ``z [R, Hv * dv]``, ``b, a [R, Hv]``; ``conv_state [R, conv_dim, K - 1]``
+    the rows' conv states; row r's ssm state is slot ``slots[r]`` of ``ssm_buffer [S, Hv,
+    dv, dk]``, read and updated in place inside the graph (the buffer, not a per-step
+    view, is the graph's input, so no storage offset or stride becomes a guard, and the
+    new state is written once, where it lives: 2 MB per layer at 32 rows); ``taps
+    [conv_dim, K]``. The slots must be distinct and not 0: padding rows read and write
+    slot 0, the pool's null block, whose contents nothing reads. (The conv states come
+    in and go out as tensors: they are small, and aot_autograd refuses to mutate two
+    inputs that are views of one pool.) Returns the gated, normed core ``[R, Hv * dv]``
+    (input of ``out_proj``) and the rows' new conv states."""
     rows = mixed.shape[0]
     padded = bucket(rows)
     if padded is None:
@@ -169,18 +172,17 @@ def gdn_decode(
             "check `applies` first"
         )
     if padded != rows:
-        pad = slots[:1].expand(padded - rows)
-        slots = torch.cat([slots, pad])
-        mixed, z, b, a = (_pad_rows(t, padded) for t in (mixed, z, b, a))
+        slots = torch.cat([slots, slots.new_full((padded - rows,), NULL_SLOT)])
+        mixed, z, b, a, conv_state = (_pad_rows(t, padded) for t in (mixed, z, b, a, conv_state))
     fn = _get_static("gdn_decode", _gdn_decode)
-    normed, conv_new, ssm_new = fn(
+    normed, conv_new = fn(
         mixed,
         z,
         b,
         a,
         a_log,
         dt_bias,
-        conv_buffer,
+        conv_state,
         ssm_buffer,
         slots,
         taps,
@@ -189,4 +191,4 @@ def gdn_decode(
         num_k_heads,
         head_k_dim,
     )
-    return normed[:rows], conv_new[:rows], ssm_new[:rows]
+    return normed[:rows], conv_new[:rows]

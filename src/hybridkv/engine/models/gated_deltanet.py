@@ -206,7 +206,8 @@ class GatedDeltaNet:
     ) -> torch.Tensor | None:
         """`compiled_decode.gdn_decode` for a step in which every row decodes one token
         from a slot of its own and stores the new state back there (a part with
-        `StatePart.slot_runs`); None for any other step (the eager path runs it)."""
+        `StatePart.slot_runs`: distinct slots, slot runs ascending from their first
+        slot); None for any other step (the eager path runs it)."""
         parts = state_parts(batch, cache.group)
         if len(parts) != 1:
             return None
@@ -214,27 +215,31 @@ class GatedDeltaNet:
         grid = part.layout
         if grid.max_len != 1 or not grid.identity or part.slot_runs is None:
             return None
+        if any(run.first_slot == compiled_decode.NULL_SLOT for run in part.slot_runs):
+            return None  # never for a request's block; the padding rows write there
+        conv_views = slot_views(cache.conv, part)
+        if conv_views is None:
+            return None
         s = self.shape
-        slots = part.read_slots
-        normed, conv_new, ssm_new = compiled_decode.gdn_decode(
+        normed, conv_new = compiled_decode.gdn_decode(
             mixed,
             z,
             b,
             a,
             self.A_log,
             self.dt_bias,
-            cache.conv,
+            # a fresh tensor, not a view: the graph may not take two views of one pool
+            cache.conv.index_select(0, part.read_slots),
             cache.ssm,
-            slots,
+            part.read_slots,
             self.conv_weight.to(mixed.dtype),
             self.norm_weight,
             self.eps,
             s.num_k_heads,
             s.head_k_dim,
         )
-        # slot runs: each row reads and writes back one slot of its own, distinct
-        cache.conv.index_copy_(0, slots, conv_new)
-        cache.ssm.index_copy_(0, slots, ssm_new)
+        for run, view in zip(part.slot_runs, conv_views, strict=True):
+            view.copy_(conv_new[run.rows])
         return normed
 
     def _split_heads(
