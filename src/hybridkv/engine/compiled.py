@@ -123,16 +123,24 @@ def l2norm_heads_major(x: torch.Tensor, ratio: int, scale: float) -> torch.Tenso
 
 
 def _conv_silu(history: torch.Tensor, taps: torch.Tensor, first: int, length: int) -> torch.Tensor:
-    out = history[:, first : first + length] * taps[:, 0]
-    for j in range(1, taps.shape[-1]):
-        out = out + history[:, first + j : first + j + length] * taps[:, j]
+    # taps [K, C]: each tap a contiguous row of channels (see `conv_silu`)
+    out = history[:, first : first + length] * taps[0]
+    for j in range(1, taps.shape[0]):
+        out = out + history[:, first + j : first + j + length] * taps[j]
     return F.silu(out)
 
 
 def conv_silu(history: torch.Tensor, taps: torch.Tensor, first: int, length: int) -> torch.Tensor:
-    """`state_batched.causal_conv_grid`'s taps over the channels-last ``history [R, rows
-    + L, C]`` and the silu after them, in one pass."""
-    return get("conv_silu", _conv_silu)(history, taps, first, length)  # type: ignore[no-any-return]
+    """`state_batched.causal_conv_grid`'s taps ``[C, K]`` over the channels-last ``history
+    [R, rows + L, C]`` and the silu after them, in one pass.
+
+    The graph takes the taps transposed, ``[K, C]`` contiguous (a copy of ``C x K``
+    values per call, microseconds) so that each tap's loads are contiguous along the
+    channels, not strided by K. The values are the same (the same products and sums in
+    the same order); measured (one thread, bf16, ``[16, 259,
+    1024]``, kernel 4): 11.7 -> 3.9 ms."""
+    fn = get("conv_silu", _conv_silu)
+    return fn(history, taps.t().contiguous(), first, length)  # type: ignore[no-any-return]
 
 
 def decode_applies(state: torch.Tensor) -> bool:
