@@ -82,3 +82,53 @@ def test_bulk_chain_evictions_match_single_takes(seed: int) -> None:
         assert list(pools[0].ghosts or ()) == list(pools[1].ghosts or ())
         assert pools[0].free.fresh_ids() == pools[1].free.fresh_ids()
     assert pools[0].num_evictions == pools[1].num_evictions > 0
+
+
+def _queue_state(pool: BlockPool) -> tuple:
+    free = pool.free
+    return (
+        free.fresh_ids(),
+        [free.tier_ids(tier) for tier in range(3)],
+        free.loops.clock,
+        list(free.loops.freed),
+        [free.tier_of(b) for b in range(pool.num_blocks)],
+        list(pool.ref_counts),
+    )
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_release_groups_match_one_release_many_per_group(seed: int) -> None:
+    """A request's groups released in one `release_groups` call: the same free queue
+    (order, tiers, release times, loop clock) as one `release_many` per group; empty
+    segments and segments that free nothing tick no clock in either."""
+    rng = random.Random(seed)
+    plan_ = PoolPlan(pool_id=0, page_bytes=1, num_pages=40, num_tensors=1, group_ids=(0, 1, 2))
+    pools = [BlockPool(plan_, None, eviction_policy="chain") for _ in range(2)]
+    for salt in range(30):
+        segments: list[list[int]] = []
+        for group in range(3):
+            n = rng.randint(0, 4)
+            blocks = [pools[0].take_many(n), pools[1].take_many(n)]
+            assert blocks[0] == blocks[1]
+            for i, block in enumerate(blocks[0]):
+                if rng.random() < 0.6:
+                    key = f"{salt}-{group}-{i}".encode()
+                    for pool in pools:
+                        pool.cache(block, group, key, 16)
+            if blocks[0] and rng.random() < 0.3:  # a second reference: frees nothing
+                for pool in pools:
+                    pool.touch_many(blocks[0][:1])  # type: ignore[arg-type]
+            segments.append(blocks[0] + [0] * rng.randint(0, 1))  # null blocks skipped
+        pools[0].releasing_hot = pools[1].releasing_hot = rng.random() < 0.3
+        pools[0].release_groups(segments)
+        for segment in segments:
+            pools[1].release_many(segment)
+        pools[0].releasing_hot = pools[1].releasing_hot = False
+        assert _queue_state(pools[0]) == _queue_state(pools[1])
+
+    # the touched blocks still hold a reference: release them the same way
+    held = [b for b in range(1, 40) if pools[0].ref_counts[b]]
+    pools[0].release_groups([held[:3], held[3:]])
+    pools[1].release_many(held[:3])
+    pools[1].release_many(held[3:])
+    assert _queue_state(pools[0]) == _queue_state(pools[1])

@@ -140,7 +140,15 @@ class BlockPool:
         refs = self.ref_counts
         for block in out:
             refs[block] = 1
-        while len(out) < num:  # chain policy: each victim depends on the last eviction
+        if len(out) < num and self.free.chain:
+            # chain policy: victims chosen one by one (each depends on the last), evicted
+            # in one loop
+            victims, newest = self.free.pop_victims(num - len(out))
+            self._evict_victims(victims, newest)
+            for victim in victims:
+                refs[victim] = 1
+            out += victims  # type: ignore[arg-type]  # ids from the free queue
+        while len(out) < num:  # a queue that evicts through `pop` only (`sim.belady`)
             out.append(self.take())
         return out
 
@@ -186,9 +194,26 @@ class BlockPool:
         table at `free`, in one loop over local names. The chain policy sees exactly the
         pushes single releases make (one burst of cached blocks until a fresh one ends
         it; hit and hot blocks protected); lru links the cached ones in one pass."""
-        refs, hashes = self.ref_counts, self.hashes
         if self.free.chain:
-            was_hit, hot = self.was_hit, self.releasing_hot
+            self.release_groups([block_ids])
+            return
+        bad = self.free.release_lru(self.ref_counts, self.hashes, block_ids)
+        if bad is not None:
+            raise InvariantError(f"pool {self.pool_id}: block {bad} released while free")
+
+    def release_groups(self, segments: list[Iterable[int]]) -> None:
+        """`release_many` of each segment in order (a request's groups at `free`, in
+        one call): under chain, one `FreeQueue.push_chain_segments` of every segment
+        that freed a block (a tick of the loop clock each, as one call per segment)."""
+        if not self.free.chain:
+            for block_ids in segments:
+                self.release_many(block_ids)
+            return
+        refs, hashes = self.ref_counts, self.hashes
+        was_hit, hot = self.was_hit, self.releasing_hot
+        all_freed: list[list[int]] = []
+        all_tiers: list[list[int]] = []
+        for block_ids in segments:
             freed: list[int] = []
             tiers: list[int] = []  # -1: fresh; else the cached tier single releases pick
             for block in block_ids:
@@ -196,6 +221,8 @@ class BlockPool:
                     continue
                 count = refs[block] - 1
                 if count < 0:
+                    if all_freed:  # the segments before it are released, as one call each
+                        self.free.push_chain_segments(all_freed, all_tiers)
                     raise InvariantError(f"pool {self.pool_id}: block {block} released while free")
                 refs[block] = count
                 if count == 0:
@@ -205,11 +232,10 @@ class BlockPool:
                     else:
                         tiers.append(PROTECTED if hot or was_hit[block] else PROBATION)
             if freed:
-                self.free.push_chain_many(freed, tiers)
-            return
-        bad = self.free.release_lru(refs, hashes, block_ids)
-        if bad is not None:
-            raise InvariantError(f"pool {self.pool_id}: block {bad} released while free")
+                all_freed.append(freed)
+                all_tiers.append(tiers)
+        if all_freed:
+            self.free.push_chain_segments(all_freed, all_tiers)
 
     def cache(
         self,
@@ -340,6 +366,35 @@ class BlockPool:
             hash_group[block] = -1
             was_hit[block] = 0
         self.num_evictions += len(block_ids)
+
+    def _evict_victims(self, victims: list[int], newest: list[bool]) -> None:
+        """chain: `_evict` for each victim in order, ``newest[i]`` standing for the free
+        queue's `last_victim_newest` at its choice; in one loop over local names (no
+        victim choice reads what an eviction changes: hash indexes, turn-end and
+        junction entries, ghosts, the victims' own reuse distances)."""
+        own, hash_group, index, was_hit = self.hashes, self.hash_group, self.index, self.was_hit
+        partial, children, ghosts, events = self.partial, self.children, self.ghosts, self.events
+        limit = self.num_blocks
+        for block, new in zip(victims, newest, strict=True):
+            block_hash = own.pop(block)
+            group = hash_group[block]
+            del index[group][block_hash]
+            if partial is not None:
+                partial.discard(group, block_hash)
+            if children is not None:
+                children.discard(block)  # type: ignore[arg-type]
+            hash_group[block] = -1
+            was_hit[block] = 0
+            if ghosts is not None:
+                ghosts[(group, block_hash)] = new
+                if len(ghosts) > limit:
+                    ghosts.popitem(last=False)
+            if events is not None:
+                events.append(
+                    CacheEvent(BLOCK_REMOVED, group, block, block_hash, self.hash_end[block])  # type: ignore[arg-type]
+                )
+        self.free.forget_many(victims)
+        self.num_evictions += len(victims)
 
     def _evict(self, block_id: BlockId) -> None:
         group, block_hash = self._unindex(block_id)
