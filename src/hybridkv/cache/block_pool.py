@@ -194,26 +194,9 @@ class BlockPool:
         table at `free`, in one loop over local names. The chain policy sees exactly the
         pushes single releases make (one burst of cached blocks until a fresh one ends
         it; hit and hot blocks protected); lru links the cached ones in one pass."""
-        if self.free.chain:
-            self.release_groups([block_ids])
-            return
-        bad = self.free.release_lru(self.ref_counts, self.hashes, block_ids)
-        if bad is not None:
-            raise InvariantError(f"pool {self.pool_id}: block {bad} released while free")
-
-    def release_groups(self, segments: list[Iterable[int]]) -> None:
-        """`release_many` of each segment in order (a request's groups at `free`, in
-        one call): under chain, one `FreeQueue.push_chain_segments` of every segment
-        that freed a block (a tick of the loop clock each, as one call per segment)."""
-        if not self.free.chain:
-            for block_ids in segments:
-                self.release_many(block_ids)
-            return
         refs, hashes = self.ref_counts, self.hashes
-        was_hit, hot = self.was_hit, self.releasing_hot
-        all_freed: list[list[int]] = []
-        all_tiers: list[list[int]] = []
-        for block_ids in segments:
+        if self.free.chain:
+            was_hit, hot = self.was_hit, self.releasing_hot
             freed: list[int] = []
             tiers: list[int] = []  # -1: fresh; else the cached tier single releases pick
             for block in block_ids:
@@ -221,8 +204,6 @@ class BlockPool:
                     continue
                 count = refs[block] - 1
                 if count < 0:
-                    if all_freed:  # the segments before it are released, as one call each
-                        self.free.push_chain_segments(all_freed, all_tiers)
                     raise InvariantError(f"pool {self.pool_id}: block {block} released while free")
                 refs[block] = count
                 if count == 0:
@@ -232,10 +213,11 @@ class BlockPool:
                     else:
                         tiers.append(PROTECTED if hot or was_hit[block] else PROBATION)
             if freed:
-                all_freed.append(freed)
-                all_tiers.append(tiers)
-        if all_freed:
-            self.free.push_chain_segments(all_freed, all_tiers)
+                self.free.push_chain_many(freed, tiers)
+            return
+        bad = self.free.release_lru(refs, hashes, block_ids)
+        if bad is not None:
+            raise InvariantError(f"pool {self.pool_id}: block {bad} released while free")
 
     def cache(
         self,

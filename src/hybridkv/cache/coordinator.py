@@ -336,17 +336,7 @@ class Coordinator:
         # Groups in reverse so that, in a shared pool, the first group's blocks are
         # freed last and thus evicted last.
         managers = self.managers
-        if self._one_pool and len(managers) > 1 and self.pools[0].free.chain:
-            # chain: every group's blocks in one pool call, one segment per group (a
-            # tick of the loop clock each, as one `release_all` per group)
-            self.pools[0].release_groups(
-                [
-                    manager.detach(state)
-                    for manager, state in zip(reversed(managers), reversed(states), strict=True)
-                ]
-            )
-            return
-        if self._one_pool and len(managers) > 1:
+        if self._one_pool and len(managers) > 1 and not self.pools[0].free.chain:
             # lru: one `release_many` of every group's blocks in that order releases
             # exactly as one per group (cached ones linked in order, fresh ones stacked
             # in order); chain counts a tick of its loop clock per call, so it keeps them

@@ -221,41 +221,33 @@ class FreeQueue(LruLinks):
         """chain: for each block in order, `push_fresh` (tier < 0) or `push_cached` into
         ``tiers[i]`` (`PROBATION` or `PROTECTED`, never dead): the same links, release
         times and bursts as those calls, in one loop over local names."""
-        self.push_chain_segments([block_ids], [tiers])
-
-    def push_chain_segments(self, segments: list[list[int]], tiers: list[list[int]]) -> None:
-        """`push_chain_many` of each segment in order (one request's groups, released
-        in one pool call: a tick of the loop clock per segment, as one call each)."""
         prev, nxt, tier_of, freed_at = self._prev, self._next, self._tier, self._freed_at
         anchors, burst_at, tier_len = self._anchors, self._burst_freed_at, self._tier_len
         fresh, base = self._fresh, self._num_blocks
-        loops = self.loops
-        freed_req = loops.freed
         now = self._num_releases
+        self.loops.clock += 1  # one request's table released: a tick of the loop clock
+        requests, freed_req = self.loops.clock, self.loops.freed
         num_cached = 0
-        for block_ids, segment_tiers in zip(segments, tiers, strict=True):
-            loops.clock += 1  # one table released: a tick of the loop clock
-            requests = loops.clock
-            for block, tier in zip(block_ids, segment_tiers, strict=True):
-                if tier < 0:
-                    fresh.append(block)
-                    anchors[DEAD] = anchors[PROBATION] = anchors[PROTECTED] = _NONE
-                    continue
-                now += 1
-                anchor = anchors[tier]
-                if anchor == _NONE:
-                    anchor = anchors[tier] = prev[base + tier]  # the newest end before it
-                    burst_at[tier] = now
-                freed_at[block] = burst_at[tier]
-                freed_req[block] = requests
-                node = nxt[anchor]  # insert right after the anchor (see `push_cached`)
-                nxt[anchor] = block
-                prev[block] = anchor
-                nxt[block] = node
-                prev[node] = block
-                tier_of[block] = tier
-                tier_len[tier] += 1
-                num_cached += 1
+        for block, tier in zip(block_ids, tiers, strict=True):
+            if tier < 0:
+                fresh.append(block)
+                anchors[DEAD] = anchors[PROBATION] = anchors[PROTECTED] = _NONE
+                continue
+            now += 1
+            anchor = anchors[tier]
+            if anchor == _NONE:
+                anchor = anchors[tier] = prev[base + tier]  # the newest end before the burst
+                burst_at[tier] = now
+            freed_at[block] = burst_at[tier]
+            freed_req[block] = requests
+            node = nxt[anchor]  # insert right after the anchor (see `push_cached`)
+            nxt[anchor] = block
+            prev[block] = anchor
+            nxt[block] = node
+            prev[node] = block
+            tier_of[block] = tier
+            tier_len[tier] += 1
+            num_cached += 1
         self._num_releases = now
         self._num_cached += num_cached
 
