@@ -46,3 +46,40 @@ def test_conv_taps_kc_equal_to_ck(switched_on, rows, length):
     # a history with older columns than the kernel reads (``first`` > 0)
     longer = torch.cat([torch.randn(rows, 2, channels, generator=gen).bfloat16(), history], 1)
     assert torch.equal(compiled.conv_silu(longer, taps, 2, length), want)
+
+
+@pytest.mark.parametrize("fused", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_chunked_output_is_stored_tokens_major(switched_on, fused):
+    """`delta_rule_chunked` returns ``o [R, L, H, dv]`` contiguous (the caller's reshape
+    to the token stream is a view), with the values of the chunk outputs it copies in:
+    each chunk's ``O`` recomputed from the captured-state formula agrees exactly."""
+    from hybridkv.engine import delta_rule
+
+    gen = torch.Generator().manual_seed(5)
+    rows, length, heads, dk, dv = 2, 150, 2, 16, 8
+    q, k = (torch.randn(rows, length, heads, dk, generator=gen) for _ in range(2))
+    v = torch.randn(rows, length, heads, dv, generator=gen)
+    g = -torch.rand(rows, length, heads, generator=gen)
+    beta = torch.rand(rows, length, heads, generator=gen)
+    q, k, v, g, beta = delta_rule.prepare(q, k, v, g, beta)
+    state = torch.randn(rows, heads, dk, dv, generator=gen) * 0.3
+    out, _ = delta_rule.delta_rule_chunked(
+        q, k, v, g, beta, state, torch.arange(rows), [length] * rows, fused=fused
+    )
+    assert out.shape == (rows, length, heads, dv)
+    assert out.is_contiguous()
+    assert out.reshape(rows * length, heads, dv).data_ptr() == out.data_ptr()
+    # the first chunk from the initial state, by the eager per-chunk functions
+    size = delta_rule.CHUNK_TOKENS
+    qc, kc, vc = (x[:, :size].transpose(1, 2).contiguous() for x in (q, k, v))
+    bc, gc = beta[:, :size].transpose(1, 2).contiguous(), g[:, :size].transpose(1, 2).contiguous()
+    if not fused:
+        system, rhs, cum, decay = delta_rule._chunk_system(kc, vc, bc, gc, state)
+        u = torch.linalg.solve_triangular(
+            system.reshape(-1, size, size),
+            rhs.reshape(-1, size, dv),
+            upper=False,
+            unitriangular=True,
+        ).view(rhs.shape)
+        first = delta_rule._chunk_out(qc, kc, state, cum, decay, u)
+        assert torch.equal(out[:, :size], first.transpose(1, 2))

@@ -213,7 +213,9 @@ def delta_rule_chunked(
     q, k, v = (x.transpose(1, 2).contiguous() for x in (q, k, v))
     g, beta = g.transpose(1, 2).contiguous(), beta.transpose(1, 2).contiguous()
     state = state.float()
-    out = torch.empty_like(v)
+    # The output in its returned layout [R, L, H, dv], each chunk copied in transposed:
+    # the caller's reshape to [T, H, dv] is then a view, not one more copy of the grid.
+    out = v.new_empty(v.shape[0], length, heads, v.shape[-1])
     captured = state.new_empty(len(ks), heads, state.shape[-2], state.shape[-1])
     ks_t = torch.tensor(ks, dtype=torch.long)
     for p in (ks_t == 0).nonzero().flatten().tolist():
@@ -238,14 +240,14 @@ def delta_rule_chunked(
                 upper=False,
                 unitriangular=True,
             ).view(rhs.shape)
-        out[:, :, start:end] = out_fn(qc, kc, state, cum, decay, u)
+        out[:, start:end] = out_fn(qc, kc, state, cum, decay, u).transpose(1, 2)
         in_chunk = ((ks_t > start) & (ks_t <= end)).nonzero().flatten()
         if in_chunk.numel():
             _capture(captured, in_chunk, rows, ks_t - start, state, cum, decay, kc, u)
         if end == length:  # the state after the grid is read only through captures
             break
         state = state_fn(state, cum, decay, kc, u)
-    return out.transpose(1, 2), captured
+    return out, captured
 
 
 def _chunk_system(
