@@ -83,3 +83,23 @@ def test_chunked_output_is_stored_tokens_major(switched_on, fused):
         ).view(rhs.shape)
         first = delta_rule._chunk_out(qc, kc, state, cum, decay, u)
         assert torch.equal(out[:, :size], first.transpose(1, 2))
+
+
+def test_keep_freed_pages_on_glibc():
+    """`scratch.keep_freed_pages` sets glibc's thresholds (True there), and allocations
+    still work after it: a freed multi-megabyte tensor's memory is handed out again
+    (the settings stay for the rest of the test process: memory is kept, nothing else)."""
+    import platform
+
+    from hybridkv.engine import scratch
+
+    done = scratch.keep_freed_pages()
+    if platform.system() == "Linux" and platform.libc_ver()[0] == "glibc":
+        assert done is True
+    else:
+        assert done in (True, False)
+    a = torch.ones(4 << 20)
+    assert float(a.sum()) == float(4 << 20)
+    del a
+    b = torch.zeros(4 << 20)
+    assert float(b.sum()) == 0.0
