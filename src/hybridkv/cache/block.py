@@ -9,10 +9,11 @@ never reference counted; kernels may read it but its contents are meaningless.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Final
 
 from hybridkv.ids import BlockId
 
-NULL_BLOCK = BlockId(0)
+NULL_BLOCK: Final = BlockId(0)
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ from __future__ import annotations
 from array import array
 from collections import Counter, OrderedDict
 from collections.abc import Iterable, Sequence
+from typing import Final
 
 from hybridkv.cache.block import NULL_BLOCK, BlockInfo
 from hybridkv.cache.events import BLOCK_REMOVED, BLOCK_STORED, CacheEvent
@@ -35,7 +36,7 @@ from hybridkv.plan.types import PoolPlan
 
 # From this many blocks, `cache_table`'s C-speed checks and dict updates cost less than
 # its per-block loop (a prefill chunk of full attention; a few blocks of 304 do not pay)
-_BULK_CACHE = 8
+_BULK_CACHE: Final = 8
 
 
 class BlockPool:

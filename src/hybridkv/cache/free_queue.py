@@ -52,6 +52,7 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Sequence
+from typing import Final
 
 from hybridkv.cache.free_queue_lru import LruLinks
 from hybridkv.cache.free_queue_reads import (
@@ -66,13 +67,13 @@ from hybridkv.cache.loop_detect import LoopDetector
 from hybridkv.errors import CacheError, InvariantError
 from hybridkv.ids import BlockId
 
-_NONE = -1
+_NONE: Final = -1
 EVICTION_POLICIES = ("lru", "chain")
 DEFAULT_EVICTION_POLICY = "chain"  # wins bench/prefix_policies.py (no cliff under loops)
-STALE_TURNOVERS = 8  # reuse distance assumed (in pool sizes) before any hit was seen
-OVERDUE_FACTOR = 1  # a block not back within its reuse distance is overdue
-TYPICAL_WEIGHT = 0.05  # weight of a new hit in the moving average of reuse distances
-REGRET_STEP = 0.05  # bias step per lookup that misses a block the policy evicted
+STALE_TURNOVERS: Final = 8  # reuse distance assumed (in pool sizes) before any hit was seen
+OVERDUE_FACTOR: Final = 1  # a block not back within its reuse distance is overdue
+TYPICAL_WEIGHT: Final = 0.05  # weight of a new hit in the moving average of reuse distances
+REGRET_STEP: Final = 0.05  # bias step per lookup that misses a block the policy evicted
 
 
 # the simulator's Belady queue (`sim.belady`) extends it: the compiled build must allow it

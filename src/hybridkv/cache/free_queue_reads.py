@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from array import array
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final
 
 from hybridkv.errors import InvariantError
 
@@ -20,9 +20,11 @@ if TYPE_CHECKING:
     from hybridkv.cache.loop_detect import LoopDetector
 
 # Tier indexes (``lru`` uses only PROBATION).
-DEAD, PROBATION, PROTECTED = 0, 1, 2
+DEAD: Final = 0
+PROBATION: Final = 1
+PROTECTED: Final = 2
 TIER_NAMES = ("dead", "probation", "protected")
-_NUM_TIERS = 3
+_NUM_TIERS: Final = 3
 
 
 # the simulator's Belady queue extends `FreeQueue` (`sim.belady`): the compiled build

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, Final, NamedTuple
 
 from hybridkv.errors import InvariantError
 from hybridkv.ids import BlockId
@@ -47,10 +47,10 @@ if TYPE_CHECKING:
 
 # Children kept per (group, parent): a parent with more (many prompts diverging at the
 # same block) keeps the newest; the oldest are likely evicted already.
-MAX_CHILDREN_PER_PARENT = 8
+MAX_CHILDREN_PER_PARENT: Final = 8
 # `ChildIndex.memo` starts afresh past this many payloads (one prompt span met that
 # many distinct children: under one parent, groups and passes, at most 8 per group)
-_MEMO_PAYLOADS = 256
+_MEMO_PAYLOADS: Final = 256
 
 
 class CopyOrder(NamedTuple):
@@ -132,7 +132,7 @@ def token_bytes(tokens: Sequence[int], start: int, end: int) -> bytes:
 
 # `span_bytes` kinds: a bare span (a junction payload or prompt span); a turn-end key
 # (`turn_end._key`), keyed ahead or not
-SPAN = -1
+SPAN: Final = -1
 
 
 def span_bytes(pool: BlockPool, tokens: Sequence[int], start: int, end: int) -> bytes:

@@ -9,7 +9,7 @@ import sys
 from array import array
 from collections.abc import Sequence
 from itertools import chain
-from typing import cast
+from typing import Final, cast
 
 from hybridkv.cache.hashing import MAX_TOKEN_ID
 from hybridkv.errors import CacheError
@@ -70,7 +70,7 @@ def token_array(req_id: str, name: str, tokens: object) -> array[int]:
     raise AssertionError("unreachable: array() refused a valid token list")
 
 
-_SEQUENCES = (list, tuple)
+_SEQUENCES: Final[tuple[type, ...]] = (list, tuple)
 
 
 def append_tokens(tokens: array[int], new: Sequence[int]) -> bool:

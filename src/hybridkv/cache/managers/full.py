@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import ClassVar, Final
 
 from hybridkv.cache.block import NULL_BLOCK
 from hybridkv.cache.delta import GroupDelta
@@ -29,7 +29,7 @@ from hybridkv.ids import BlockId
 _new_limits = tuple.__new__  # named tuples built without their Python-level __new__
 # Up to this many blocks, a hit scan's Python loop costs less than the C-speed pass's
 # set-up (a slice, a map, a zip: large blocks of hybrid plans give tables of a few)
-_SHORT_SCAN = 8
+_SHORT_SCAN: Final = 8
 
 
 @dataclass
