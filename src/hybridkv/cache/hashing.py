@@ -24,12 +24,13 @@ from __future__ import annotations
 from array import array
 from collections.abc import Sequence
 from hashlib import sha256
+from typing import Final
 
 from hybridkv.errors import CacheError
 
 HASH_ALGOS = ("sha256",)
 _DOMAIN = b"hybridkv-block-hash-v1"
-MAX_TOKEN_ID = (1 << 63) - 1  # tokens are hashed as signed 64-bit integers
+MAX_TOKEN_ID: Final = (1 << 63) - 1  # tokens are hashed as signed 64-bit integers
 _EMPTY_SHA256 = sha256()  # never updated: copied for each unit (see `BlockHasher.extend`)
 
 

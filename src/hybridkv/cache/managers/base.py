@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, NamedTuple
+from typing import Any, ClassVar, Final, NamedTuple
 
 from hybridkv.cache.block_pool import BlockPool
 from hybridkv.cache.delta import GroupDelta
@@ -72,7 +72,7 @@ NO_GROWTH: tuple[None, tuple[BlockId, ...]] = (None, ())
 # "No bound" in `GroupManager.fast_bounds` (a `FastLimits` field of None): above any
 # token count (< 2^63 by the validators' bound, sums of a few stay below 2^64), so that
 # the request record takes minima and compares plain ints.
-UNBOUNDED = 1 << 62
+UNBOUNDED: Final = 1 << 62
 Bounds = tuple[int, int, int, int]  # `FastLimits` as ints, None -> UNBOUNDED
 
 
