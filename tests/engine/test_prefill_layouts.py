@@ -127,3 +127,20 @@ def test_blocked_solve_matches_the_one_call_solve(size):
     assert got.shape == want.shape
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(system @ got, rhs, rtol=1e-4, atol=1e-5)
+
+
+def test_llm_keeps_freed_pages_on_the_cpu_unless_told_not_to():
+    """`LLM` applies the malloc settings on the CPU by default and reports it; with
+    ``keep_freed_pages=False`` it neither applies nor reports them."""
+    import platform
+
+    from hybridkv.demo import DEMO_MAIN
+    from hybridkv.engine import LLM
+
+    options = {"memory_bytes": 8 << 20, "max_model_len": 256}
+    assert LLM(DEMO_MAIN, keep_freed_pages=False, **options).keeps_freed_pages is False
+    on = LLM(DEMO_MAIN, **options)
+    if platform.system() == "Linux" and platform.libc_ver()[0] == "glibc":
+        assert on.keeps_freed_pages is True
+    out = on.generate([[5, 6, 7]], max_new_tokens=3, ignore_eos=True)
+    assert len(out[0].token_ids) == 3

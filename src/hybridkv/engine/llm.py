@@ -37,6 +37,11 @@ prefill steps on the CPU (norms, the Gated DeltaNet output norm, the chunked del
 rule's per-chunk algebra; `engine.compiled`), for the whole process. The first such
 step of each new shape compiles (seconds to a minute): warm up before timing. float32
 never takes those paths.
+
+``keep_freed_pages=True`` (the default, CPU only) has glibc's malloc keep freed memory
+for reuse, for the whole process (`engine.scratch.keep_freed_pages`): a bf16 prefill step
+otherwise touches tens of thousands of fresh pages. vLLM's CPU platform preloads tcmalloc
+into its processes for the same reason. The cost: the process keeps its peak working set.
 """
 
 from __future__ import annotations
@@ -50,7 +55,7 @@ import torch
 
 from hybridkv.cache import CacheManager
 from hybridkv.cache.free_queue import DEFAULT_EVICTION_POLICY
-from hybridkv.engine import compiled
+from hybridkv.engine import compiled, scratch
 from hybridkv.engine.block_tables import DeviceBlockTables
 from hybridkv.engine.llm_options import (
     DEFAULT_MAX_MODEL_LEN,
@@ -116,12 +121,17 @@ class LLM:
         eviction_policy: str = DEFAULT_EVICTION_POLICY,
         checkpoint_rules: Sequence[str] | None = None,
         torch_compile: bool = False,
+        keep_freed_pages: bool = True,
         **plan_options: Any,
     ) -> None:
         if torch_compile:  # process-wide, bf16 / fp16 prefill-sized steps only
             compiled.enable()
         self.model_path = Path(model_path)
         self.device = resolve_device(device)
+        # process-wide malloc settings; False where glibc is absent or refused
+        self.keeps_freed_pages = (
+            keep_freed_pages and self.device.type == "cpu" and scratch.keep_freed_pages()
+        )
         cache_dtype = parse_dtype(dtype)
         self.torch_dtype = torch_dtype(cache_dtype)
         self.model = load_model(self.model_path, self.torch_dtype, self.device)
