@@ -17,6 +17,7 @@ from typing import IO, Any, TypeVar
 import torch
 
 from hybridkv.engine import LLM
+from hybridkv.engine.scratch import KEEP_FREED_PAGES_ENV
 from hybridkv.errors import HybridKVError
 from hybridkv.vllm.engine_process import quit_process
 
@@ -60,10 +61,12 @@ class EngineSide:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         torch_compile: bool = True,
+        keep_freed_pages: bool = True,
     ) -> None:
         self.folder = folder
         self.options: dict[str, Any] = {
             "torch_compile": torch_compile,
+            "keep_freed_pages": keep_freed_pages,
             "dtype": "bfloat16",
             "device": device,
             "memory_bytes": 1 << 30,  # as vLLM's VLLM_CPU_KVCACHE_SPACE=1 (GiB)
@@ -124,6 +127,7 @@ class VllmSide:
         max_num_seqs: int,
         eager: bool,
         bind: str | None = None,
+        keep_freed_pages: bool = True,
     ) -> None:
         if not Path(python).exists():
             raise HybridKVError(
@@ -150,6 +154,8 @@ class VllmSide:
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         if bind is not None:
             env["VLLM_CPU_OMP_THREADS_BIND"] = bind
+        if keep_freed_pages:  # the engine's own malloc settings, for vLLM's processes
+            env.update(KEEP_FREED_PAGES_ENV)
         env.pop("PYTHONPATH", None)  # the worker imports vLLM only, from its own venv
         self._proc = subprocess.Popen(
             [str(python), str(WORKER), json.dumps(settings)],

