@@ -70,3 +70,19 @@ def test_priority_orders_admission(llm_case):
     while llm.scheduler.has_work:
         finished += llm.step()
     assert finished == [urgent, late]
+
+
+def test_idle_step_runs_no_forward(llm_case):
+    """`step()` with nothing waiting or running (before any request, after the last one
+    finished) returns no finished requests; it must not run the model on an empty batch."""
+    case = llm_case("qwen3_5")
+    llm = LLM(case.folder)
+    assert llm.step() == [] and llm.stepper.num_steps == 1
+    req = llm.add_request(case.prompts[0], SamplingParams(2))
+    finished = []
+    while llm.scheduler.has_work:
+        finished += llm.step()
+    assert finished == [req]
+    scheduled = llm.stats().num_scheduled_tokens
+    assert llm.step() == [] and llm.step() == []
+    assert llm.stats().num_scheduled_tokens == scheduled and llm.stats().num_output_tokens == 2

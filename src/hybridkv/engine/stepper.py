@@ -166,6 +166,8 @@ class Stepper:
         self.num_copied += run_copies(self.runner.tensors, step_copies(output.deltas))
         if self.check_tables:
             self.tables.check_against(self.manager, [c.request.req_id for c in chunks])
+        if not chunks:  # an idle step (nothing waiting or running): no forward to run
+            return {}
         drafts: dict[str, Drafts] = {}
         if self.drafter is not None:
             temps = {c.request.req_id: self.params[c.request.req_id].temperature for c in chunks}
