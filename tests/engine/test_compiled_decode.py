@@ -12,7 +12,8 @@ torch = pytest.importorskip("torch")
 import torch.nn.functional as F  # noqa: E402
 
 from hybridkv.engine import compiled, compiled_decode, delta_rule  # noqa: E402
-from hybridkv.engine.state_batched import causal_conv_grid  # noqa: E402
+from hybridkv.engine.context import StateCache, StateSlots, make_batch  # noqa: E402
+from hybridkv.engine.state_batched import causal_conv_grid, state_parts  # noqa: E402
 from hybridkv.errors import EngineError  # noqa: E402
 
 
@@ -52,9 +53,11 @@ def test_buckets():
     assert list(compiled_decode.ROW_BUCKETS) == sorted(set(compiled_decode.ROW_BUCKETS))
 
 
-def _inputs(rows: int, seed: int) -> dict[str, object]:
+def _inputs(rows: int, seed: int, extra_conv_rows: int = 0) -> dict[str, object]:
     """A GDN layer's decode inputs: 2 key heads of 16, 4 value heads of 8, kernel 4,
-    states in bf16 buffers of 40 slots (slot 0 the null slot), rows on slots 3, 6, 9, ..."""
+    states in bf16 buffers of 40 slots (slot 0 the null slot), rows on slots 3, 6, 9, ...;
+    conv windows of 3 + ``extra_conv_rows`` columns (a plan keeps more for speculative
+    tokens; the conv reads the last 3)."""
     gen = torch.Generator().manual_seed(seed)
     nk, dk, nv, dv, kernel = 2, 16, 4, 8, 4
     conv_dim = 2 * nk * dk + nv * dv
@@ -69,7 +72,7 @@ def _inputs(rows: int, seed: int) -> dict[str, object]:
         "a": bf(rows, nv),
         "a_log": bf(nv, scale=0.5),
         "dt_bias": bf(nv, scale=0.5),
-        "conv_state": bf(rows, conv_dim, kernel - 1),
+        "conv_state": bf(rows, conv_dim, kernel - 1 + extra_conv_rows),
         "ssm_buffer": bf(40, nv, dv, dk, scale=0.3),
         "slots": torch.arange(rows) * 3 + 3,
         "taps": bf(conv_dim, kernel, scale=0.5),
@@ -116,13 +119,13 @@ def _reference(inp: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("rows", [1, 3, 8])
-def test_gdn_decode_matches_the_eager_pieces(switched_on, rows):
+@pytest.mark.parametrize(("rows", "extra_conv_rows"), [(1, 0), (3, 0), (8, 0), (3, 1)])
+def test_gdn_decode_matches_the_eager_pieces(switched_on, rows, extra_conv_rows):
     """Compiled bf16 against float64: outputs within bf16 rounding of the chain (each
     bf16 store is 2^-8 relative); the new ssm states land at the rows' slots and
     nowhere else but the null slot 0 (3 rows run in the 4-row bucket, the padding row
     on slot 0)."""
-    inp = _inputs(rows, seed=rows)
+    inp = _inputs(rows, seed=rows, extra_conv_rows=extra_conv_rows)
     want = _reference(inp)
     ssm_before = inp["ssm_buffer"].clone()
     normed, conv_new = compiled_decode.gdn_decode(**inp)
@@ -154,6 +157,51 @@ def test_padded_bucket_rows_equal_their_own_bucket(switched_on):
     want = compiled_decode.gdn_decode(**four)
     assert torch.equal(got[0], want[0][:3]) and torch.equal(got[1], want[1][:3])
     assert torch.equal(inp["ssm_buffer"], four["ssm_buffer"])
+
+
+def test_fragmented_slots_take_the_compiled_core(switched_on, monkeypatch):
+    """Decode rows on slots in more runs than `state_batched.MAX_SLOT_RUNS` (a server
+    whose requests came and went) still take the compiled core (the ssm states are
+    updated in place inside the graph; the conv windows, 3 + 1 columns here, go back in
+    one scatter): outputs within bf16 rounding of the eager bf16 path, conv windows
+    equal, ssm states close, every other slot untouched."""
+    from tests.exactness.test_batched_kernels import gdn_layer
+
+    slots = [9, 7, 5, 3, 1, 12, 20]  # one-row runs: more than MAX_SLOT_RUNS
+    gen = torch.Generator().manual_seed(3)
+    layer = gdn_layer(torch.Generator().manual_seed(3), torch.bfloat16)
+    conv = torch.full((24, layer.shape.conv_dim, 3 + 1), float("nan"), dtype=torch.bfloat16)
+    ssm = torch.full((24, 4, 4, 8), float("nan"), dtype=torch.bfloat16)
+    for slot in slots:
+        conv[slot] = torch.randn(conv.shape[1:], generator=gen).to(torch.bfloat16)
+        ssm[slot] = (torch.randn(ssm.shape[1:], generator=gen) * 0.3).to(torch.bfloat16)
+    batch = make_batch(
+        [([1], 5 + r) for r in range(len(slots))],
+        state_slots={"s": StateSlots.from_points(slots, [[(1, s)] for s in slots])},
+    )
+    (part,) = state_parts(batch, "s")
+    assert part.slot_runs is None and part.in_place  # the path under test
+    x = torch.randn(len(slots), 16, generator=gen).to(torch.bfloat16)
+    calls = []
+    real = compiled_decode.gdn_decode
+    monkeypatch.setattr(
+        compiled_decode, "gdn_decode", lambda *a, **k: calls.append(1) or real(*a, **k)
+    )
+    fast = StateCache(conv.clone(), ssm.clone(), "s")
+    got = layer.forward(x, batch, fast, batched=True)
+    assert calls == [1]
+    compiled.enable(False)
+    eager = StateCache(conv.clone(), ssm.clone(), "s")
+    want = layer.forward(x, batch, eager, batched=True)
+    assert calls == [1]  # the eager run did not take it
+    torch.testing.assert_close(got.float(), want.float(), rtol=4e-2, atol=4e-2)
+    assert torch.equal(fast.conv[slots], eager.conv[slots])
+    torch.testing.assert_close(
+        fast.ssm[slots].float(), eager.ssm[slots].float(), rtol=2e-2, atol=1e-2
+    )
+    others = [s for s in range(24) if s not in slots]
+    assert fast.conv[others].isnan().all() and fast.ssm[others].isnan().all()
+    assert not torch.equal(fast.ssm[slots].float(), ssm[slots].float())  # states moved
 
 
 def test_too_many_rows_is_a_typed_error(switched_on):

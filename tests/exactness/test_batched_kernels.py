@@ -84,14 +84,15 @@ def test_batched_attention_matches_reference(seed, window, softcap, sinks):
     torch.testing.assert_close(cache.value, ref_cache.value, equal_nan=True)
 
 
-def gdn_layer(gen: torch.Generator) -> GatedDeltaNet:
+def gdn_layer(gen: torch.Generator, dtype: torch.dtype = torch.float32) -> GatedDeltaNet:
+    """A tiny Gated DeltaNet layer (conv dim 48), weights drawn in float32, then cast."""
     shape = GDNShape(
         hidden_size=16, num_k_heads=2, num_v_heads=4, head_k_dim=8, head_v_dim=4, conv_kernel=4
     )
-    w_qkv = torch.randn(shape.conv_dim, 16, generator=gen) * 0.3
-    w_z = torch.randn(shape.value_dim, 16, generator=gen) * 0.3
-    w_b = torch.randn(shape.num_v_heads, 16, generator=gen) * 0.3
-    w_a = torch.randn(shape.num_v_heads, 16, generator=gen) * 0.3
+    w_qkv = (torch.randn(shape.conv_dim, 16, generator=gen) * 0.3).to(dtype)
+    w_z = (torch.randn(shape.value_dim, 16, generator=gen) * 0.3).to(dtype)
+    w_b = (torch.randn(shape.num_v_heads, 16, generator=gen) * 0.3).to(dtype)
+    w_a = (torch.randn(shape.num_v_heads, 16, generator=gen) * 0.3).to(dtype)
 
     def project(x):
         return x @ w_qkv.T, x @ w_z.T, x @ w_b.T, x @ w_a.T
@@ -99,11 +100,11 @@ def gdn_layer(gen: torch.Generator) -> GatedDeltaNet:
     return GatedDeltaNet(
         shape=shape,
         project=project,
-        conv_weight=torch.randn(shape.conv_dim, 4, generator=gen) * 0.5,
-        dt_bias=torch.randn(4, generator=gen),
-        A_log=torch.randn(4, generator=gen) * 0.3,
-        norm_weight=torch.randn(4, generator=gen),
-        out_proj=torch.randn(16, shape.value_dim, generator=gen) * 0.3,
+        conv_weight=(torch.randn(shape.conv_dim, 4, generator=gen) * 0.5).to(dtype),
+        dt_bias=torch.randn(4, generator=gen).to(dtype),
+        A_log=(torch.randn(4, generator=gen) * 0.3).to(dtype),
+        norm_weight=torch.randn(4, generator=gen).to(dtype),
+        out_proj=(torch.randn(16, shape.value_dim, generator=gen) * 0.3).to(dtype),
         eps=1e-6,
     )
 

@@ -109,9 +109,11 @@ def _gdn_decode(
     beta = torch.sigmoid(b).float()
     g = -a_log.float().exp() * F.softplus(a.float() + dt_bias)
     # causal conv over the stored window plus the new token, then silu
-    # (`state_batched.causal_conv_grid`): history [R, C, K]
+    # (`state_batched.causal_conv_grid`): history [R, C, rows + 1]; a plan may keep more
+    # rows than K - 1 (for speculative tokens), the conv reads the last K - 1
     history = torch.cat([conv_state.to(dtype), mixed[:, :, None]], dim=2)
-    conv = F.silu((history * taps).sum(dim=2).to(dtype))
+    window = history[:, :, history.shape[2] - taps.shape[1] :]  # the last K inputs
+    conv = F.silu((window * taps).sum(dim=2).to(dtype))
     q, k, v = torch.split(conv, [key_dim, key_dim, num_v_heads * head_v_dim], dim=-1)
     # `delta_rule.prepare_grouped`: float32, l2-normalised, q scaled, repeated to v heads
     qf = q.reshape(rows, num_k_heads, head_k_dim).float()
@@ -154,16 +156,19 @@ def gdn_decode(
     head_k_dim: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One Gated DeltaNet decode token per row. ``mixed [R, conv_dim]`` (q | k | v, before
-    the conv), ``z [R, Hv * dv]``, ``b, a [R, Hv]``; ``conv_state [R, conv_dim, K - 1]``
-    the rows' conv states; row r's ssm state is slot ``slots[r]`` of ``ssm_buffer [S, Hv,
-    dv, dk]``, read and updated in place inside the graph (the buffer, not a per-step
-    view, is the graph's input, so no storage offset or stride becomes a guard, and the
-    new state is written once, where it lives: 2 MB per layer at 32 rows); ``taps
-    [conv_dim, K]``. The slots must be distinct and not 0: padding rows read and write
-    slot 0, the pool's null block, whose contents nothing reads. (The conv states come
-    in and go out as tensors: they are small, and aot_autograd refuses to mutate two
-    inputs that are views of one pool.) Returns the gated, normed core ``[R, Hv * dv]``
-    (input of ``out_proj``) and the rows' new conv states."""
+    the conv), ``z [R, Hv * dv]``, ``b, a [R, Hv]``; ``conv_state [R, conv_dim, rows]``
+    the rows' conv windows (``rows >= K - 1``: a plan may keep more for speculative
+    tokens; the conv reads the last K - 1); row r's ssm state is slot ``slots[r]`` of
+    ``ssm_buffer [S, Hv, dv, dk]``, read and updated in place inside the graph (the
+    buffer, not a per-step view, is the graph's input, so no storage offset or stride
+    becomes a guard, and the new state is written once, where it lives: 2 MB per layer
+    at 32 rows); ``taps [conv_dim, K]``. The slots must be distinct and not 0: padding
+    rows read and write slot 0, the pool's null block, whose contents nothing reads.
+    (The conv states come in and go out as tensors: they are small, and aot_autograd
+    refuses to mutate two inputs that are views of one pool; measured, one row of conv
+    then ssm per slot as the one mutated input was 7-10% slower at 32 rows.) Returns
+    the gated, normed core ``[R, Hv * dv]`` (input of ``out_proj``) and the rows' new
+    conv windows (shifted by the new token)."""
     rows = mixed.shape[0]
     padded = bucket(rows)
     if padded is None:

@@ -88,6 +88,9 @@ class StatePart:
     # states are a strided view of the buffer the kernel can update in place (no gather,
     # no scatter). None otherwise.
     slot_runs: tuple[SlotRun, ...] | None = None
+    # Decode where row r reads and writes back one slot of its own (distinct slots, none
+    # the null slot 0), however many runs: the compiled core updates them in place.
+    in_place: bool = False
 
     @property
     def slot_range(self) -> tuple[int, int] | None:
@@ -129,6 +132,9 @@ def _build_parts(batch: ForwardBatch, group: str) -> list[StatePart]:
                 ks.append(int(k))
                 targets.append(int(slot))
         layout = padded_for(batch, reqs)
+        reads = [slot_ids[r] for r in reqs]
+        # every row has an initial state and point p is row p
+        one_each = rows == list(range(len(reqs))) and all(has_initial[r] for r in reqs)
 
         def dev(values: list[int]) -> torch.Tensor:
             # Shared by every state group of the step that has the same values (rows
@@ -154,12 +160,8 @@ def _build_parts(batch: ForwardBatch, group: str) -> list[StatePart]:
                 all_initial=all(has_initial[r] for r in reqs),
                 uniform_k=ks[0] if ks and len(set(ks)) == 1 else None,
                 rows_identity=rows == list(range(len(reqs))),
-                slot_runs=_slot_runs(
-                    [slot_ids[r] for r in reqs],
-                    targets,
-                    ks,
-                    rows == list(range(len(reqs))) and all(has_initial[r] for r in reqs),
-                ),
+                slot_runs=_slot_runs(reads, targets, ks, one_each),
+                in_place=one_each and _in_place(reads, targets, ks),
             )
         )
     return parts
@@ -175,9 +177,7 @@ def _slot_runs(
     Example, a shared-prefix batch whose first request prefilled alone: slots ``[23,
     247, 254, 261]`` -> runs (rows 0..1, slots 23, 247: step 224) and (rows 2..3, slots
     254, 261: step 7); two runs either way."""
-    if not one_read_one_point or reads != writes or not reads or any(k != 1 for k in ks):
-        return None
-    if len(set(reads)) != len(reads):  # two rows on one slot: no in-place update
+    if not one_read_one_point or not _in_place(reads, writes, ks):
         return None
     runs: list[SlotRun] = []
     row = 0
@@ -195,6 +195,19 @@ def _slot_runs(
             return None
         row = end
     return tuple(runs)
+
+
+def _in_place(reads: list[int], writes: list[int], ks: list[int]) -> bool:
+    """Row r reads slot ``reads[r]`` and stores its state after 1 token back there,
+    every slot distinct (two rows on one slot: no in-place update) and none the null
+    slot 0 (a request never holds it; padding rows use it)."""
+    return (
+        bool(reads)
+        and reads == writes
+        and all(k == 1 for k in ks)
+        and len(set(reads)) == len(reads)
+        and 0 not in reads
+    )
 
 
 def slot_views(buffer: torch.Tensor, part: StatePart) -> list[torch.Tensor] | None:

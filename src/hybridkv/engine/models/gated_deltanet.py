@@ -205,20 +205,15 @@ class GatedDeltaNet:
         cache: StateCache,
     ) -> torch.Tensor | None:
         """`compiled_decode.gdn_decode` for a step in which every row decodes one token
-        from a slot of its own and stores the new state back there (a part with
-        `StatePart.slot_runs`: distinct slots, slot runs ascending from their first
-        slot); None for any other step (the eager path runs it)."""
+        from a slot of its own and stores the new state back there (`StatePart.in_place`:
+        distinct slots, never the null slot the padding rows use); None for any other
+        step (the eager path runs it)."""
         parts = state_parts(batch, cache.group)
         if len(parts) != 1:
             return None
         part = parts[0]
         grid = part.layout
-        if grid.max_len != 1 or not grid.identity or part.slot_runs is None:
-            return None
-        if any(run.first_slot == compiled_decode.NULL_SLOT for run in part.slot_runs):
-            return None  # never for a request's block; the padding rows write there
-        conv_views = slot_views(cache.conv, part)
-        if conv_views is None:
+        if grid.max_len != 1 or not grid.identity or not part.in_place:
             return None
         s = self.shape
         normed, conv_new = compiled_decode.gdn_decode(
@@ -238,8 +233,12 @@ class GatedDeltaNet:
             s.num_k_heads,
             s.head_k_dim,
         )
-        for run, view in zip(part.slot_runs, conv_views, strict=True):
-            view.copy_(conv_new[run.rows])
+        conv_views = slot_views(cache.conv, part)
+        if conv_views is None:  # slots in more runs than views pay for: one scatter
+            cache.conv.index_copy_(0, part.read_slots, conv_new)
+        else:
+            for run, view in zip(part.slot_runs or (), conv_views, strict=True):
+                view.copy_(conv_new[run.rows])
         return normed
 
     def _split_heads(
