@@ -20,7 +20,6 @@ released it as dead (out of every window that could still use it).
 
 from __future__ import annotations
 
-from array import array
 from collections import Counter, OrderedDict
 from collections.abc import Iterable, Sequence
 from typing import Final
@@ -49,15 +48,16 @@ class BlockPool:
             raise InvariantError(f"pool {plan.pool_id} has {plan.num_pages} pages; needs >= 1")
         self.pool_id = plan.pool_id
         self.num_blocks = plan.num_pages
-        # Per-block integers live in arrays, not lists: a pool has up to millions of
-        # blocks, and the garbage collector would traverse lists of that size.
-        self.ref_counts = array("q", bytes(8 * plan.num_pages))
+        # Per-block integers live in lists: native in the compiled build (an `array`
+        # read there is a generic call that boxes an int, ~300 instructions) and faster
+        # to read in pure Python; docs/manager_perf.md, twelfth session, has the memory.
+        self.ref_counts = [0] * plan.num_pages
         self.hashes: dict[int, bytes] = {}  # cached blocks only
-        self.hash_group = array("q", [-1]) * plan.num_pages
-        self.hash_end = array("q", bytes(8 * plan.num_pages))  # tokens covered by the hash
+        self.hash_group = [-1] * plan.num_pages
+        self.hash_end = [0] * plan.num_pages  # tokens covered by the hash
         self.index: dict[int, dict[bytes, BlockId]] = {g: {} for g in plan.group_ids}
         self.free = FreeQueue(plan.num_pages, list(range(1, plan.num_pages)), eviction_policy)
-        self.was_hit = array("b", bytes(plan.num_pages))  # hit since stored (cached only)
+        self.was_hit = [0] * plan.num_pages  # hit since stored (cached only)
         # Set by the manager while it releases a request that started from a prefix hit:
         # a chain that came back once is likely to come back again, and so is its
         # extension (the blocks that request added), so they are released as if hit.
@@ -264,7 +264,7 @@ class BlockPool:
             # A prefill chunk's blocks, the common case: none null, none cached, no key
             # in the index yet (checked at C speed). The loop below would store every
             # one; the dicts take them in one update each (chain keys of distinct
-            # positions are distinct, so no key repeats), and only the arrays need a loop
+            # positions are distinct, so no key repeats), and only the lists need a loop
             table = blocks[first:last]
             step = units_per_block
             keys = hashes[(first + 1) * step - 1 : last * step : step]

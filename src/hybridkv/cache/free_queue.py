@@ -2,7 +2,7 @@
 
 *Fresh* blocks hold no cached data; they are always reused first, last freed first (a
 stack). *Cached* free blocks still carry a hash and can be hit again; they sit in
-*tiers*, each a doubly linked list kept in two int arrays indexed by block id, with one
+*tiers*, each a doubly linked list kept in two int lists indexed by block id, with one
 sentinel per tier at index ``num_blocks + tier``::
 
     sentinel <-> b7 <-> b3 <-> b9 <-> sentinel
@@ -50,7 +50,6 @@ then 3. A later hit on 3 and 4 moves them to protected when released again.
 
 from __future__ import annotations
 
-from array import array
 from collections.abc import Sequence
 from typing import Final
 
@@ -90,12 +89,11 @@ class FreeQueue(LruLinks):
         self._chain = self.chain = policy == "chain"
         self._num_blocks = num_blocks
         size = num_blocks + _NUM_TIERS
-        # Arrays, not lists: cheap to traverse for the garbage collector at any size.
-        self._prev = array("q", [_NONE]) * size
-        self._next = array("q", [_NONE]) * size
-        self._tier = array("b", [-1]) * num_blocks
-        self._freed_at = array("q", bytes(8 * num_blocks))  # release counter at push
-        self._distance = array("q", bytes(8 * num_blocks))  # last reuse distance, 0: none
+        self._prev = [_NONE] * size
+        self._next = [_NONE] * size
+        self._tier = [-1] * num_blocks
+        self._freed_at = [0] * num_blocks  # release counter at push
+        self._distance = [0] * num_blocks  # last reuse distance, 0: none
         self._typical = 0.0  # moving average of reuse distances seen by hits
         # > 0: evicting the oldest was regretted more recently (loops: prefer the newest);
         # < 0: evicting the newest was (recency wins: prefer the oldest). See `regret`.
@@ -118,7 +116,7 @@ class FreeQueue(LruLinks):
         self._burst_freed_at = [0] * _NUM_TIERS
         # Stack: the last element is reused first, so push in reverse to hand out
         # the lowest ids first (readable golden scenarios).
-        self._fresh = array("q", reversed(fresh_ids))
+        self._fresh = fresh_ids[::-1]
 
     def __len__(self) -> int:
         return len(self._fresh) + self._num_cached
@@ -327,7 +325,7 @@ class FreeQueue(LruLinks):
         k = min(num, len(fresh))
         taken: list[int] = []
         if k:
-            taken = fresh[len(fresh) - k :].tolist()
+            taken = fresh[len(fresh) - k :]
             taken.reverse()  # pop order: the stack's top first
             del fresh[len(fresh) - k :]
             self._end_burst()

@@ -8,7 +8,6 @@ is a few microseconds; the loop's is ~40 bytecodes per block)."""
 
 from __future__ import annotations
 
-from array import array
 from collections.abc import Iterable
 
 from hybridkv.cache.free_queue_reads import PROBATION, FreeQueueReads, mypyc_attr
@@ -22,7 +21,7 @@ class LruLinks(FreeQueueReads):
         raise NotImplementedError  # `FreeQueue.push_fresh_many`
 
     def release_lru(
-        self, refs: array[int], hashes: dict[int, bytes], block_ids: Iterable[int]
+        self, refs: list[int], hashes: dict[int, bytes], block_ids: Iterable[int]
     ) -> int | None:
         """lru: drop one reference of each block (null blocks skipped) and push those
         that reach 0, in order: cached ones onto the newest end, the others onto the

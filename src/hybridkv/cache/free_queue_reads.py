@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-from array import array
 from typing import TYPE_CHECKING, Any, Final
 
 from hybridkv.errors import InvariantError
@@ -35,12 +34,12 @@ class FreeQueueReads:
 
     _chain: bool
     _num_blocks: int
-    _next: array[int]
-    _prev: array[int]
-    _tier: array[int]
+    _next: list[int]
+    _prev: list[int]
+    _tier: list[int]
     _tier_len: list[int]
     _num_cached: int
-    _fresh: array[int]
+    _fresh: list[int]
     loops: LoopDetector
 
     def fresh_ids(self) -> list[int]:

@@ -17,8 +17,6 @@ agentic 0.79 (4 GiB); few-shot 1.05 (2 GiB, on for 1 of 174 samples).
 
 from __future__ import annotations
 
-from array import array
-
 from hybridkv.errors import InvariantError
 
 LOOP_CV = 0.25  # coefficient of variation of reuse distances below which it is a loop
@@ -34,7 +32,7 @@ class LoopDetector:
 
     def __init__(self, num_blocks: int) -> None:
         self.clock = 0  # request releases so far (the free queue ticks it)
-        self.freed = array("q", bytes(8 * num_blocks))  # clock at each block's release
+        self.freed = [0] * num_blocks  # clock at each block's release
         self.mean = 0.0  # moving mean of distances
         self.square = 0.0  # moving mean of their squares
         self.hits = 0  # samples taken
