@@ -8,6 +8,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+import torch.nn.functional as F  # noqa: E402
+
 from hybridkv.engine import state_batched  # noqa: E402
 from hybridkv.engine.context import StateCache  # noqa: E402
 from hybridkv.engine.state_batched import state_parts  # noqa: E402
@@ -131,3 +133,40 @@ def test_dense_form_declined_for_a_shared_expert_of_another_width():
     assert moe._dense_form() is None
     want = _cast(moe, torch.float64)(x.double())
     torch.testing.assert_close(moe(x).double(), want, rtol=0.05, atol=0.02)  # the loop
+
+
+@pytest.mark.parametrize("rows", [1, 7, 32])
+def test_qwen3_next_fused_projection_equals_the_two_products(tmp_path, rows):
+    """bf16 Qwen3-Next: ``in_proj_qkvz`` and ``in_proj_ba`` regrouped into one weight at
+    load give the per-key-head split of the two products (transformers' regrouping into
+    q | k | v, z, b, a), value for value; float32 keeps the two products."""
+    from safetensors.torch import save_file
+
+    from hybridkv.engine.loader import Checkpoint
+    from hybridkv.engine.models.gated_deltanet import GDNShape, qwen3_next_projector
+
+    s = GDNShape(
+        hidden_size=64, num_k_heads=2, num_v_heads=4, head_k_dim=8, head_v_dim=6, conv_kernel=4
+    )
+    gen = torch.Generator().manual_seed(rows)
+    ratio, dk, dv = 2, 8, 6
+    per_head = 2 * dk + 2 * ratio * dv
+    w_qkvz = torch.randn(s.num_k_heads * per_head, 64, generator=gen) * 0.2
+    w_ba = torch.randn(2 * s.num_v_heads, 64, generator=gen) * 0.2
+    save_file(
+        {"p.in_proj_qkvz.weight": w_qkvz, "p.in_proj_ba.weight": w_ba}, tmp_path / "w.safetensors"
+    )
+    x = torch.randn(rows, 64, generator=gen)
+    for dtype in (torch.bfloat16, torch.float32):
+        project = qwen3_next_projector(Checkpoint(tmp_path, dtype), "p", s)
+        got = [project(x.to(dtype)) for _ in range(3)][-1]  # packed from the second call
+        qkvz = F.linear(x.to(dtype), w_qkvz.to(dtype)).view(rows, 2, per_head)
+        q, k, v, z = torch.split(qkvz, [dk, dk, ratio * dv, ratio * dv], dim=-1)
+        b, a = torch.split(
+            F.linear(x.to(dtype), w_ba.to(dtype)).view(rows, 2, 2 * ratio), ratio, -1
+        )
+        mixed = torch.cat([q.reshape(rows, -1), k.reshape(rows, -1), v.reshape(rows, -1)], -1)
+        want = (mixed, z.reshape(rows, -1), b.reshape(rows, -1), a.reshape(rows, -1))
+        for g, w in zip(got, want, strict=True):
+            assert g.dtype == dtype and g.shape == w.shape
+            torch.testing.assert_close(g, w, rtol=0, atol=0)

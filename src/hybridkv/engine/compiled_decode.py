@@ -179,6 +179,9 @@ def gdn_decode(
     if padded != rows:
         slots = torch.cat([slots, slots.new_full((padded - rows,), NULL_SLOT)])
         mixed, z, b, a, conv_state = (_pad_rows(t, padded) for t in (mixed, z, b, a, conv_state))
+    else:  # column slices of one projection (bf16 Qwen3-Next): one graph per bucket, not
+        # one per input layout (strides are part of a static graph's guards)
+        mixed, z, b, a = (t.contiguous() for t in (mixed, z, b, a))
     fn = _get_static("gdn_decode", _gdn_decode)
     normed, conv_new = fn(
         mixed,

@@ -108,6 +108,8 @@ def qwen3_next_projector(ckpt: Checkpoint, prefix: str, s: GDNShape) -> Projecto
     per_head = 2 * s.head_k_dim + 2 * ratio * s.head_v_dim
     w_qkvz = ckpt.take(f"{prefix}.in_proj_qkvz.weight", (s.num_k_heads * per_head, s.hidden_size))
     w_ba = ckpt.take(f"{prefix}.in_proj_ba.weight", (2 * s.num_v_heads, s.hidden_size))
+    if w_qkvz.dtype in compiled.REDUCED_DTYPES and w_ba.dtype == w_qkvz.dtype:
+        return _fused_projector(_regrouped(w_qkvz, w_ba, s), s)
 
     def project(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         n = x.shape[0]
@@ -118,6 +120,44 @@ def qwen3_next_projector(ckpt: Checkpoint, prefix: str, s: GDNShape) -> Projecto
         b, a = torch.split(linear(x, w_ba).view(n, s.num_k_heads, 2 * ratio), ratio, dim=-1)
         mixed = torch.cat([q.reshape(n, -1), k.reshape(n, -1), v.reshape(n, -1)], dim=-1)
         return mixed, z.reshape(n, -1), b.reshape(n, -1), a.reshape(n, -1)
+
+    return project  # type: ignore[return-value]
+
+
+def _regrouped(w_qkvz: torch.Tensor, w_ba: torch.Tensor, s: GDNShape) -> torch.Tensor:
+    """Qwen3-Next's two packed-per-key-head weights as one, rows in Qwen3.5's order
+    ``[q | k | v | z | b | a]`` (each head-major): one product per step instead of two,
+    and q, k, v, z, b, a are column slices of it (no split, reshape copies or cat)."""
+    ratio = s.num_v_heads // s.num_k_heads
+    dk, rv = s.head_k_dim, ratio * s.head_v_dim
+    heads = w_qkvz.view(s.num_k_heads, 2 * dk + 2 * rv, s.hidden_size)
+    ba = w_ba.view(s.num_k_heads, 2 * ratio, s.hidden_size)
+    parts = [
+        heads[:, :dk],
+        heads[:, dk : 2 * dk],
+        heads[:, 2 * dk : 2 * dk + rv],
+        heads[:, 2 * dk + rv :],
+        ba[:, :ratio],
+        ba[:, ratio:],
+    ]
+    return torch.cat([p.reshape(-1, s.hidden_size) for p in parts]).contiguous()
+
+
+def _fused_projector(weight: torch.Tensor, s: GDNShape) -> Projector:
+    """bf16 / fp16 only (float32 keeps transformers' two products, whose sums the
+    exactness tests hold): a row permutation changes no output value, one product of
+    ``N = conv_dim + value_dim + 2 Hv`` replaces two (measured: docs/engine_perf.md,
+    round 11)."""
+    ends = (s.conv_dim, s.conv_dim + s.value_dim, s.conv_dim + s.value_dim + s.num_v_heads)
+
+    def project(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        out = linear(x, weight)
+        return (
+            out[:, : ends[0]],
+            out[:, ends[0] : ends[1]],
+            out[:, ends[1] : ends[2]],
+            out[:, ends[2] :],
+        )
 
     return project  # type: ignore[return-value]
 
