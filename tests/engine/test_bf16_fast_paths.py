@@ -170,3 +170,39 @@ def test_qwen3_next_fused_projection_equals_the_two_products(tmp_path, rows):
         for g, w in zip(got, want, strict=True):
             assert g.dtype == dtype and g.shape == w.shape
             torch.testing.assert_close(g, w, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 32])
+def test_attention_qkv_as_one_product_in_bf16_only(rows):
+    """bf16 attention without biases: q, k, v projections are row views of one fused
+    weight (no second copy) and its product's column slices equal the three products
+    value for value (packed, from the second call); float32 and biased layers keep
+    three products."""
+    from hybridkv.engine.models.attention_block import Attention, AttentionShape
+    from hybridkv.engine.packed_linear import linear
+
+    gen = torch.Generator().manual_seed(rows)
+    shape = AttentionShape(hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, gated=True)
+
+    def make(dtype, bias=None):
+        w = [torch.randn(n, 64, generator=gen).to(dtype) * 0.2 for n in (128, 32, 32)]
+        return Attention(
+            shape=shape, q_proj=w[0], k_proj=w[1], v_proj=w[2],
+            o_proj=torch.randn(64, 64, generator=gen).to(dtype),
+            q_bias=bias, k_bias=None, v_bias=None, o_bias=None,
+            q_norm=None, k_norm=None, rope=None, scale=0.25,
+        ), w  # fmt: skip
+
+    layer, (wq, wk, wv) = make(torch.bfloat16)
+    assert layer.qkv_proj is not None and layer.qkv_proj.shape == (192, 64)
+    for view, w in zip((layer.q_proj, layer.k_proj, layer.v_proj), (wq, wk, wv), strict=True):
+        assert view.untyped_storage().data_ptr() == layer.qkv_proj.untyped_storage().data_ptr()
+        assert torch.equal(view, w)
+    x = torch.randn(rows, 64, generator=gen).to(torch.bfloat16)
+    fused = [linear(x, layer.qkv_proj) for _ in range(3)][-1]
+    for cols, w in zip(
+        (slice(0, 128), slice(128, 160), slice(160, 192)), (wq, wk, wv), strict=True
+    ):
+        assert torch.equal(fused[:, cols], F.linear(x, w))
+    assert make(torch.float32)[0].qkv_proj is None
+    assert make(torch.bfloat16, bias=torch.zeros(128, dtype=torch.bfloat16))[0].qkv_proj is None

@@ -10,12 +10,13 @@ sinks (gpt-oss) and a key multiplier (Falcon-H1).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from hybridkv.engine.attention import paged_attention
+from hybridkv.engine.compiled import REDUCED_DTYPES
 from hybridkv.engine.context import ForwardBatch, KVCache, LayerCache
 from hybridkv.engine.loader import Checkpoint, cfg_get, cfg_require
 from hybridkv.engine.models.common import (
@@ -91,6 +92,25 @@ class Attention:
     sinks: torch.Tensor | None = None  # [num_heads]
     key_multiplier: float | None = None  # Falcon-H1: k_proj output scaled before rope
     kv_scales: tuple[float, float] | None = None  # fp8 checkpoints' k_scale / v_scale
+    # bf16 / fp16 without biases: [q_proj; k_proj; v_proj] as one weight, one product
+    # per step instead of three (q_proj, k_proj, v_proj become row views of it: no
+    # second copy). float32 keeps three products (transformers' sums, which the
+    # exactness tests hold); the outputs are the same values (tested).
+    qkv_proj: torch.Tensor | None = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        weights = (self.q_proj, self.k_proj, self.v_proj)
+        if (
+            self.q_bias is None
+            and self.k_bias is None
+            and self.v_bias is None
+            and all(w.dtype in REDUCED_DTYPES and w.dtype == self.q_proj.dtype for w in weights)
+            and all(w.device == self.q_proj.device for w in weights)
+        ):
+            fused = torch.cat(weights)
+            nq, nk = self.q_proj.shape[0], self.k_proj.shape[0]
+            self.q_proj, self.k_proj = fused[:nq], fused[nq : nq + nk]
+            self.v_proj, self.qkv_proj = fused[nq + nk :], fused
 
     @classmethod
     def load(
@@ -164,13 +184,21 @@ class Attention:
             raise EngineError(f"attention layer got a {type(cache).__name__}, expected KVCache")
         s = self.shape
         num_tokens = x.shape[0]
-        q = linear(x, self.q_proj, self.q_bias).view(num_tokens, s.num_heads, -1)
+        if self.qkv_proj is None:
+            q = linear(x, self.q_proj, self.q_bias)
+            k = linear(x, self.k_proj, self.k_bias)
+            v = linear(x, self.v_proj, self.v_bias)
+        else:  # column slices of one product
+            qkv = linear(x, self.qkv_proj)
+            nq, nk = self.q_proj.shape[0], self.k_proj.shape[0]
+            q, k, v = qkv[:, :nq], qkv[:, nq : nq + nk], qkv[:, nq + nk :]
+        q = q.view(num_tokens, s.num_heads, -1)
         gate = None
         if s.gated:
             q, gate = q[..., : s.head_dim], q[..., s.head_dim :]
             gate = gate.reshape(num_tokens, -1)
-        k = linear(x, self.k_proj, self.k_bias).view(num_tokens, s.num_kv_heads, s.head_dim)
-        v = linear(x, self.v_proj, self.v_bias).view(num_tokens, s.num_kv_heads, s.head_dim)
+        k = k.view(num_tokens, s.num_kv_heads, s.head_dim)
+        v = v.view(num_tokens, s.num_kv_heads, s.head_dim)
         if self.key_multiplier is not None:
             k = k * self.key_multiplier
         if self.q_norm is not None and self.k_norm is not None:
