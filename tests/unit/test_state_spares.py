@@ -78,3 +78,31 @@ def test_no_spec_states_no_sticky_growth() -> None:
     assert cm.block_table("r", 1) == [2]  # full: block 1; state: running block 2 only
     cm.commit("r", 0, [5])
     cm.check_invariants()
+
+
+def test_state_slots_many_equals_one_call_per_request() -> None:
+    """The batch read an engine makes per state group: the same `StepSlots` as one
+    `state_slots` call per request, in order, and the same typed errors."""
+    import pytest
+
+    from hybridkv.errors import CacheError
+
+    cm = _manager()
+    for name, prompt in (("a", [1, 2, 3]), ("b", [4, 5, 6, 7, 8]), ("c", [9])):
+        cm.add_request(name, prompt)
+        cm.lookup(name)
+        assert cm.allocate(name, len(prompt)) is not None
+    cm.commit("a", 0, [11])
+    cm.commit("b", 0, [12])
+    cm.commit("c", 0, [13])
+    assert cm.allocate("b", 1, 2) is not None and cm.allocate("a", 1) is not None
+    assert cm.state_slots_many(["b", "a"], 1) == [cm.state_slots("b", 1), cm.state_slots("a", 1)]
+    assert cm.state_slots_many([], 1) == []
+    with pytest.raises(CacheError, match="not a state group"):
+        cm.state_slots_many(["a"], 0)
+    with pytest.raises(CacheError, match="out of range"):
+        cm.state_slots_many(["a"], 7)
+    with pytest.raises(CacheError, match="no step allocated"):
+        cm.state_slots_many(["a", "c"], 1)
+    with pytest.raises(CacheError, match="unknown request"):
+        cm.state_slots_many(["zz"], 1)

@@ -104,6 +104,25 @@ class CacheViews:
             )
         return manager.slots(r.states[group_id], r.num_computed, r.pend_n, r.pend_lookahead)
 
+    def state_slots_many(self, req_ids: Sequence[str], group_id: int) -> list[StepSlots]:
+        """`state_slots` of every request in ``req_ids`` for one state group, in order
+        (one group check for all: an engine reads every row of a step per state group)."""
+        self._check_group(group_id)
+        manager = self._managers[group_id]
+        if not manager.is_state:
+            raise CacheError(f"group {group_id} is {manager.group.kind}, not a state group")
+        out = []
+        for req_id in req_ids:
+            r = self._get(req_id)
+            if not r.pending:
+                raise CacheError(
+                    f"state_slots of request {req_id!r}: no step allocated (call allocate first)"
+                )
+            out.append(
+                manager.slots(r.states[group_id], r.num_computed, r.pend_n, r.pend_lookahead)
+            )
+        return out
+
     def block_info(self, pool_id: int, block_id: BlockId) -> BlockInfo:
         return self.coordinator.pools[pool_id].info(block_id)
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from hybridkv.cache import CacheManager
+from hybridkv.cache import CacheManager, StepSlots
 from hybridkv.engine.block_tables import DeviceBlockTables
 from hybridkv.engine.context import BlockTable, ForwardBatch, StateSlots, WritePoint, make_batch
 from hybridkv.engine.models.common import CausalLM, HiddenStates
@@ -145,8 +145,9 @@ class ModelRunner:
         for group in self.state_groups:
             reads: list[int | None] = []
             writes: list[list[WritePoint]] = []
-            for s in steps:
-                read, points = self._state_points(s, group.group_id)
+            got = self.manager.state_slots_many(req_ids, group.group_id)
+            for s, st in zip(steps, got, strict=True):
+                read, points = self._state_points(s, st)
                 reads.append(read)
                 writes.append(points)
             slots[group_key(group.group_id)] = StateSlots.from_points(reads, writes, self.device)
@@ -169,8 +170,7 @@ class ModelRunner:
             batch = replace(batch, tree=tree)
         return batch
 
-    def _state_points(self, s: StepInput, group_id: int) -> tuple[int | None, list[WritePoint]]:
-        st = self.manager.state_slots(s.req_id, group_id)
+    def _state_points(self, s: StepInput, st: StepSlots) -> tuple[int | None, list[WritePoint]]:
         step_start = s.num_computed - max(0, s.draft_pass - 1)
         if st.num_computed_tokens != step_start:
             raise EngineError(
