@@ -143,7 +143,7 @@ def test_qwen3_next_fused_projection_equals_the_two_products(tmp_path, rows):
     from safetensors.torch import save_file
 
     from hybridkv.engine.loader import Checkpoint
-    from hybridkv.engine.models.gated_deltanet import GDNShape, qwen3_next_projector
+    from hybridkv.engine.models.gdn_projection import GDNShape, qwen3_next_projector
 
     s = GDNShape(
         hidden_size=64, num_k_heads=2, num_v_heads=4, head_k_dim=8, head_v_dim=6, conv_kernel=4

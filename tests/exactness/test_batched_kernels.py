@@ -17,7 +17,8 @@ from hybridkv.engine import delta_rule  # noqa: E402
 from hybridkv.engine.attention import paged_attention  # noqa: E402
 from hybridkv.engine.attention_reference import paged_attention_reference  # noqa: E402
 from hybridkv.engine.context import BlockTable, KVCache, StateCache, StateSlots, make_batch  # noqa: E402
-from hybridkv.engine.models.gated_deltanet import GatedDeltaNet, GDNShape  # noqa: E402
+from hybridkv.engine.models.gated_deltanet import GatedDeltaNet  # noqa: E402
+from hybridkv.engine.models.gdn_projection import GDNShape  # noqa: E402
 from hybridkv.engine.models.mamba1 import Mamba1  # noqa: E402
 from hybridkv.engine.models.mamba2 import Mamba2, Mamba2Shape  # noqa: E402
 from hybridkv.engine.models.short_conv import ShortConv  # noqa: E402

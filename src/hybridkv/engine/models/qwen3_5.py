@@ -17,8 +17,8 @@ from hybridkv.engine.loader import Checkpoint, cfg_get, cfg_require
 from hybridkv.engine.models.assembly import ModelDims, PreNormLayer, causal_lm, norm_loader
 from hybridkv.engine.models.attention_block import Attention, AttentionShape
 from hybridkv.engine.models.common import CausalLM, GatedMLP, activation, rms_norm_offset
-from hybridkv.engine.models.gated_deltanet import (
-    GatedDeltaNet,
+from hybridkv.engine.models.gated_deltanet import GatedDeltaNet
+from hybridkv.engine.models.gdn_projection import (
     GDNShape,
     qwen3_5_projector,
     qwen3_next_projector,
