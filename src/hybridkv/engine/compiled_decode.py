@@ -66,8 +66,9 @@ def _static_graph(
     built on first use and kept. Traced with ``make_fx`` and compiled with
     ``torch._inductor.compile`` (inductor's entry for graphs captured without dynamo,
     cached on disk like any inductor graph): a call then skips dynamo's frame hook and
-    guard checks, which cost 25-60 us per call here (`gdn_decode`, one thread, 1 and 32
-    rows: 57-62 against 34-36 us, 467 against 406 us) -- per layer and step. The key
+    guard checks, which cost 25-60 us per call here (`gdn_decode`, bf16: 62 against 36 us
+    at 1 row and 467 against 406 us at 32 rows with 2 threads, 57 against 34 us at 1 row
+    with 1) -- per layer and step. The key
     (`_graph_key`) stands in for the guards: any other shape, stride, dtype or constant
     builds another graph."""
     key = (fn.__name__, *_graph_key(tensors, consts))
@@ -181,9 +182,9 @@ def gdn_decode(
     the rows' conv windows (``rows >= K - 1``: a plan may keep more for speculative
     tokens; the conv reads the last K - 1); row r's ssm state is slot ``slots[r]`` of
     ``ssm_buffer [S, Hv, dv, dk]``, read and updated in place inside the graph (the
-    buffer, not a per-step view, is the graph's input, so no storage offset or stride
-    becomes a guard, and the new state is written once, where it lives: 2 MB per layer
-    at 32 rows); ``taps [conv_dim, K]``. The slots must be distinct and not 0: padding
+    buffer, not a per-step view, is the graph's input, so one graph serves every step
+    and layer, and the new state is written once, where it lives: 2 MB per layer at 32
+    rows); ``taps [conv_dim, K]``. The slots must be distinct and not 0: padding
     rows read and write slot 0, the pool's null block, whose contents nothing reads.
     (The conv states come in and go out as tensors: they are small, and aot_autograd
     refuses to mutate two inputs that are views of one pool; measured, one row of conv
@@ -201,7 +202,7 @@ def gdn_decode(
         slots = torch.cat([slots, slots.new_full((padded - rows,), NULL_SLOT)])
         mixed, z, b, a, conv_state = (_pad_rows(t, padded) for t in (mixed, z, b, a, conv_state))
     else:  # column slices of one projection (bf16 Qwen3-Next): one graph per bucket, not
-        # one per input layout (strides are part of a static graph's guards)
+        # one per input layout (strides are part of a static graph's key)
         mixed, z, b, a = (t.contiguous() for t in (mixed, z, b, a))
     tensors = (mixed, z, b, a, a_log, dt_bias, conv_state, ssm_buffer, slots, taps, norm_weight)
     consts = (eps, num_k_heads, head_k_dim)
