@@ -30,7 +30,7 @@ commit stays below it, and every slow commit runs every state group.
 from __future__ import annotations
 
 from array import array
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from hybridkv.cache.managers import Bounds, GroupManager
@@ -44,14 +44,11 @@ class RequestRecord:
 
     __slots__ = (
         "commit_below",
-        "commit_limits",
-        "end_limits",
         "fast_end",
         "fast_lookahead",
         "fast_verified",
         "hashes",
         "limits",
-        "lookahead_limits",
         "max_accept",
         "nulled",
         "num_computed",
@@ -66,7 +63,6 @@ class RequestRecord:
         "started",
         "states",
         "tokens",
-        "verified_limits",
     )
 
     def __init__(self, req_id: str, tokens: array[int], root: bytes, max_accept: int) -> None:
@@ -78,9 +74,9 @@ class RequestRecord:
         self.num_computed = 0
         self.started = False  # holds per-group states (first allocate done)
         self.states: list[Any] = []
-        # (settle_fast_all of a manager kind, states of its groups) for the groups whose
-        # state moves on a fast commit
-        self.settlers: list[tuple[Callable[[Sequence[Any], int], None], list[Any]]] = []
+        # (a manager of one kind, the states of its groups) for the groups whose state
+        # moves on a fast commit: ``manager.settle_fast_all(states, accepted)``
+        self.settlers: list[tuple[GroupManager, list[Any]]] = []
         self.pending = False
         self.pend_n = 0
         self.pend_lookahead = 0
@@ -89,7 +85,7 @@ class RequestRecord:
         self.pending_states: tuple[int, list[Any]] | None = None
         # per group: table positions [lo, hi) nulled since the last delta handed out
         self.nulled: dict[int, tuple[int, int]] | None = None
-        self.limits: list[Bounds] = []
+        self.limits: list[Bounds] = []  # per group: `GroupManager.fast_bounds`
         self.clear_limits()
 
     # ------------------------------------------------------------------ fast path
@@ -116,39 +112,47 @@ class RequestRecord:
     def clear_limits(self) -> None:
         """No fast path (no blocks held)."""
         self.fast_end = self.fast_verified = self.fast_lookahead = self.commit_below = 0
-        # per group: `GroupManager.fast_bounds` (ints, `UNBOUNDED` for no bound), and
-        # the same values per kind of bound, for C-speed minima
+        # per group: `GroupManager.fast_bounds` (ints, `UNBOUNDED` for no bound)
         self.limits = []
-        self.end_limits: tuple[int, ...] = ()
-        self.verified_limits: tuple[int, ...] = ()
-        self.lookahead_limits: tuple[int, ...] = ()
-        self.commit_limits: tuple[int, ...] = ()
 
     def start(self, managers: Sequence[GroupManager], states: list[Any]) -> None:
         """Hold ``states`` (one per group), as the first allocate after a lookup does."""
         self.started = True
         self.states = states
         by_kind: dict[type[GroupManager], list[Any]] = {}
+        first: dict[type[GroupManager], GroupManager] = {}
         for m, s in zip(managers, states, strict=True):
             if m.moves_on_fast_commit:
                 by_kind.setdefault(type(m), []).append(s)
-        self.settlers = [(kind.settle_fast_all, group) for kind, group in by_kind.items()]
+                first.setdefault(type(m), m)
+        # one call per kind, on a manager object: a native method call in the compiled
+        # build (a stored function object was a generic call with argument parsing)
+        self.settlers = [(first[kind], group) for kind, group in by_kind.items()]
         self.limits = [_NO_FAST] * len(managers)
 
     def refresh_limits(self, managers: Sequence[GroupManager], groups: Sequence[int]) -> None:
         """Recompute the limits of ``groups`` (indexes into ``managers``), then the minimum."""
         limits, c, states = self.limits, self.num_computed, self.states
-        if len(limits) == 1:  # one group: its limits are the minimum (no per-kind tuples)
+        if len(limits) == 1:  # one group: its limits are the minimum
             x = limits[0] = managers[0].fast_bounds(states[0], c)
             self.fast_end, self.fast_verified, self.fast_lookahead, self.commit_below = x
             return
         for g in groups:
             limits[g] = managers[g].fast_bounds(states[g], c)
-        ends, verified, lookahead, commit = zip(*limits, strict=True)
-        self.end_limits, self.verified_limits = ends, verified
-        self.lookahead_limits, self.commit_limits = lookahead, commit
-        self.fast_end, self.fast_verified = min(ends), min(verified)
-        self.fast_lookahead, self.commit_below = min(lookahead), min(commit)
+        # the minima in one loop over native ints (zip(*limits) and four min() calls
+        # cost several times this in the compiled build, at ten groups)
+        end, verified, lookahead, commit = limits[0]
+        for x in limits:
+            if x[0] < end:
+                end = x[0]
+            if x[1] < verified:
+                verified = x[1]
+            if x[2] < lookahead:
+                lookahead = x[2]
+            if x[3] < commit:
+                commit = x[3]
+        self.fast_end, self.fast_verified = end, verified
+        self.fast_lookahead, self.commit_below = lookahead, commit
 
     def owe_nulled(self, nulled: dict[int, tuple[int, int]] | None) -> None:
         """After a slow commit (limits refreshed): positions ``nulled`` are owed to the
@@ -170,12 +174,10 @@ class RequestRecord:
                     f"request {self.req_id!r} group {g}: cached fast limits {cached} but the "
                     f"manager says {fresh} at {self.num_computed} computed tokens"
                 )
-        per_kind = [tuple(x[i] for x in self.limits) for i in range(4)]
-        minima = [min(values) for values in per_kind]
+        minima = [min(x[i] for x in self.limits) for i in range(4)]
         if self.nulled is not None:
             minima[0] = 0  # a delta is owed: the next allocate takes the slow path
-        stored = [self.end_limits, self.verified_limits, self.lookahead_limits, self.commit_limits]
-        if (len(self.limits) > 1 and per_kind != stored) or tuple(minima) != (
+        if tuple(minima) != (
             self.fast_end,
             self.fast_verified,
             self.fast_lookahead,
@@ -186,20 +188,25 @@ class RequestRecord:
     def groups_to_allocate(self, n: int, lookahead: int) -> list[int]:
         """Groups whose own limits the step ``(n, lookahead)`` crosses (called once the
         fast path failed for a running request)."""
-        ends = self.end_limits
-        if len(self.limits) == 1:
+        limits = self.limits
+        if len(limits) == 1:
             return [0]
         top = self.num_computed + n
         end = top + lookahead
-        verified, spec = self.verified_limits, self.lookahead_limits
-        return [
-            g for g in range(len(ends)) if end > ends[g] or top > verified[g] or lookahead > spec[g]
-        ]
+        out: list[int] = []
+        for g, x in enumerate(limits):
+            if end > x[0] or top > x[1] or lookahead > x[2]:
+                out.append(g)
+        return out
 
     def groups_to_commit(self, c2: int, always: Sequence[bool]) -> list[int]:
         """Groups with something to cache or release at ``c2``, plus the ``always`` ones
         (state groups)."""
-        commit = self.commit_limits
-        if len(self.limits) == 1:
+        limits = self.limits
+        if len(limits) == 1:
             return [0]  # called once the fast commit failed: the one group has work
-        return [g for g, forced in enumerate(always) if forced or c2 >= commit[g]]
+        out: list[int] = []
+        for g, x in enumerate(limits):
+            if always[g] or c2 >= x[3]:
+                out.append(g)
+        return out

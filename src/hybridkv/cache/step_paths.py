@@ -102,8 +102,8 @@ class StepPaths(CacheViews):
                 if c2 <= len(tokens):
                     if c2 < r.commit_below:
                         if a and r.settlers:  # fast path: as in `commit_batch`
-                            for settle, states in r.settlers:
-                                settle(states, a)
+                            for manager, states in r.settlers:
+                                manager.settle_fast_all(states, a)
                         r.num_computed = c2
                         r.pending = False
                     else:
@@ -191,8 +191,8 @@ class StepPaths(CacheViews):
                         # The fast path (`RequestRecord`): no group caches or releases
                         # anything. Inline: a call per request costs more than this.
                         if accepted and r.settlers:
-                            for settle, states in r.settlers:
-                                settle(states, accepted)
+                            for manager, states in r.settlers:
+                                manager.settle_fast_all(states, accepted)
                         r.num_computed = c2
                         r.pending = False
                     else:

@@ -298,8 +298,7 @@ class StateManager(GroupManager):
         """
         self.settle_fast_all((state,), accepted)
 
-    @classmethod
-    def settle_fast_all(cls, states: Sequence[StateBlocks], accepted: int) -> None:
+    def settle_fast_all(self, states: Sequence[StateBlocks], accepted: int) -> None:
         if accepted:
             i = accepted - 1
             for state in states:
