@@ -13,10 +13,15 @@ import random
 from array import array
 
 from hybridkv.cache import CacheManager
-from hybridkv.cache.junction import MAX_CHILDREN_PER_PARENT, find_partial
+from hybridkv.cache.junction import MAX_CHILDREN_PER_PARENT, ChildIndex, find_partial
 from hybridkv.cache.toy import ToyGroup, toy_plan
 
 B = 4
+
+
+def _all_children(children: ChildIndex) -> list[dict[int, bytes]]:
+    """Every parent's children map, across groups."""
+    return [kids for parents in children.by_group.values() for kids in parents.values()]
 
 
 def _manager(num_blocks: int) -> CacheManager:
@@ -45,7 +50,7 @@ def _reference_partial(m: CacheManager, g: int, tokens: list[int], anchor: int, 
     unit = manager.unit_tokens
     if children is None or anchor <= 0 or anchor // unit > len(hashes):
         return None
-    entries = children.by_parent.get((g, hashes[anchor // unit - 1]))
+    entries = children.children_of(g, hashes[anchor // unit - 1])
     if not entries:
         return None
     end = min(limit, anchor + B - 1, len(tokens) - 1)
@@ -96,7 +101,7 @@ def test_find_partial_with_the_shared_memo_matches_the_plain_comparison():
     m.check_invariants()
     pool = m.coordinator.pools[0]
     assert pool.children is not None and len(pool.children) > 0
-    assert max(len(c) for c in pool.children.by_parent.values()) > 1  # siblings
+    assert max(len(c) for c in _all_children(pool.children)) > 1  # siblings
     token_groups = [g for g, mg in enumerate(m.coordinator.managers) if not mg.is_state]
     checked = 0
     for prompt in _prompts(rng, stems, 40):
@@ -172,7 +177,7 @@ def test_children_payloads_are_the_blocks_tokens_and_bounded_per_parent():
     m.check_invariants()
     children = m.coordinator.pools[0].children
     assert children is not None
-    assert max(len(c) for c in children.by_parent.values()) == MAX_CHILDREN_PER_PARENT
+    assert max(len(c) for c in _all_children(children)) == MAX_CHILDREN_PER_PARENT
     by_hash = {}
     for prompt in prompts:
         m.add_request("probe", prompt)
@@ -183,10 +188,11 @@ def test_children_payloads_are_the_blocks_tokens_and_bounded_per_parent():
             }
         m.free("probe")
     seen = 0
-    for (_, parent), kids in children.by_parent.items():
-        for payload in kids.values():
-            assert len(payload) == 8 * B
-            if parent in by_hash:
-                assert tuple(array("q", payload)) in by_hash[parent]
-                seen += 1
+    for parents in children.by_group.values():
+        for parent, kids in parents.items():
+            for payload in kids.values():
+                assert len(payload) == 8 * B
+                if parent in by_hash:
+                    assert tuple(array("q", payload)) in by_hash[parent]
+                    seen += 1
     assert seen > 0

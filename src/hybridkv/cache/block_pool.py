@@ -62,15 +62,20 @@ class BlockPool:
         # a chain that came back once is likely to come back again, and so is its
         # extension (the blocks that request added), so they are released as if hit.
         self.releasing_hot = False
-        # chain policy: (group, hash) of recently evicted blocks -> evicted from the
+        # chain policy: recently evicted blocks (`ghost_key`) -> evicted from the
         # newest end; a lookup that misses one tells the policy it chose badly. An
         # OrderedDict, not a dict: dropping the oldest of a plain dict
         # (``next(iter(d))``) scans the deleted entries before it, O(pool) per eviction
         # once the index is full (7 us at 5.6k blocks); ``popitem(last=False)`` is O(1)
         # and the order (insertion, a re-set key keeping its place) is the same
-        self.ghosts: OrderedDict[tuple[int, bytes], bool] | None = (
+        self.ghosts: OrderedDict[bytes, bool] | None = (
             OrderedDict() if eviction_policy == "chain" else None
         )
+        # a ghost's key is its hash + 4 bytes of group id: unique per (group, hash), the
+        # suffix having a fixed size; bytes, unlike a (group, hash) tuple,
+        # are not tracked by the garbage collector (one per eviction, kept for a pool's
+        # worth of evictions)
+        self.ghost_tags: dict[int, bytes] = {g: g.to_bytes(4, "little") for g in plan.group_ids}
         self.events = events
         self.num_evictions = 0
         self.num_stored = 0
@@ -103,10 +108,14 @@ class BlockPool:
         recently evicted block (a ghost) tells the chain policy it chose badly."""
         block = self.index[group_id].get(block_hash)
         if block is None and self.ghosts:
-            newest = self.ghosts.pop((group_id, block_hash), None)
+            newest = self.ghosts.pop(block_hash + self.ghost_tags[group_id], None)
             if newest is not None:
                 self.free.regret(newest)
         return block
+
+    def ghost_key(self, group_id: int, block_hash: bytes) -> bytes:
+        """The key of an evicted block of ``group_id`` in ``ghosts``."""
+        return block_hash + self.ghost_tags[group_id]
 
     def is_cached(self, block_id: BlockId) -> bool:
         return block_id in self.hashes
@@ -323,7 +332,7 @@ class BlockPool:
         if self.partial is not None:
             self.partial.discard(group, block_hash)
         if self.children is not None:
-            self.children.discard(block_id)
+            self.children.discard(group, block_id)
         self.hash_group[block_id] = -1
         self.was_hit[block_id] = 0
         if self.free.chain:  # only chain keeps reuse distances
@@ -357,7 +366,7 @@ class BlockPool:
         junction entries, ghosts, the victims' own reuse distances)."""
         own, hash_group, index, was_hit = self.hashes, self.hash_group, self.index, self.was_hit
         partial, children, ghosts, events = self.partial, self.children, self.ghosts, self.events
-        limit = self.num_blocks
+        limit, tags = self.num_blocks, self.ghost_tags
         for block, new in zip(victims, newest, strict=True):
             block_hash = own.pop(block)
             group = hash_group[block]
@@ -365,11 +374,11 @@ class BlockPool:
             if partial is not None:
                 partial.discard(group, block_hash)
             if children is not None:
-                children.discard(block)  # type: ignore[arg-type]
+                children.discard(group, block)  # type: ignore[arg-type]
             hash_group[block] = -1
             was_hit[block] = 0
             if ghosts is not None:
-                ghosts[(group, block_hash)] = new
+                ghosts[block_hash + tags[group]] = new
                 if len(ghosts) > limit:
                     ghosts.popitem(last=False)
             if events is not None:
@@ -382,7 +391,7 @@ class BlockPool:
     def _evict(self, block_id: BlockId) -> None:
         group, block_hash = self._unindex(block_id)
         if self.ghosts is not None:
-            self.ghosts[(group, block_hash)] = self.free.last_victim_newest
+            self.ghosts[block_hash + self.ghost_tags[group]] = self.free.last_victim_newest
             if len(self.ghosts) > self.num_blocks:
                 self.ghosts.popitem(last=False)
         self.num_evictions += 1

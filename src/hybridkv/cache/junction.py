@@ -64,13 +64,16 @@ class CopyOrder(NamedTuple):
 
 
 class ChildIndex:
-    """Cached full blocks of one pool by parent: ``(group, chain hash before the block)``
-    -> ``{block: its tokens as bytes (8 per token)}``, at most
-    `MAX_CHILDREN_PER_PARENT` per parent; ``parent_of`` maps back for eviction."""
+    """Cached full blocks of one pool by parent: group -> chain hash before the block ->
+    ``{block: its tokens as bytes (8 per token)}``, at most `MAX_CHILDREN_PER_PARENT`
+    per parent; ``parent_of`` maps each block back to its parent hash (its group is the
+    pool's ``hash_group``). One dict per group rather than ``(group, parent)`` keys: a
+    tuple per cached block would live as long as the block and keep the garbage
+    collector busy (most parents have one child)."""
 
     def __init__(self) -> None:
-        self.by_parent: dict[tuple[int, bytes], dict[BlockId, bytes]] = {}
-        self.parent_of: dict[BlockId, tuple[int, bytes]] = {}
+        self.by_group: dict[int, dict[bytes, dict[BlockId, bytes]]] = {}
+        self.parent_of: dict[BlockId, bytes] = {}
         # `find_partial`'s memo: the common prefix (tokens) of the last prompt span
         # compared (``memo_want``) with each payload compared to it. A pure function of
         # two values, so it never goes stale; it serves every group of the pool, whose
@@ -82,41 +85,58 @@ class ChildIndex:
     def __len__(self) -> int:
         return len(self.parent_of)
 
+    def parents(self, group_id: int) -> dict[bytes, dict[BlockId, bytes]]:
+        """``group_id``'s parent hash -> children map (made on first use)."""
+        parents = self.by_group.get(group_id)
+        if parents is None:
+            parents = self.by_group[group_id] = {}
+        return parents
+
+    def children_of(self, group_id: int, parent: bytes) -> dict[BlockId, bytes] | None:
+        parents = self.by_group.get(group_id)
+        return None if parents is None else parents.get(parent)
+
     def add(self, group_id: int, parent: bytes, block: BlockId, payload: bytes) -> None:
-        children = self.by_parent.setdefault((group_id, parent), {})
+        parents = self.parents(group_id)
+        children = parents.get(parent)
+        if children is None:
+            children = parents[parent] = {}
         children[block] = payload
-        self.parent_of[block] = (group_id, parent)
+        self.parent_of[block] = parent
         if len(children) > MAX_CHILDREN_PER_PARENT:
             oldest = next(iter(children))
             del children[oldest]
             del self.parent_of[oldest]
 
-    def discard(self, block: BlockId) -> None:
-        """Forget ``block`` if indexed (called whenever a block leaves its hash index)."""
+    def discard(self, group_id: int, block: BlockId) -> None:
+        """Forget ``block`` of ``group_id`` if indexed (called whenever a block leaves
+        its hash index)."""
         parent = self.parent_of.pop(block, None)
         if parent is None:
             return
-        children = self.by_parent[parent]
+        parents = self.by_group[group_id]
+        children = parents[parent]
         del children[block]
         if not children:
-            del self.by_parent[parent]
+            del parents[parent]
 
     def check(self, pool: BlockPool) -> None:
         """Every child is a cached block of its group, and the two maps agree."""
         count = 0
-        for (group, parent), children in self.by_parent.items():
-            if not children or len(children) > MAX_CHILDREN_PER_PARENT:
-                raise InvariantError(
-                    f"pool {pool.pool_id} group {group}: {len(children)} junction children "
-                    f"under one parent (1..{MAX_CHILDREN_PER_PARENT})"
-                )
-            for block in children:
-                count += 1
-                if pool.hash_group[block] != group or self.parent_of.get(block) != (group, parent):
+        for group, parents in self.by_group.items():
+            for parent, children in parents.items():
+                if not children or len(children) > MAX_CHILDREN_PER_PARENT:
                     raise InvariantError(
-                        f"pool {pool.pool_id} group {group}: junction child block {block} is "
-                        f"not cached in this group (hash group {pool.hash_group[block]})"
+                        f"pool {pool.pool_id} group {group}: {len(children)} junction "
+                        f"children under one parent (1..{MAX_CHILDREN_PER_PARENT})"
                     )
+                for block in children:
+                    count += 1
+                    if pool.hash_group[block] != group or self.parent_of.get(block) != parent:
+                        raise InvariantError(
+                            f"pool {pool.pool_id} group {group}: junction child block {block} "
+                            f"is not cached in this group (hash group {pool.hash_group[block]})"
+                        )
         if count != len(self.parent_of):
             raise InvariantError(
                 f"pool {pool.pool_id}: {count} junction children by parent, "
@@ -168,7 +188,7 @@ def note_children(
     B = manager.block_size
     step = B // manager.unit_tokens
     own, group = manager.pool.hashes, manager.group_id
-    by_parent, parent_of = children.by_parent, children.parent_of
+    by_parent, parent_of = children.parents(group), children.parent_of
     # One group: the chunk's tokens as bytes once, each payload one slice of them.
     # Several (a coordinator call with `BlockPool.spans` open): each payload once, the
     # same bytes object for every group (hybrid blocks hold KBs of tokens, and a copy
@@ -184,7 +204,7 @@ def note_children(
                 payload = data[offset : offset + width]
             else:
                 payload = span_bytes(manager.pool, tokens, j * B, (j + 1) * B)
-            parent = (group, hashes[j * step - 1])
+            parent = hashes[j * step - 1]
             kids = by_parent.get(parent)
             if kids is None:
                 by_parent[parent] = {block: payload}
@@ -229,7 +249,7 @@ def find_partial(
     unit = manager.unit_tokens
     if children is None or manager.key_ahead or anchor <= 0 or anchor // unit > len(hashes):
         return None
-    entries = children.by_parent.get((manager.group_id, hashes[anchor // unit - 1]))
+    entries = children.children_of(manager.group_id, hashes[anchor // unit - 1])
     if not entries:
         return None
     span_end = min(anchor + manager.block_size - 1, len(tokens) - 1)

@@ -31,12 +31,15 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Final
 
 from hybridkv.cache.managers import Bounds, GroupManager
 from hybridkv.errors import InvariantError
 
-_NO_FAST: Bounds = (0, 0, 0, 0)
+# Per group, `GroupManager.fast_bounds`'s four ints (end, verified, lookahead, commit
+# below) side by side in one flat list: no tuple per group and refresh, which would
+# live as long as the limits and keep the garbage collector busy
+_NUM_BOUNDS: Final = 4
 
 
 class RequestRecord:
@@ -85,7 +88,7 @@ class RequestRecord:
         self.pending_states: tuple[int, list[Any]] | None = None
         # per group: table positions [lo, hi) nulled since the last delta handed out
         self.nulled: dict[int, tuple[int, int]] | None = None
-        self.limits: list[Bounds] = []  # per group: `GroupManager.fast_bounds`
+        self.limits: list[int] = []  # per group: `GroupManager.fast_bounds`, flat
         self.clear_limits()
 
     # ------------------------------------------------------------------ fast path
@@ -112,7 +115,6 @@ class RequestRecord:
     def clear_limits(self) -> None:
         """No fast path (no blocks held)."""
         self.fast_end = self.fast_verified = self.fast_lookahead = self.commit_below = 0
-        # per group: `GroupManager.fast_bounds` (ints, `UNBOUNDED` for no bound)
         self.limits = []
 
     def start(self, managers: Sequence[GroupManager], states: list[Any]) -> None:
@@ -128,31 +130,42 @@ class RequestRecord:
         # one call per kind, on a manager object: a native method call in the compiled
         # build (a stored function object was a generic call with argument parsing)
         self.settlers = [(first[kind], group) for kind, group in by_kind.items()]
-        self.limits = [_NO_FAST] * len(managers)
+        self.limits = [0] * (_NUM_BOUNDS * len(managers))
 
     def refresh_limits(self, managers: Sequence[GroupManager], groups: Sequence[int]) -> None:
         """Recompute the limits of ``groups`` (indexes into ``managers``), then the minimum."""
         limits, c, states = self.limits, self.num_computed, self.states
-        if len(limits) == 1:  # one group: its limits are the minimum
-            x = limits[0] = managers[0].fast_bounds(states[0], c)
-            self.fast_end, self.fast_verified, self.fast_lookahead, self.commit_below = x
+        if len(limits) == _NUM_BOUNDS:  # one group: its limits are the minimum
+            end, verified, lookahead, commit = managers[0].fast_bounds(states[0], c)
+            limits[0], limits[1], limits[2], limits[3] = end, verified, lookahead, commit
+            self.fast_end, self.fast_verified = end, verified
+            self.fast_lookahead, self.commit_below = lookahead, commit
             return
         for g in groups:
-            limits[g] = managers[g].fast_bounds(states[g], c)
+            end, verified, lookahead, commit = managers[g].fast_bounds(states[g], c)
+            i = _NUM_BOUNDS * g
+            limits[i], limits[i + 1] = end, verified
+            limits[i + 2], limits[i + 3] = lookahead, commit
         # the minima in one loop over native ints (zip(*limits) and four min() calls
         # cost several times this in the compiled build, at ten groups)
-        end, verified, lookahead, commit = limits[0]
-        for x in limits:
-            if x[0] < end:
-                end = x[0]
-            if x[1] < verified:
-                verified = x[1]
-            if x[2] < lookahead:
-                lookahead = x[2]
-            if x[3] < commit:
-                commit = x[3]
+        end, verified, lookahead, commit = limits[0], limits[1], limits[2], limits[3]
+        for i in range(_NUM_BOUNDS, len(limits), _NUM_BOUNDS):
+            if limits[i] < end:
+                end = limits[i]
+            if limits[i + 1] < verified:
+                verified = limits[i + 1]
+            if limits[i + 2] < lookahead:
+                lookahead = limits[i + 2]
+            if limits[i + 3] < commit:
+                commit = limits[i + 3]
         self.fast_end, self.fast_verified = end, verified
         self.fast_lookahead, self.commit_below = lookahead, commit
+
+    def group_limits(self, g: int) -> Bounds:
+        """The cached limits of group ``g``."""
+        i = _NUM_BOUNDS * g
+        limits = self.limits
+        return limits[i], limits[i + 1], limits[i + 2], limits[i + 3]
 
     def owe_nulled(self, nulled: dict[int, tuple[int, int]] | None) -> None:
         """After a slow commit (limits refreshed): positions ``nulled`` are owed to the
@@ -167,14 +180,20 @@ class RequestRecord:
             if self.limits or self.fast_end or self.commit_below:
                 raise InvariantError(f"request {self.req_id!r} holds no blocks but has limits")
             return
-        for g, (manager, cached) in enumerate(zip(managers, self.limits, strict=True)):
+        if len(self.limits) != _NUM_BOUNDS * len(managers):
+            raise InvariantError(
+                f"request {self.req_id!r}: {len(self.limits)} cached limits for "
+                f"{len(managers)} groups"
+            )
+        for g, manager in enumerate(managers):
             fresh = manager.fast_bounds(self.states[g], self.num_computed)
+            cached = self.group_limits(g)
             if fresh != cached:
                 raise InvariantError(
                     f"request {self.req_id!r} group {g}: cached fast limits {cached} but the "
                     f"manager says {fresh} at {self.num_computed} computed tokens"
                 )
-        minima = [min(x[i] for x in self.limits) for i in range(4)]
+        minima = [min(self.limits[i::_NUM_BOUNDS]) for i in range(_NUM_BOUNDS)]
         if self.nulled is not None:
             minima[0] = 0  # a delta is owed: the next allocate takes the slow path
         if tuple(minima) != (
@@ -189,24 +208,24 @@ class RequestRecord:
         """Groups whose own limits the step ``(n, lookahead)`` crosses (called once the
         fast path failed for a running request)."""
         limits = self.limits
-        if len(limits) == 1:
+        if len(limits) == _NUM_BOUNDS:
             return [0]
         top = self.num_computed + n
         end = top + lookahead
         out: list[int] = []
-        for g, x in enumerate(limits):
-            if end > x[0] or top > x[1] or lookahead > x[2]:
-                out.append(g)
+        for i in range(0, len(limits), _NUM_BOUNDS):
+            if end > limits[i] or top > limits[i + 1] or lookahead > limits[i + 2]:
+                out.append(i // _NUM_BOUNDS)
         return out
 
     def groups_to_commit(self, c2: int, always: Sequence[bool]) -> list[int]:
         """Groups with something to cache or release at ``c2``, plus the ``always`` ones
         (state groups)."""
         limits = self.limits
-        if len(limits) == 1:
+        if len(limits) == _NUM_BOUNDS:
             return [0]  # called once the fast commit failed: the one group has work
         out: list[int] = []
-        for g, x in enumerate(limits):
-            if always[g] or c2 >= x[3]:
+        for g, forced in enumerate(always):
+            if forced or c2 >= limits[_NUM_BOUNDS * g + 3]:
                 out.append(g)
         return out
