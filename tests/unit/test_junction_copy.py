@@ -105,10 +105,10 @@ def test_eviction_of_the_source_drops_it_from_the_child_index():
     m = _manager(num_blocks=20)
     _a_then_b(m)
     pool = m.coordinator.pools[0]
-    assert 3 in pool.children.parent_of
+    assert pool.children.parent_of[3] is not None
     big = list(range(500, 556))  # 14 attention blocks + 1 state block
     _admit(m, "Z", big)
-    assert 3 not in pool.children.parent_of and not pool.is_cached(3)
+    assert pool.children.parent_of[3] is None and not pool.is_cached(3)
     m.check_invariants()
     m.free("Z")
     hit, delta = _admit(m, "C", C)

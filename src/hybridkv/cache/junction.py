@@ -66,14 +66,16 @@ class CopyOrder(NamedTuple):
 class ChildIndex:
     """Cached full blocks of one pool by parent: group -> chain hash before the block ->
     ``{block: its tokens as bytes (8 per token)}``, at most `MAX_CHILDREN_PER_PARENT`
-    per parent; ``parent_of`` maps each block back to its parent hash (its group is the
-    pool's ``hash_group``). One dict per group rather than ``(group, parent)`` keys: a
-    tuple per cached block would live as long as the block and keep the garbage
-    collector busy (most parents have one child)."""
+    per parent; ``parent_of[block]`` is its parent hash, None for blocks not indexed (its
+    group is the pool's ``hash_group``). One dict per group rather than ``(group,
+    parent)`` keys: a tuple per cached block would live as long as the block and keep the
+    garbage collector busy (most parents have one child); a list by block id rather than
+    a dict: a block's entry is read at every cache and eviction."""
 
-    def __init__(self) -> None:
+    def __init__(self, num_blocks: int) -> None:
         self.by_group: dict[int, dict[bytes, dict[BlockId, bytes]]] = {}
-        self.parent_of: dict[BlockId, bytes] = {}
+        self.parent_of: list[bytes | None] = [None] * num_blocks
+        self.num_children = 0
         # `find_partial`'s memo: the common prefix (tokens) of the last prompt span
         # compared (``memo_want``) with each payload compared to it. A pure function of
         # two values, so it never goes stale; it serves every group of the pool, whose
@@ -83,7 +85,7 @@ class ChildIndex:
         self.memo: dict[bytes, int] = {}
 
     def __len__(self) -> int:
-        return len(self.parent_of)
+        return self.num_children
 
     def parents(self, group_id: int) -> dict[bytes, dict[BlockId, bytes]]:
         """``group_id``'s parent hash -> children map (made on first use)."""
@@ -103,17 +105,21 @@ class ChildIndex:
             children = parents[parent] = {}
         children[block] = payload
         self.parent_of[block] = parent
+        self.num_children += 1
         if len(children) > MAX_CHILDREN_PER_PARENT:
             oldest = next(iter(children))
             del children[oldest]
-            del self.parent_of[oldest]
+            self.parent_of[oldest] = None
+            self.num_children -= 1
 
     def discard(self, group_id: int, block: BlockId) -> None:
         """Forget ``block`` of ``group_id`` if indexed (called whenever a block leaves
         its hash index)."""
-        parent = self.parent_of.pop(block, None)
+        parent = self.parent_of[block]
         if parent is None:
             return
+        self.parent_of[block] = None
+        self.num_children -= 1
         parents = self.by_group[group_id]
         children = parents[parent]
         del children[block]
@@ -132,15 +138,16 @@ class ChildIndex:
                     )
                 for block in children:
                     count += 1
-                    if pool.hash_group[block] != group or self.parent_of.get(block) != parent:
+                    if pool.hash_group[block] != group or self.parent_of[block] != parent:
                         raise InvariantError(
                             f"pool {pool.pool_id} group {group}: junction child block {block} "
                             f"is not cached in this group (hash group {pool.hash_group[block]})"
                         )
-        if count != len(self.parent_of):
+        by_block = sum(parent is not None for parent in self.parent_of)
+        if not count == by_block == self.num_children:
             raise InvariantError(
-                f"pool {pool.pool_id}: {count} junction children by parent, "
-                f"{len(self.parent_of)} by block"
+                f"pool {pool.pool_id}: {count} junction children by parent, {by_block} by "
+                f"block, {self.num_children} counted"
             )
 
 
@@ -196,9 +203,10 @@ def note_children(
     spans = manager.pool.spans
     data = token_bytes(tokens, lo * B, last * B) if spans is None else b""
     width = 8 * B
+    added = 0
     for j in range(lo, last):
         block = blocks[j]
-        if own.get(block) == hashes[(j + 1) * step - 1] and block not in parent_of:
+        if own.get(block) == hashes[(j + 1) * step - 1] and parent_of[block] is None:
             if spans is None:
                 offset = (j - lo) * width
                 payload = data[offset : offset + width]
@@ -206,6 +214,7 @@ def note_children(
                 payload = span_bytes(manager.pool, tokens, j * B, (j + 1) * B)
             parent = hashes[j * step - 1]
             kids = by_parent.get(parent)
+            added += 1
             if kids is None:
                 by_parent[parent] = {block: payload}
             else:
@@ -213,8 +222,10 @@ def note_children(
                 if len(kids) > MAX_CHILDREN_PER_PARENT:  # as `ChildIndex.add`
                     oldest = next(iter(kids))
                     del kids[oldest]
-                    del parent_of[oldest]
+                    parent_of[oldest] = None
+                    added -= 1
             parent_of[block] = parent
+    children.num_children += added
 
 
 def _common_prefix(a: bytes, b: bytes) -> int:
@@ -279,7 +290,7 @@ def is_copy_source(manager: GroupManager, block: BlockId) -> bool:
     """A hit's partial block is a junction copy source (not a turn-end entry, which the
     request takes over instead)."""
     children = manager.pool.children
-    return children is not None and block in children.parent_of
+    return children is not None and children.parent_of[block] is not None
 
 
 def junction_copies(
@@ -300,4 +311,4 @@ def enable_junction_copies(coordinator: Coordinator) -> None:
     the state at a mid-block junction is kept under a turn-end key)."""
     coordinator.copies = True
     for pool in coordinator.pools:
-        pool.children = ChildIndex()
+        pool.children = ChildIndex(pool.num_blocks)

@@ -48,7 +48,7 @@ kept (that would need a copy of the block being written).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Final
 
 from hybridkv.cache.junction import token_bytes
 from hybridkv.errors import InvariantError
@@ -61,6 +61,10 @@ if TYPE_CHECKING:
 
 TURN_END = "turn_end"
 _TAG = b"hybridkv-turn-end|"
+# the shortest turn-end key: tag, a chain hash (sha256: 32 bytes) and one token. Block
+# keys are shorter (a digest, + 8 bytes when keyed ahead), so an evicted block whose key
+# is shorter needs no lookup here (every eviction asks, `PartialIndex.discard`)
+_MIN_KEY_BYTES: Final = len(_TAG) + 32 + 8
 
 
 class PartialIndex:
@@ -82,6 +86,8 @@ class PartialIndex:
 
     def discard(self, group_id: int, key: bytes) -> None:
         """Forget ``key`` if it is a turn-end entry (called for every evicted block)."""
+        if len(key) < _MIN_KEY_BYTES:
+            return  # a block key (no tuple, no lookup: most evictions)
         anchor = self.anchor_of.pop((group_id, key), None)
         if anchor is None:
             return
@@ -108,7 +114,11 @@ class PartialIndex:
                         f"pool {pool.pool_id} group {group}: turn-end entry ending at {end} is "
                         f"not indexed (block {block})"
                     )
-                if self.anchor_of.get((group, key)) != anchor or not key.startswith(_TAG + anchor):
+                if (
+                    self.anchor_of.get((group, key)) != anchor
+                    or not key.startswith(_TAG + anchor)
+                    or len(key) < _MIN_KEY_BYTES
+                ):
                     raise InvariantError(
                         f"pool {pool.pool_id} group {group}: turn-end entry ending at {end} "
                         "has a stale anchor"

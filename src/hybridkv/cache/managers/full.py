@@ -299,7 +299,7 @@ class FullAttentionManager(GroupManager):
                 if children is not None and j and not self.key_ahead:
                     step = B // self.unit_tokens
                     if own.get(block) == hashes[num_full * step - 1] and (
-                        block not in children.parent_of
+                        children.parent_of[block] is None
                     ):
                         children.add(
                             self.group_id,
