@@ -218,7 +218,7 @@ class RequestRecord:
                 out.append(i // _NUM_BOUNDS)
         return out
 
-    def groups_to_commit(self, c2: int, always: Sequence[bool]) -> list[int]:
+    def groups_to_commit(self, c2: int, always: list[bool]) -> list[int]:
         """Groups with something to cache or release at ``c2``, plus the ``always`` ones
         (state groups)."""
         limits = self.limits

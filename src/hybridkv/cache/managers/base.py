@@ -249,7 +249,7 @@ class GroupManager:
     def settle_fast(self, state: Any, accepted: int) -> None:
         """Settle a step that stayed within `fast_limits` (``c2 < commit_below``)."""
 
-    def settle_fast_all(self, states: Sequence[Any], accepted: int) -> None:
+    def settle_fast_all(self, states: list[Any], accepted: int) -> None:
         """`settle_fast` for the states of several groups of this kind at once (one
         call per request and kind on the fast path; the states may be other groups'
         of this kind, so the rule must read nothing of ``self``'s own group)."""

@@ -296,9 +296,10 @@ class StateManager(GroupManager):
 
             running r, spares [s0, s1, s2], a = 2  ->  running s1, spares [s0, r, s2]
         """
-        self.settle_fast_all((state,), accepted)
+        self.settle_fast_all([state], accepted)
 
-    def settle_fast_all(self, states: Sequence[StateBlocks], accepted: int) -> None:
+    def settle_fast_all(self, states: list[StateBlocks], accepted: int) -> None:
+        # a list, not a Sequence: the compiled loop indexes it natively
         if accepted:
             i = accepted - 1
             for state in states:
