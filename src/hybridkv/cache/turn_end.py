@@ -68,71 +68,106 @@ _MIN_KEY_BYTES: Final = len(_TAG) + 32 + 8
 
 
 class PartialIndex:
-    """The turn-end entries of one pool, by anchor: ``(group, chain hash at a)`` ->
-    ``{key: end_tokens}``. The keys themselves live in the pool's group index like any
-    block hash (so eviction and the index checks treat them alike); this table only
-    lets a lookup enumerate the entries anchored at one block boundary."""
+    """The turn-end entries of one pool, by group and anchor: group -> chain hash at
+    ``a`` -> ``{key: end_tokens}``. The keys themselves live in the pool's group index
+    like any block hash (so eviction and the index checks treat them alike); this table
+    only lets a lookup enumerate the entries anchored at one block boundary. Dicts per
+    group rather than ``(group, hash)`` keys: no tuple per entry, kept as long as it."""
 
     def __init__(self) -> None:
-        self.by_anchor: dict[tuple[int, bytes], dict[bytes, int]] = {}
-        self.anchor_of: dict[tuple[int, bytes], bytes] = {}  # (group, key) -> anchor
+        self.by_anchor: dict[int, dict[bytes, dict[bytes, int]]] = {}
+        self.anchor_of: dict[int, dict[bytes, bytes]] = {}  # group -> key -> anchor
+        self.num_entries = 0
 
     def __len__(self) -> int:
-        return len(self.anchor_of)
+        return self.num_entries
 
     def add(self, group_id: int, anchor: bytes, key: bytes, end_tokens: int) -> None:
-        self.by_anchor.setdefault((group_id, anchor), {})[key] = end_tokens
-        self.anchor_of[(group_id, key)] = anchor
+        anchors = self.by_anchor.get(group_id)
+        if anchors is None:
+            anchors = self.by_anchor[group_id] = {}
+            self.anchor_of[group_id] = {}
+        entries = anchors.get(anchor)
+        if entries is None:
+            entries = anchors[anchor] = {}
+        if key not in entries:
+            self.num_entries += 1
+        entries[key] = end_tokens
+        self.anchor_of[group_id][key] = anchor
 
     def discard(self, group_id: int, key: bytes) -> None:
         """Forget ``key`` if it is a turn-end entry (called for every evicted block)."""
         if len(key) < _MIN_KEY_BYTES:
-            return  # a block key (no tuple, no lookup: most evictions)
-        anchor = self.anchor_of.pop((group_id, key), None)
+            return  # a block key (no lookup: most evictions)
+        keys = self.anchor_of.get(group_id)
+        anchor = None if keys is None else keys.pop(key, None)
         if anchor is None:
             return
-        entries = self.by_anchor[(group_id, anchor)]
+        self.num_entries -= 1
+        anchors = self.by_anchor[group_id]
+        entries = anchors[anchor]
         del entries[key]
         if not entries:
-            del self.by_anchor[(group_id, anchor)]
+            del anchors[anchor]
 
     def entries(self, group_id: int, anchor: bytes) -> dict[bytes, int] | None:
-        return self.by_anchor.get((group_id, anchor))
+        anchors = self.by_anchor.get(group_id)
+        return None if anchors is None else anchors.get(anchor)
+
+    def anchor(self, group_id: int, key: bytes) -> bytes | None:
+        """The anchor of turn-end entry ``key`` of ``group_id`` (None: not an entry)."""
+        keys = self.anchor_of.get(group_id)
+        return None if keys is None else keys.get(key)
 
     def check(self, pool: BlockPool, token_groups: set[int]) -> None:
         """Every entry is indexed by the pool under its key, ends past its anchor and
         inside one block; entries of token-indexed groups are free blocks."""
         count = 0
-        for (group, anchor), entries in self.by_anchor.items():
-            if not entries:
-                raise InvariantError(f"pool {pool.pool_id}: empty turn-end anchor in group {group}")
-            for key, end in entries.items():
-                count += 1
-                block = pool.index[group].get(key)
-                if block is None or pool.hash_end[block] != end:
+        for group, anchors in self.by_anchor.items():
+            for anchor, entries in anchors.items():
+                if not entries:
                     raise InvariantError(
-                        f"pool {pool.pool_id} group {group}: turn-end entry ending at {end} is "
-                        f"not indexed (block {block})"
+                        f"pool {pool.pool_id}: empty turn-end anchor in group {group}"
                     )
-                if (
-                    self.anchor_of.get((group, key)) != anchor
-                    or not key.startswith(_TAG + anchor)
-                    or len(key) < _MIN_KEY_BYTES
-                ):
-                    raise InvariantError(
-                        f"pool {pool.pool_id} group {group}: turn-end entry ending at {end} "
-                        "has a stale anchor"
-                    )
-                if group in token_groups and pool.ref_counts[block] != 0:
-                    raise InvariantError(
-                        f"pool {pool.pool_id} group {group}: partial block {block} (turn end "
-                        f"{end}) is cached with {pool.ref_counts[block]} references; a hit "
-                        "must take it over"
-                    )
-        if count != len(self.anchor_of):
+                for key, end in entries.items():
+                    count += 1
+                    self._check_entry(pool, token_groups, group, anchor, key, end)
+        by_key = sum(len(keys) for keys in self.anchor_of.values())
+        if not count == by_key == self.num_entries:
             raise InvariantError(
-                f"pool {pool.pool_id}: {count} turn-end entries by anchor, "
-                f"{len(self.anchor_of)} by key"
+                f"pool {pool.pool_id}: {count} turn-end entries by anchor, {by_key} by key, "
+                f"{self.num_entries} counted"
+            )
+
+    def _check_entry(
+        self,
+        pool: BlockPool,
+        token_groups: set[int],
+        group: int,
+        anchor: bytes,
+        key: bytes,
+        end: int,
+    ) -> None:
+        block = pool.index[group].get(key)
+        if block is None or pool.hash_end[block] != end:
+            raise InvariantError(
+                f"pool {pool.pool_id} group {group}: turn-end entry ending at {end} is "
+                f"not indexed (block {block})"
+            )
+        if (
+            self.anchor(group, key) != anchor
+            or not key.startswith(_TAG + anchor)
+            or len(key) < _MIN_KEY_BYTES
+        ):
+            raise InvariantError(
+                f"pool {pool.pool_id} group {group}: turn-end entry ending at {end} "
+                "has a stale anchor"
+            )
+        if group in token_groups and pool.ref_counts[block] != 0:
+            raise InvariantError(
+                f"pool {pool.pool_id} group {group}: partial block {block} (turn end "
+                f"{end}) is cached with {pool.ref_counts[block]} references; a hit "
+                "must take it over"
             )
 
 
@@ -177,7 +212,7 @@ def find_turn_end(
     if partial is None or anchor <= 0 or anchor // unit > len(hashes):
         return None  # `_anchor_hash` is None: inline, as `entries` below (a lookup's
     anchor_hash = hashes[anchor // unit - 1]  # every token group asks at every pass)
-    entries = partial.by_anchor.get((manager.group_id, anchor_hash))
+    entries = partial.entries(manager.group_id, anchor_hash)
     if not entries:
         return None
     best: tuple[int, BlockId] | None = None

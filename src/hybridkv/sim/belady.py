@@ -129,7 +129,7 @@ class BeladyQueue(FreeQueue):
         key = pool.hashes[block]
         group = pool.hash_group[block]
         end = pool.hash_end[block]
-        anchor = None if pool.partial is None else pool.partial.anchor_of.get((group, key))
+        anchor = None if pool.partial is None else pool.partial.anchor(group, key)
         return self.future.next_use(key if anchor is None else anchor, group, end), end
 
     def _enter(self, block: int) -> None:
