@@ -124,5 +124,5 @@ def test_child_index_keeps_at_most_the_bound_per_parent():
         _admit(m, f"r{i}", S[:8] + [200 + i] * 5)
         _finish(m, f"r{i}")
     children = m.coordinator.pools[0].children
-    assert max(len(c) for c in children.by_group[0].values()) == MAX_CHILDREN_PER_PARENT
+    assert max(len(kids) for _, _, kids in children.by_parent()) == MAX_CHILDREN_PER_PARENT
     m.check_invariants()

@@ -19,9 +19,9 @@ from hybridkv.cache.toy import ToyGroup, toy_plan
 B = 4
 
 
-def _all_children(children: ChildIndex) -> list[dict[int, bytes]]:
-    """Every parent's children map, across groups."""
-    return [kids for parents in children.by_group.values() for kids in parents.values()]
+def _all_children(children: ChildIndex) -> list[list[int]]:
+    """Every parent's children, across groups."""
+    return [kids for _, _, kids in children.by_parent()]
 
 
 def _manager(num_blocks: int) -> CacheManager:
@@ -50,7 +50,9 @@ def _reference_partial(m: CacheManager, g: int, tokens: list[int], anchor: int, 
     unit = manager.unit_tokens
     if children is None or anchor <= 0 or anchor // unit > len(hashes):
         return None
-    entries = children.children_of(g, hashes[anchor // unit - 1])
+    entries = {
+        b: children.payload_of[b] for b in children.children_of(g, hashes[anchor // unit - 1])
+    }
     if not entries:
         return None
     end = min(limit, anchor + B - 1, len(tokens) - 1)
@@ -188,11 +190,11 @@ def test_children_payloads_are_the_blocks_tokens_and_bounded_per_parent():
             }
         m.free("probe")
     seen = 0
-    for parents in children.by_group.values():
-        for parent, kids in parents.items():
-            for payload in kids.values():
-                assert len(payload) == 8 * B
-                if parent in by_hash:
-                    assert tuple(array("q", payload)) in by_hash[parent]
-                    seen += 1
+    for _, parent, kids in children.by_parent():
+        for block in kids:
+            payload = children.payload_of[block]
+            assert len(payload) == 8 * B
+            if parent in by_hash:
+                assert tuple(array("q", payload)) in by_hash[parent]
+                seen += 1
     assert seen > 0

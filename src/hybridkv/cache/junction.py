@@ -64,17 +64,22 @@ class CopyOrder(NamedTuple):
 
 
 class ChildIndex:
-    """Cached full blocks of one pool by parent: group -> chain hash before the block ->
-    ``{block: its tokens as bytes (8 per token)}``, at most `MAX_CHILDREN_PER_PARENT`
-    per parent; ``parent_of[block]`` is its parent hash, None for blocks not indexed (its
-    group is the pool's ``hash_group``). One dict per group rather than ``(group,
-    parent)`` keys: a tuple per cached block would live as long as the block and keep the
-    garbage collector busy (most parents have one child); a list by block id rather than
-    a dict: a block's entry is read at every cache and eviction."""
+    """Cached full blocks of one pool by parent (the chain hash before the block), per
+    group, at most `MAX_CHILDREN_PER_PARENT` per parent, oldest first; a block's tokens
+    (bytes, 8 per token) in ``payload_of[block]`` and its parent hash in
+    ``parent_of[block]`` (None: not indexed; its group is the pool's ``hash_group``).
+
+    Most parents have one child: ``only`` maps them to it, and only parents with more
+    hold a list (``many``). No container per cached block (a dict or a ``(group,
+    parent)`` key per block would live as long as the block and keep the garbage
+    collector busy), and per-block facts in lists by block id, read at every cache and
+    eviction."""
 
     def __init__(self, num_blocks: int) -> None:
-        self.by_group: dict[int, dict[bytes, dict[BlockId, bytes]]] = {}
+        self.only: dict[int, dict[bytes, BlockId]] = {}  # group -> parent -> its child
+        self.many: dict[int, dict[bytes, list[BlockId]]] = {}  # group -> parent -> 2..8
         self.parent_of: list[bytes | None] = [None] * num_blocks
+        self.payload_of: list[bytes] = [b""] * num_blocks
         self.num_children = 0
         # `find_partial`'s memo: the common prefix (tokens) of the last prompt span
         # compared (``memo_want``) with each payload compared to it. A pure function of
@@ -87,30 +92,53 @@ class ChildIndex:
     def __len__(self) -> int:
         return self.num_children
 
-    def parents(self, group_id: int) -> dict[bytes, dict[BlockId, bytes]]:
-        """``group_id``'s parent hash -> children map (made on first use)."""
-        parents = self.by_group.get(group_id)
-        if parents is None:
-            parents = self.by_group[group_id] = {}
-        return parents
+    def maps(self, group_id: int) -> tuple[dict[bytes, BlockId], dict[bytes, list[BlockId]]]:
+        """``group_id``'s (only, many) maps (made on first use)."""
+        only = self.only.get(group_id)
+        if only is None:
+            only = self.only[group_id] = {}
+            self.many[group_id] = {}
+        return only, self.many[group_id]
 
-    def children_of(self, group_id: int, parent: bytes) -> dict[BlockId, bytes] | None:
-        parents = self.by_group.get(group_id)
-        return None if parents is None else parents.get(parent)
+    def children_of(self, group_id: int, parent: bytes) -> list[BlockId]:
+        """The children of ``parent`` in ``group_id``, oldest first (read only)."""
+        only = self.only.get(group_id)
+        if only is None:
+            return []
+        block = only.get(parent)
+        if block is not None:
+            return [block]
+        return self.many[group_id].get(parent, [])
+
+    def by_parent(self) -> list[tuple[int, bytes, list[BlockId]]]:
+        """Every (group, parent, children oldest first) of the index."""
+        out = [
+            (g, parent, [block]) for g, only in self.only.items() for parent, block in only.items()
+        ]
+        out += [(g, parent, kids) for g, many in self.many.items() for parent, kids in many.items()]
+        return out
 
     def add(self, group_id: int, parent: bytes, block: BlockId, payload: bytes) -> None:
-        parents = self.parents(group_id)
-        children = parents.get(parent)
-        if children is None:
-            children = parents[parent] = {}
-        children[block] = payload
+        only, many = self.maps(group_id)
         self.parent_of[block] = parent
+        self.payload_of[block] = payload
         self.num_children += 1
-        if len(children) > MAX_CHILDREN_PER_PARENT:
-            oldest = next(iter(children))
-            del children[oldest]
-            self.parent_of[oldest] = None
-            self.num_children -= 1
+        kids = many.get(parent)
+        if kids is not None:
+            kids.append(block)
+            if len(kids) > MAX_CHILDREN_PER_PARENT:
+                self._forget(kids.pop(0))  # the oldest goes
+            return
+        other = only.pop(parent, None)
+        if other is None:
+            only[parent] = block
+        else:
+            many[parent] = [other, block]
+
+    def _forget(self, block: BlockId) -> None:
+        self.parent_of[block] = None
+        self.payload_of[block] = b""
+        self.num_children -= 1
 
     def discard(self, group_id: int, block: BlockId) -> None:
         """Forget ``block`` of ``group_id`` if indexed (called whenever a block leaves
@@ -118,31 +146,46 @@ class ChildIndex:
         parent = self.parent_of[block]
         if parent is None:
             return
-        self.parent_of[block] = None
-        self.num_children -= 1
-        parents = self.by_group[group_id]
-        children = parents[parent]
-        del children[block]
-        if not children:
-            del parents[parent]
+        self._forget(block)
+        only = self.only[group_id]
+        if only.get(parent) == block:
+            del only[parent]
+            return
+        many = self.many[group_id]
+        kids = many[parent]
+        kids.remove(block)
+        if len(kids) == 1:  # back to one child
+            del many[parent]
+            only[parent] = kids[0]
 
     def check(self, pool: BlockPool) -> None:
-        """Every child is a cached block of its group, and the two maps agree."""
+        """Every child is a cached block of its group, indexed once under its parent
+        with its payload, and the counts agree."""
         count = 0
-        for group, parents in self.by_group.items():
-            for parent, children in parents.items():
-                if not children or len(children) > MAX_CHILDREN_PER_PARENT:
+        for group, parent, children in self.by_parent():
+            many = len(children) > 1 or parent in self.many.get(group, {})
+            if many and not 2 <= len(children) <= MAX_CHILDREN_PER_PARENT:
+                raise InvariantError(
+                    f"pool {pool.pool_id} group {group}: {len(children)} junction children "
+                    f"listed under one parent (2..{MAX_CHILDREN_PER_PARENT})"
+                )
+            if many and parent in self.only.get(group, {}):
+                raise InvariantError(
+                    f"pool {pool.pool_id} group {group}: a junction parent is both single "
+                    "and listed"
+                )
+            for block in children:
+                count += 1
+                if (
+                    pool.hash_group[block] != group
+                    or self.parent_of[block] != parent
+                    or not self.payload_of[block]
+                ):
                     raise InvariantError(
-                        f"pool {pool.pool_id} group {group}: {len(children)} junction "
-                        f"children under one parent (1..{MAX_CHILDREN_PER_PARENT})"
+                        f"pool {pool.pool_id} group {group}: junction child block {block} "
+                        f"is not cached in this group (hash group {pool.hash_group[block]}) "
+                        "or has no parent or payload"
                     )
-                for block in children:
-                    count += 1
-                    if pool.hash_group[block] != group or self.parent_of[block] != parent:
-                        raise InvariantError(
-                            f"pool {pool.pool_id} group {group}: junction child block {block} "
-                            f"is not cached in this group (hash group {pool.hash_group[block]})"
-                        )
         by_block = sum(parent is not None for parent in self.parent_of)
         if not count == by_block == self.num_children:
             raise InvariantError(
@@ -195,7 +238,8 @@ def note_children(
     B = manager.block_size
     step = B // manager.unit_tokens
     own, group = manager.pool.hashes, manager.group_id
-    by_parent, parent_of = children.parents(group), children.parent_of
+    only, many = children.maps(group)
+    parent_of, payload_of = children.parent_of, children.payload_of
     # One group: the chunk's tokens as bytes once, each payload one slice of them.
     # Several (a coordinator call with `BlockPool.spans` open): each payload once, the
     # same bytes object for every group (hybrid blocks hold KBs of tokens, and a copy
@@ -213,18 +257,24 @@ def note_children(
             else:
                 payload = span_bytes(manager.pool, tokens, j * B, (j + 1) * B)
             parent = hashes[j * step - 1]
-            kids = by_parent.get(parent)
-            added += 1
-            if kids is None:
-                by_parent[parent] = {block: payload}
-            else:
-                kids[block] = payload
-                if len(kids) > MAX_CHILDREN_PER_PARENT:  # as `ChildIndex.add`
-                    oldest = next(iter(kids))
-                    del kids[oldest]
-                    parent_of[oldest] = None
-                    added -= 1
             parent_of[block] = parent
+            payload_of[block] = payload
+            added += 1
+            # `ChildIndex.add`, inline (a prefill chunk indexes every block it filled)
+            kids = many.get(parent)
+            if kids is not None:
+                kids.append(block)
+                if len(kids) > MAX_CHILDREN_PER_PARENT:
+                    oldest = kids.pop(0)
+                    parent_of[oldest] = None
+                    payload_of[oldest] = b""
+                    added -= 1
+                continue
+            other = only.pop(parent, None)
+            if other is None:
+                only[parent] = block
+            else:
+                many[parent] = [other, block]
     children.num_children += added
 
 
@@ -263,6 +313,7 @@ def find_partial(
     entries = children.children_of(manager.group_id, hashes[anchor // unit - 1])
     if not entries:
         return None
+    payload_of = children.payload_of
     span_end = min(anchor + manager.block_size - 1, len(tokens) - 1)
     room = min(limit, span_end) - anchor  # the hit may reach at most anchor + room
     if room <= 0:
@@ -275,7 +326,8 @@ def find_partial(
         children.memo_want = want
         memo = children.memo = {}
     best: tuple[int, BlockId] | None = None
-    for block, payload in entries.items():
+    for block in entries:
+        payload = payload_of[block]
         length = memo.get(payload)
         if length is None:
             length = memo[payload] = _common_prefix(want, payload)
