@@ -71,10 +71,10 @@ class BlockPool:
         self.ghosts: OrderedDict[bytes, bool] | None = (
             OrderedDict() if eviction_policy == "chain" else None
         )
-        # a ghost's key is its hash + 4 bytes of group id: unique per (group, hash), the
-        # suffix having a fixed size; bytes, unlike a (group, hash) tuple,
-        # are not tracked by the garbage collector (one per eviction, kept for a pool's
-        # worth of evictions)
+        # a ghost's key is its hash + 4 bytes of group id (`ghost_key`): unique per
+        # (group, hash), the suffix having a fixed size; bytes, unlike a (group, hash)
+        # tuple, are not tracked by the garbage collector (one per eviction, kept for a
+        # pool's worth of evictions)
         self.ghost_tags: dict[int, bytes] = {g: g.to_bytes(4, "little") for g in plan.group_ids}
         self.events = events
         self.num_evictions = 0
