@@ -367,7 +367,8 @@ class BlockPool:
         own, hash_group, index, was_hit = self.hashes, self.hash_group, self.index, self.was_hit
         partial, children, ghosts, events = self.partial, self.children, self.ghosts, self.events
         limit, tags = self.num_blocks, self.ghost_tags
-        for block, new in zip(victims, newest, strict=True):
+        for i, block in enumerate(victims):  # not zip(strict=True): a generic call compiled
+            new = newest[i]
             block_hash = own.pop(block)
             group = hash_group[block]
             del index[group][block_hash]

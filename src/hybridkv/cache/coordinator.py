@@ -219,7 +219,8 @@ class Coordinator:
         managers = self.managers
         todo = self._all_groups if groups is None else groups
         counts = [managers[g].num_new_blocks(states[g], c, n, lookahead) for g in todo]
-        held = [m.held(state) for m, state in zip(managers, states, strict=True)] if touch else []
+        # index loops below, not zip(strict=True): that is a generic call when compiled
+        held = [m.held(states[g]) for g, m in enumerate(managers)] if touch else []
         if self._one_pool:  # the common plan: one pool, one sum
             pool = self.pools[0]
             need = sum(counts)
@@ -231,20 +232,21 @@ class Coordinator:
                 return None
         else:
             needs = [0] * len(self.pools)
-            for g, count in zip(todo, counts, strict=True):
-                needs[managers[g].pool.pool_id] += count
-            for manager, blocks in zip(managers, held, strict=touch):
-                refs = manager.pool.ref_counts
-                needs[manager.pool.pool_id] += list(map(refs.__getitem__, blocks)).count(0)
-            for pool, num_blocks in zip(self.pools, needs, strict=True):
+            for i, count in enumerate(counts):
+                needs[managers[todo[i]].pool.pool_id] += count
+            for g, blocks in enumerate(held):
+                refs = managers[g].pool.ref_counts
+                needs[managers[g].pool.pool_id] += list(map(refs.__getitem__, blocks)).count(0)
+            for pool in self.pools:
+                num_blocks = needs[pool.pool_id]
                 if num_blocks and num_blocks > len(pool.free):
                     return None
         if touch:
-            for manager, blocks in zip(managers, held, strict=True):
-                manager.pool.touch_many(blocks)
+            for g, blocks in enumerate(held):
+                managers[g].pool.touch_many(blocks)
             if self.turn_end:
-                for manager, state in zip(managers, states, strict=True):
-                    manager.adopt(state)
+                for g, manager in enumerate(managers):
+                    manager.adopt(states[g])
         deltas: dict[int, GroupDelta] = {}
         taken: dict[int, tuple[BlockId, ...]] = {}
         # One pool: every group's blocks in one `take_many`, sliced in group order (the
@@ -253,7 +255,8 @@ class Coordinator:
         total = sum(counts) if self._one_pool else 0
         pending = self.pools[0].take_many(total) if total else []
         start = 0
-        for g, count in zip(todo, counts, strict=True):
+        for i, count in enumerate(counts):  # index loops here: zip(strict=True) is a
+            g = todo[i]  # generic call in the compiled build
             manager = managers[g]
             if not count and not manager.is_state:
                 continue  # a table that needs no block: nothing to lay out
@@ -326,8 +329,8 @@ class Coordinator:
         # one key per span, not one per group
         opened = len(self.managers) > 1 and self.turn_end and self._spans_on()
         try:
-            for manager, state in zip(self.managers, states, strict=True):
-                manager.keep_turn_end(state, c, hashes, tokens)
+            for g, manager in enumerate(self.managers):
+                manager.keep_turn_end(states[g], c, hashes, tokens)
         finally:
             if opened:
                 self._spans_off()
@@ -345,5 +348,5 @@ class Coordinator:
                 blocks += manager.detach(state)
             self.pools[0].release_many(blocks)
             return
-        for manager, state in zip(reversed(managers), reversed(states), strict=True):
-            manager.release_all(state)
+        for g in range(len(managers) - 1, -1, -1):
+            managers[g].release_all(states[g])

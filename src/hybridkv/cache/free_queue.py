@@ -227,7 +227,9 @@ class FreeQueue(LruLinks):
         self.loops.clock += 1  # one request's table released: a tick of the loop clock
         requests, freed_req = self.loops.clock, self.loops.freed
         num_cached = 0
-        for block, tier in zip(block_ids, tiers, strict=True):
+        # an index loop: `zip(..., strict=True)` is a generic call in the compiled build
+        for i, block in enumerate(block_ids):
+            tier = tiers[i]
             if tier < 0:
                 fresh.append(block)
                 anchors[DEAD] = anchors[PROBATION] = anchors[PROTECTED] = _NONE

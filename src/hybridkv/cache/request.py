@@ -123,7 +123,8 @@ class RequestRecord:
         self.states = states
         by_kind: dict[type[GroupManager], list[Any]] = {}
         first: dict[type[GroupManager], GroupManager] = {}
-        for m, s in zip(managers, states, strict=True):
+        for g, m in enumerate(managers):
+            s = states[g]
             if m.moves_on_fast_commit:
                 by_kind.setdefault(type(m), []).append(s)
                 first.setdefault(type(m), m)

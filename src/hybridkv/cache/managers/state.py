@@ -250,8 +250,8 @@ class StateManager(GroupManager):
             return None
         write, old_spares = state.write, state.spares
         produced: list[tuple[int, BlockId]] = [(c + n, write)]
-        spec = range(c + n + 1, c + n + 1 + num_spec)
-        produced += zip(spec, old_spares[:num_spec], strict=True)  # S spares once drafted
+        first = c + n + 1  # S spares once drafted (a comprehension: zip(strict=True) is a
+        produced += [(first + k, old_spares[k]) for k in range(num_spec)]  # generic call)
         produced += state.ckpts
         new_running = produced[accepted][1]
         spares: list[BlockId] = []
