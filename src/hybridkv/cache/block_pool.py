@@ -71,10 +71,7 @@ class BlockPool:
         self.ghosts: OrderedDict[bytes, bool] | None = (
             OrderedDict() if eviction_policy == "chain" else None
         )
-        # a ghost's key is its hash + 4 bytes of group id (`ghost_key`): unique per
-        # (group, hash), the suffix having a fixed size; bytes, unlike a (group, hash)
-        # tuple, are not tracked by the garbage collector (one per eviction, kept for a
-        # pool's worth of evictions)
+        # per group, the fixed-size suffix of its ghosts' keys (`ghost_key`)
         self.ghost_tags: dict[int, bytes] = {g: g.to_bytes(4, "little") for g in plan.group_ids}
         self.events = events
         self.num_evictions = 0
@@ -114,7 +111,9 @@ class BlockPool:
         return block
 
     def ghost_key(self, group_id: int, block_hash: bytes) -> bytes:
-        """The key of an evicted block of ``group_id`` in ``ghosts``."""
+        """The key of an evicted block of ``group_id`` in ``ghosts``: its hash and a
+        4-byte group tag (unique per (group, hash): the tag has a fixed size). Bytes,
+        unlike a tuple, are not tracked by the garbage collector."""
         return block_hash + self.ghost_tags[group_id]
 
     def is_cached(self, block_id: BlockId) -> bool:

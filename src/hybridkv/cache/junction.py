@@ -120,6 +120,18 @@ class ChildIndex:
 
     def add(self, group_id: int, parent: bytes, block: BlockId, payload: bytes) -> None:
         only, many = self.maps(group_id)
+        self.link(only, many, parent, block, payload)
+
+    def link(
+        self,
+        only: dict[bytes, BlockId],
+        many: dict[bytes, list[BlockId]],
+        parent: bytes,
+        block: BlockId,
+        payload: bytes,
+    ) -> None:
+        """`add` with the group's maps at hand (`note_children` indexes a chunk's
+        blocks with one `maps` call)."""
         self.parent_of[block] = parent
         self.payload_of[block] = payload
         self.num_children += 1
@@ -227,7 +239,7 @@ def note_children(
     tokens: Sequence[int],
 ) -> None:
     """Index ``blocks[j]``, j in ``[max(first, 1), last)``, that this commit cached
-    (block ``j`` under the chain hash at ``j * B``): `ChildIndex.add` for each, in one
+    (block ``j`` under the chain hash at ``j * B``): `ChildIndex.link` for each, in one
     loop (a prefill chunk indexes every block it filled)."""
     children = manager.pool.children
     if children is None or manager.key_ahead:
@@ -239,7 +251,7 @@ def note_children(
     step = B // manager.unit_tokens
     own, group = manager.pool.hashes, manager.group_id
     only, many = children.maps(group)
-    parent_of, payload_of = children.parent_of, children.payload_of
+    parent_of = children.parent_of
     # One group: the chunk's tokens as bytes once, each payload one slice of them.
     # Several (a coordinator call with `BlockPool.spans` open): each payload once, the
     # same bytes object for every group (hybrid blocks hold KBs of tokens, and a copy
@@ -247,7 +259,6 @@ def note_children(
     spans = manager.pool.spans
     data = token_bytes(tokens, lo * B, last * B) if spans is None else b""
     width = 8 * B
-    added = 0
     for j in range(lo, last):
         block = blocks[j]
         if own.get(block) == hashes[(j + 1) * step - 1] and parent_of[block] is None:
@@ -256,26 +267,7 @@ def note_children(
                 payload = data[offset : offset + width]
             else:
                 payload = span_bytes(manager.pool, tokens, j * B, (j + 1) * B)
-            parent = hashes[j * step - 1]
-            parent_of[block] = parent
-            payload_of[block] = payload
-            added += 1
-            # `ChildIndex.add`, inline (a prefill chunk indexes every block it filled)
-            kids = many.get(parent)
-            if kids is not None:
-                kids.append(block)
-                if len(kids) > MAX_CHILDREN_PER_PARENT:
-                    oldest = kids.pop(0)
-                    parent_of[oldest] = None
-                    payload_of[oldest] = b""
-                    added -= 1
-                continue
-            other = only.pop(parent, None)
-            if other is None:
-                only[parent] = block
-            else:
-                many[parent] = [other, block]
-    children.num_children += added
+            children.link(only, many, hashes[j * step - 1], block, payload)
 
 
 def _common_prefix(a: bytes, b: bytes) -> int:
