@@ -325,7 +325,8 @@ class BlockPool:
     def _unindex(self, block_id: BlockId) -> tuple[int, bytes]:
         """Drop a cached block from its group's index (and the turn-end entries);
         returns (group, hash). Shared by eviction and turn-end takeover."""
-        block_hash = self.hashes.pop(block_id)
+        block_hash = self.hashes[block_id]  # [] and del: dict.pop is a generic call compiled
+        del self.hashes[block_id]
         group = self.hash_group[block_id]
         del self.index[group][block_hash]
         if self.partial is not None:
@@ -368,7 +369,8 @@ class BlockPool:
         limit, tags = self.num_blocks, self.ghost_tags
         for i, block in enumerate(victims):  # not zip(strict=True): a generic call compiled
             new = newest[i]
-            block_hash = own.pop(block)
+            block_hash = own[block]
+            del own[block]
             group = hash_group[block]
             del index[group][block_hash]
             if partial is not None:

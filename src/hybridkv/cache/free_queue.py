@@ -362,8 +362,33 @@ class FreeQueue(LruLinks):
         prev, nxt, tier_of, tier_len = self._prev, self._next, self._tier, self._tier_len
         victims: list[int] = []
         newest: list[bool] = []
+        # `_victim` / `_choose` inline for tiers 2 and 3 outside loop mode (no pop changes
+        # the release clock, the typical distance, the bias or loop mode)
+        base, freed_at, distance = self._num_blocks, self._freed_at, self._distance
+        now, bias = self._num_releases, self._bias
+        unknown = self._typical or float(STALE_TURNOVERS * base)
+        inline = self._chain and not (self.loops.loop and not self.windowed)
         for _ in range(num):
-            victim = self._victim()
+            if not inline or tier_len[DEAD]:
+                victim = self._victim()
+            else:
+                sentinel = base + PROBATION if tier_len[PROBATION] else base + PROTECTED
+                victim = nxt[sentinel]  # the oldest
+                if victim == sentinel:
+                    raise CacheError("pop from an empty free queue")
+                last = distance[victim]
+                old_distance = float(last) if last else unknown
+                went = False
+                old_at = freed_at[victim]
+                if now - old_at <= OVERDUE_FACTOR * old_distance and bias >= 0:
+                    young = prev[sentinel]
+                    last = distance[young]
+                    went = freed_at[young] + (float(last) if last else unknown) >= (
+                        old_at + old_distance
+                    )
+                    if went:
+                        victim = young
+                self.last_victim_newest = went
             tier = tier_of[victim]
             before, after = prev[victim], nxt[victim]
             nxt[before] = after

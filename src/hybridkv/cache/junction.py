@@ -141,10 +141,11 @@ class ChildIndex:
             if len(kids) > MAX_CHILDREN_PER_PARENT:
                 self._forget(kids.pop(0))  # the oldest goes
             return
-        other = only.pop(parent, None)
+        other = only.get(parent)  # not only.pop(parent, None): a generic call compiled
         if other is None:
             only[parent] = block
         else:
+            del only[parent]
             many[parent] = [other, block]
 
     def _forget(self, block: BlockId) -> None:
