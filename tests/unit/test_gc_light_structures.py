@@ -52,10 +52,10 @@ def test_turn_end_discard_skips_block_keys_and_drops_entries() -> None:
     anchor = b"h" * 32
     key = b"hybridkv-turn-end|" + anchor + (7).to_bytes(8, "little")
     assert len(key) == _MIN_KEY_BYTES
-    index.add(0, anchor, key, 5)
+    index.add(0, anchor, key)
     index.discard(0, anchor)  # a block key (a digest): not an entry, nothing changes
     index.discard(0, anchor + b"t" * 8)  # a block key keyed one token ahead
-    assert len(index) == 1 and index.entries(0, anchor) == {key: 5}
+    assert len(index) == 1 and index.entries(0, anchor) == [key]
     index.discard(1, key)  # another group's entry under the same key: none
     assert len(index) == 1
     index.discard(0, key)
@@ -107,3 +107,22 @@ def test_a_list_of_numpy_ids_commits_like_plain_ints() -> None:
     cm.commit("a", 1, [np.int64(12), np.int32(13)])
     assert cm.token_ids("a") == list(range(1, 14)) and cm.num_computed_tokens("a") == 12
     cm.check_invariants()
+
+
+def test_turn_end_anchor_with_several_entries_lists_them_oldest_first() -> None:
+    """An anchor's one entry sits in ``only`` (no container per entry); a second moves
+    both to a list in ``many``; discards go back to ``only`` once one is left."""
+    index = PartialIndex()
+    anchor = b"h" * 32
+    keys = [b"hybridkv-turn-end|" + anchor + bytes([n]) * 8 * n for n in (1, 2, 3)]
+    index.add(0, anchor, keys[0])
+    assert index.only[0] == {anchor: keys[0]} and not index.many[0]
+    index.add(0, anchor, keys[1])
+    index.add(0, anchor, keys[2])
+    index.add(0, anchor, keys[2])  # again: nothing changes
+    assert len(index) == 3 and index.entries(0, anchor) == keys and not index.only[0]
+    index.discard(0, keys[1])
+    assert index.entries(0, anchor) == [keys[0], keys[2]]
+    index.discard(0, keys[0])
+    assert index.only[0] == {anchor: keys[2]} and not index.many[0] and len(index) == 1
+    assert index.anchor(0, keys[2]) == anchor and index.anchor(0, keys[0]) is None

@@ -107,7 +107,8 @@ def test_entries_are_evicted_like_blocks_and_leave_the_anchor_table():
     cm.lookup("big")
     assert cm.allocate("big", 52) is not None
     cm.check_invariants()
-    assert len(pool.partial) == 0 and not any(pool.partial.by_anchor.values())
+    assert len(pool.partial) == 0 and not any(pool.partial.only.values())
+    assert not any(pool.partial.many.values())
     cm.add_request("t2", PROMPT + OUTPUT + [1])
     assert cm.lookup("t2") == 0
 

@@ -68,51 +68,74 @@ _MIN_KEY_BYTES: Final = len(_TAG) + 32 + 8
 
 
 class PartialIndex:
-    """The turn-end entries of one pool, by group and anchor: group -> chain hash at
-    ``a`` -> ``{key: end_tokens}``. The keys themselves live in the pool's group index
-    like any block hash (so eviction and the index checks treat them alike); this table
-    only lets a lookup enumerate the entries anchored at one block boundary. Dicts per
-    group rather than ``(group, hash)`` keys: no tuple per entry, kept as long as it."""
+    """The turn-end entries of one pool, by group and anchor (the chain hash at ``a``).
+    The keys themselves live in the pool's group index like any block hash (so eviction
+    and the index checks treat them alike); this table only lets a lookup enumerate the
+    entries anchored at one block boundary. An entry's end is its anchor's position
+    plus the tokens its key holds (`find_turn_end`). Most anchors hold one entry: ``only``
+    maps them to its key, and only anchors with more hold a list (``many``, oldest
+    first): no container per entry, which would live as long as the entry and keep the
+    garbage collector busy (a hybrid trace keeps thousands)."""
 
     def __init__(self) -> None:
-        self.by_anchor: dict[int, dict[bytes, dict[bytes, int]]] = {}
+        self.only: dict[int, dict[bytes, bytes]] = {}  # group -> anchor -> its one key
+        self.many: dict[int, dict[bytes, list[bytes]]] = {}  # group -> anchor -> keys (2+)
         self.anchor_of: dict[int, dict[bytes, bytes]] = {}  # group -> key -> anchor
         self.num_entries = 0
 
     def __len__(self) -> int:
         return self.num_entries
 
-    def add(self, group_id: int, anchor: bytes, key: bytes, end_tokens: int) -> None:
-        anchors = self.by_anchor.get(group_id)
-        if anchors is None:
-            anchors = self.by_anchor[group_id] = {}
+    def add(self, group_id: int, anchor: bytes, key: bytes) -> None:
+        only = self.only.get(group_id)
+        if only is None:
+            only = self.only[group_id] = {}
+            self.many[group_id] = {}
             self.anchor_of[group_id] = {}
-        entries = anchors.get(anchor)
-        if entries is None:
-            entries = anchors[anchor] = {}
-        if key not in entries:
-            self.num_entries += 1
-        entries[key] = end_tokens
-        self.anchor_of[group_id][key] = anchor
+        keys = self.anchor_of[group_id]
+        if key in keys:
+            return
+        keys[key] = anchor
+        self.num_entries += 1
+        listed = self.many[group_id].get(anchor)
+        if listed is not None:
+            listed.append(key)
+            return
+        other = only.get(anchor)
+        if other is None:
+            only[anchor] = key
+        else:
+            del only[anchor]
+            self.many[group_id][anchor] = [other, key]
 
     def discard(self, group_id: int, key: bytes) -> None:
         """Forget ``key`` if it is a turn-end entry (called for every evicted block)."""
         if len(key) < _MIN_KEY_BYTES:
             return  # a block key (no lookup: most evictions)
         keys = self.anchor_of.get(group_id)
-        anchor = None if keys is None else keys.pop(key, None)
-        if anchor is None:
+        anchor = None if keys is None else keys.get(key)
+        if keys is None or anchor is None:
             return
+        del keys[key]
         self.num_entries -= 1
-        anchors = self.by_anchor[group_id]
-        entries = anchors[anchor]
-        del entries[key]
-        if not entries:
-            del anchors[anchor]
+        only = self.only[group_id]
+        if only.get(anchor) == key:
+            del only[anchor]
+            return
+        many = self.many[group_id]
+        listed = many[anchor]
+        listed.remove(key)
+        if len(listed) == 1:  # back to one entry
+            del many[anchor]
+            only[anchor] = listed[0]
 
-    def entries(self, group_id: int, anchor: bytes) -> dict[bytes, int] | None:
-        anchors = self.by_anchor.get(group_id)
-        return None if anchors is None else anchors.get(anchor)
+    def entries(self, group_id: int, anchor: bytes) -> list[bytes] | None:
+        """The keys of the entries anchored at ``anchor``, oldest first (None: none)."""
+        only = self.only.get(group_id)
+        if only is None:
+            return None
+        key = only.get(anchor)
+        return [key] if key is not None else self.many[group_id].get(anchor)
 
     def anchor(self, group_id: int, key: bytes) -> bytes | None:
         """The anchor of turn-end entry ``key`` of ``group_id`` (None: not an entry)."""
@@ -120,18 +143,22 @@ class PartialIndex:
         return None if keys is None else keys.get(key)
 
     def check(self, pool: BlockPool, token_groups: set[int]) -> None:
-        """Every entry is indexed by the pool under its key, ends past its anchor and
-        inside one block; entries of token-indexed groups are free blocks."""
+        """Every entry is indexed by the pool under its key, listed once under its
+        anchor, ends past its anchor; entries of token-indexed groups are free blocks."""
         count = 0
-        for group, anchors in self.by_anchor.items():
-            for anchor, entries in anchors.items():
-                if not entries:
+        for group, only in self.only.items():
+            listed = [(anchor, [key]) for anchor, key in only.items()]
+            for anchor, keys in self.many[group].items():
+                if len(keys) < 2 or anchor in only:
                     raise InvariantError(
-                        f"pool {pool.pool_id}: empty turn-end anchor in group {group}"
+                        f"pool {pool.pool_id} group {group}: {len(keys)} turn-end entries "
+                        "listed under one anchor (2+), or the anchor is also single"
                     )
-                for key, end in entries.items():
+                listed.append((anchor, keys))
+            for anchor, keys in listed:
+                for key in keys:
                     count += 1
-                    self._check_entry(pool, token_groups, group, anchor, key, end)
+                    self._check_entry(pool, token_groups, group, anchor, key)
         by_key = sum(len(keys) for keys in self.anchor_of.values())
         if not count == by_key == self.num_entries:
             raise InvariantError(
@@ -140,20 +167,14 @@ class PartialIndex:
             )
 
     def _check_entry(
-        self,
-        pool: BlockPool,
-        token_groups: set[int],
-        group: int,
-        anchor: bytes,
-        key: bytes,
-        end: int,
+        self, pool: BlockPool, token_groups: set[int], group: int, anchor: bytes, key: bytes
     ) -> None:
         block = pool.index[group].get(key)
-        if block is None or pool.hash_end[block] != end:
+        if block is None:
             raise InvariantError(
-                f"pool {pool.pool_id} group {group}: turn-end entry ending at {end} is "
-                f"not indexed (block {block})"
+                f"pool {pool.pool_id} group {group}: a turn-end entry is not indexed"
             )
+        end = pool.hash_end[block]
         if (
             self.anchor(group, key) != anchor
             or not key.startswith(_TAG + anchor)
@@ -212,11 +233,14 @@ def find_turn_end(
     if partial is None or anchor <= 0 or anchor // unit > len(hashes):
         return None  # `_anchor_hash` is None: inline, as `entries` below (a lookup's
     anchor_hash = hashes[anchor // unit - 1]  # every token group asks at every pass)
-    entries = partial.entries(manager.group_id, anchor_hash)
-    if not entries:
+    keys = partial.entries(manager.group_id, anchor_hash)
+    if not keys:
         return None
+    # an entry's end: its anchor plus the tokens its key holds (8 bytes each, see `_key`)
+    fixed = len(_TAG) + len(anchor_hash) + (8 if manager.key_ahead else 0)
     best: tuple[int, BlockId] | None = None
-    for key, end in entries.items():
+    for key in keys:
+        end = anchor + (len(key) - fixed) // 8
         if end > limit or (exact and end != limit) or (best is not None and end <= best[0]):
             continue
         if end >= len(tokens):  # a hit leaves >= 1 token (and keyed ahead reads it)
@@ -248,7 +272,7 @@ def store_turn_end(
     key = _key(manager, anchor_hash, tokens, anchor, end)
     if not manager.pool.cache(block, manager.group_id, key, end):
         return False
-    partial.add(manager.group_id, anchor_hash, key, end)
+    partial.add(manager.group_id, anchor_hash, key)
     return True
 
 
