@@ -12,8 +12,16 @@ from __future__ import annotations
 import random
 from array import array
 
+from hypothesis import given
+from hypothesis import strategies as st
+
 from hybridkv.cache import CacheManager
-from hybridkv.cache.junction import MAX_CHILDREN_PER_PARENT, ChildIndex, find_partial
+from hybridkv.cache.junction import (
+    MAX_CHILDREN_PER_PARENT,
+    ChildIndex,
+    _common_prefix,
+    find_partial,
+)
 from hybridkv.cache.toy import ToyGroup, toy_plan
 
 B = 4
@@ -39,6 +47,21 @@ def _common_prefix_tokens(a: list[int], b: list[int]) -> int:
     while n < min(len(a), len(b)) and a[n] == b[n]:
         n += 1
     return n
+
+
+@given(
+    st.lists(st.integers(0, 2), max_size=40),
+    st.lists(st.integers(0, 2), max_size=40),
+    st.integers(0, 45),
+)
+def test_common_prefix_is_exact_whatever_the_hint(a: list[int], b: list[int], hint: int) -> None:
+    """A hint (a sibling's answer) only saves compares: any hint gives the exact length."""
+    left, right = array("q", a).tobytes(), array("q", b).tobytes()
+    expected = _common_prefix_tokens(a, b)
+    assert _common_prefix(left, right, hint) == expected
+    assert _common_prefix(left, right, expected) == expected
+    shared = array("q", [*a, 7]).tobytes()  # a prefix of both: the hint's best case
+    assert _common_prefix(shared, array("q", [*a, 8]).tobytes(), len(a)) == len(a)
 
 
 def _reference_partial(m: CacheManager, g: int, tokens: list[int], anchor: int, limit: int):

@@ -271,9 +271,15 @@ def note_children(
             children.link(only, many, hashes[j * step - 1], block, payload)
 
 
-def _common_prefix(a: bytes, b: bytes) -> int:
-    """Length in tokens (8 bytes each) of the common prefix of two payloads."""
+def _common_prefix(a: bytes, b: bytes, hint: int = 0) -> int:
+    """Length in tokens (8 bytes each) of the common prefix of two payloads. ``hint``:
+    a likely answer, checked first with two compares (a parent's children often share
+    one prefix with the prompt: the rest of a family's system prompt)."""
     top = min(len(a), len(b)) // 8
+    if 0 < hint <= top:
+        cut = 8 * hint
+        if a[:cut] == b[:cut] and (hint == top or a[cut : cut + 8] != b[cut : cut + 8]):
+            return hint
     # Gallop (1, 2, 4, ... tokens), then bisect: most children share a few tokens or
     # none with the prompt, and a short compare is cheap where a long slice copies
     lo, hi = 0, 1
@@ -319,11 +325,12 @@ def find_partial(
         children.memo_want = want
         memo = children.memo = {}
     best: tuple[int, BlockId] | None = None
+    hint = 0  # the last child's common prefix: siblings often share it
     for block in entries:
         payload = payload_of[block]
         length = memo.get(payload)
         if length is None:
-            length = memo[payload] = _common_prefix(want, payload)
+            length = memo[payload] = hint = _common_prefix(want, payload, hint)
         if length > room:
             length = room
         if length and (best is None or anchor + length > best[0]):
