@@ -382,7 +382,7 @@ class BlockPool:
             if ghosts is not None:
                 ghosts[block_hash + tags[group]] = new
                 if len(ghosts) > limit:
-                    ghosts.popitem(last=False)
+                    ghosts.popitem(False)  # positional: no keyword names
             if events is not None:
                 events.append(
                     CacheEvent(BLOCK_REMOVED, group, block, block_hash, self.hash_end[block])  # type: ignore[arg-type]
@@ -395,7 +395,7 @@ class BlockPool:
         if self.ghosts is not None:
             self.ghosts[block_hash + self.ghost_tags[group]] = self.free.last_victim_newest
             if len(self.ghosts) > self.num_blocks:
-                self.ghosts.popitem(last=False)
+                self.ghosts.popitem(False)  # positional: no keyword names
         self.num_evictions += 1
         if self.events is not None:
             self.events.append(

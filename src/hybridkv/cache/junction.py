@@ -161,7 +161,8 @@ class ChildIndex:
             return
         self._forget(block)
         only = self.only[group_id]
-        if only.get(parent) == block:
+        child = only.get(parent)
+        if child is not None and child == block:  # narrowed: a native int compare
             del only[parent]
             return
         many = self.many[group_id]
