@@ -28,7 +28,7 @@ from hybridkv.cache.block import NULL_BLOCK, BlockInfo
 from hybridkv.cache.events import BLOCK_REMOVED, BLOCK_STORED, CacheEvent
 from hybridkv.cache.free_queue import PROBATION, PROTECTED, FreeQueue
 from hybridkv.cache.junction import ChildIndex
-from hybridkv.cache.turn_end import PartialIndex
+from hybridkv.cache.turn_end import _MIN_KEY_BYTES, PartialIndex
 from hybridkv.errors import InvariantError
 from hybridkv.ids import BlockId
 from hybridkv.plan.types import PoolPlan
@@ -62,12 +62,11 @@ class BlockPool:
         # a chain that came back once is likely to come back again, and so is its
         # extension (the blocks that request added), so they are released as if hit.
         self.releasing_hot = False
-        # chain policy: recently evicted blocks (`ghost_key`) -> evicted from the
-        # newest end; a lookup that misses one tells the policy it chose badly. An
-        # OrderedDict, not a dict: dropping the oldest of a plain dict
-        # (``next(iter(d))``) scans the deleted entries before it, O(pool) per eviction
-        # once the index is full (7 us at 5.6k blocks); ``popitem(last=False)`` is O(1)
-        # and the order (insertion, a re-set key keeping its place) is the same
+        # chain policy: recently evicted blocks (`ghost_key`) -> evicted from the newest
+        # end; a lookup that misses one tells the policy it chose badly. An OrderedDict:
+        # dropping the oldest of a plain dict (``next(iter(d))``) scans the deleted
+        # entries before it, O(pool) per eviction (7 us at 5.6k blocks); ``popitem``
+        # is O(1), same order (insertion, a re-set key keeping its place)
         self.ghosts: OrderedDict[bytes, bool] | None = (
             OrderedDict() if eviction_policy == "chain" else None
         )
@@ -111,9 +110,8 @@ class BlockPool:
         return block
 
     def ghost_key(self, group_id: int, block_hash: bytes) -> bytes:
-        """The key of an evicted block of ``group_id`` in ``ghosts``: its hash and a
-        4-byte group tag (unique per (group, hash): the tag has a fixed size). Bytes,
-        unlike a tuple, are not tracked by the garbage collector."""
+        """The key of an evicted block of ``group_id`` in ``ghosts``: its hash and a 4-byte
+        group tag (fixed size: unique per (group, hash)); bytes are not GC-tracked."""
         return block_hash + self.ghost_tags[group_id]
 
     def is_cached(self, block_id: BlockId) -> bool:
@@ -325,7 +323,7 @@ class BlockPool:
     def _unindex(self, block_id: BlockId) -> tuple[int, bytes]:
         """Drop a cached block from its group's index (and the turn-end entries);
         returns (group, hash). Shared by eviction and turn-end takeover."""
-        block_hash = self.hashes[block_id]  # [] and del: dict.pop is a generic call compiled
+        block_hash = self.hashes[block_id]  # not dict.pop: a generic call when compiled
         del self.hashes[block_id]
         group = self.hash_group[block_id]
         del self.index[group][block_hash]
@@ -342,13 +340,8 @@ class BlockPool:
     def _evict_many(self, block_ids: list[int]) -> None:
         """`_evict` for each block in order; in one loop when nothing else listens
         (no events, ghosts, turn-end or junction entries, no reuse distances)."""
-        if (
-            self.events is not None
-            or self.ghosts is not None
-            or self.partial is not None
-            or self.children is not None
-            or self.free.chain
-        ):
+        quiet = self.events is None and self.ghosts is None and self.partial is None
+        if not quiet or self.children is not None or self.free.chain:
             for block in block_ids:
                 self._evict(block)  # type: ignore[arg-type]  # ids from the free queue
             return
@@ -361,21 +354,22 @@ class BlockPool:
 
     def _evict_victims(self, victims: list[int], newest: list[bool]) -> None:
         """chain: `_evict` for each victim in order, ``newest[i]`` standing for the free
-        queue's `last_victim_newest` at its choice; in one loop over local names (no
-        victim choice reads what an eviction changes: hash indexes, turn-end and
-        junction entries, ghosts, the victims' own reuse distances)."""
+        queue's `last_victim_newest` at its choice; one loop over local names, the
+        discards' first tests inline (no victim choice reads what an eviction changes:
+        hash indexes, turn-end and junction entries, ghosts, reuse distances)."""
         own, hash_group, index, was_hit = self.hashes, self.hash_group, self.index, self.was_hit
         partial, children, ghosts, events = self.partial, self.children, self.ghosts, self.events
         limit, tags = self.num_blocks, self.ghost_tags
+        parents = children.parent_of if children is not None else []
         for i, block in enumerate(victims):  # not zip(strict=True): a generic call compiled
             new = newest[i]
             block_hash = own[block]
             del own[block]
             group = hash_group[block]
             del index[group][block_hash]
-            if partial is not None:
+            if partial is not None and len(block_hash) >= _MIN_KEY_BYTES:
                 partial.discard(group, block_hash)
-            if children is not None:
+            if children is not None and parents[block] is not None:
                 children.discard(group, block)  # type: ignore[arg-type]
             hash_group[block] = -1
             was_hit[block] = 0
