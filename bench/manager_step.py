@@ -71,7 +71,7 @@ from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _trace_loop import run
-from hybridkv.cache import NO_CHANGE, CacheManager
+from hybridkv.cache import NO_CHANGE, CacheManager, StepDelta
 from hybridkv.cache.coordinator import hash_unit_tokens
 from hybridkv.models import load_model_spec
 from hybridkv.plan import PlanOptions, plan
@@ -213,9 +213,8 @@ class OursAdapter:
         self.num_allocations += 1
         if delta is None:
             return None
-        if delta is not NO_CHANGE:
-            self.blocks_taken += sum(map(len, delta.taken.values()))
-        if self.track_peak:
+        if self.track_peak:  # sizing runs only (`_count`)
+            self._count([delta])
             self._track()
         return hit
 
@@ -232,12 +231,18 @@ class OursAdapter:
             results = self.cm.allocate_batch([ids[i] for i in indexes], num_new, num_drafts)
         if None in results:
             return False
-        for delta in results:
-            if delta is not NO_CHANGE:
-                self.blocks_taken += sum(map(len, delta.taken.values()))  # type: ignore[union-attr]
         if self.track_peak:
+            self._count(results)
             self._track()
         return True
+
+    def _count(self, deltas: list[StepDelta | None]) -> None:
+        """Blocks the pools handed out, in sizing runs only: timed runs do no benchmark
+        bookkeeping the vLLM driver lacks; `_run_config` copies the count of the sizing
+        run at the timed pool size (same trace, same pool, same work)."""
+        for delta in deltas:
+            if delta is not None and delta is not NO_CHANGE:
+                self.blocks_taken += sum(map(len, delta.taken.values()))
 
     def commit(self, items: list[tuple[int, int, int, list[int]]]) -> None:
         if items:
@@ -675,16 +680,17 @@ def _run_config(
     trace = make_trace(args.num_requests, k, block, args.max_running, args.seed)
     pools: dict[str, int] = {}
     peaks: dict[str, int] = {}
+    checked: dict[tuple[str, int], dict] = {}  # (policy, pool blocks) -> a sizing run
+
+    def attempt(blocks: int, policy: str) -> dict:
+        out = run_ours(with_pool_blocks(big, blocks), trace, track_peak=True, policy=policy)
+        checked[(policy, blocks)] = out
+        return out
+
     for policy in args.policies:
         sizing = run_ours(big, trace, track_peak=True, policy=policy)
         peaks[policy] = sizing["peak_used_blocks"]
-        pools[policy] = _tight_pool(
-            sizing,
-            lambda blocks, p=policy: run_ours(
-                with_pool_blocks(big, blocks), trace, track_peak=True, policy=p
-            ),
-            args.slack,
-        )
+        pools[policy] = _tight_pool(sizing, lambda blocks, p=policy: attempt(blocks, p), args.slack)
     groups = vllm_groups(big, k)
     vllm_blocks = None
     check = None
@@ -707,6 +713,8 @@ def _run_config(
             out = run_worker(build, args.compiled_path, name, k, pools, trace)
             for key, result in out.items():
                 policy, style = key.split("/")
+                # counted untimed, at this pool size (`OursAdapter._count`)
+                result["blocks_taken"] = checked[(policy, pools[policy])]["blocks_taken"]
                 label = f"hybridkv {build}, {POLICY_LABELS[policy]}, {style}"
                 rows.setdefault(label, []).append(result)
             if i == 0 and vllm_blocks is not None and vllm_python:
