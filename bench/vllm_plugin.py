@@ -170,6 +170,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "max_model_len": args.max_model_len,
         "max_num_seqs": 64,
         "enforce_eager": not args.compile,
+        # vLLM-CPU keeps the DeltaNet state in float32 on AVX512-BF16 CPUs and in bf16
+        # elsewhere (other pages, other blocks): pinned, the same plans on every CPU
+        "mamba_ssm_cache_dtype": "float32",
     }
     sections = {"prefix caching": _section(args, base, chat=True, repetitive=False)}
     if not args.no_ngram:

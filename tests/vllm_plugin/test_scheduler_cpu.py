@@ -17,7 +17,13 @@ from tests.vllm_plugin.conftest import engine
 
 pytestmark = pytest.mark.vllm
 
-SETTINGS: dict[str, Any] = {"max_model_len": 2048, "max_num_seqs": 16, "in_process": True}
+# the state dtype pinned as in test_plugin_cpu.py: the same block sizes on every CPU
+SETTINGS: dict[str, Any] = {
+    "max_model_len": 2048,
+    "max_num_seqs": 16,
+    "in_process": True,
+    "mamba_ssm_cache_dtype": "float32",
+}
 OURS = {"scheduler_cls": "hybridkv.vllm.Scheduler"}
 CHAT = {
     "op": "chat",
