@@ -297,6 +297,8 @@ class FreeQueue(LruLinks):
         if self._fresh:
             self._end_burst()
             return BlockId(self._fresh.pop()), False
+        if self._chain:  # one victim choice for both: `pop_victims`
+            return BlockId(self.pop_victims(1)[0][0]), True
         victim = self._victim()
         self.remove_cached(BlockId(victim))
         return BlockId(victim), True
@@ -305,8 +307,7 @@ class FreeQueue(LruLinks):
         """``num`` blocks in the order ``num`` calls of `pop` hand them out, as (fresh,
         evicted): the caller must evict the second list's blocks. Only lru evicts in bulk
         (its victims do not depend on the evictions before them); chain hands out fresh
-        blocks only, and the caller pops the rest one by one (``num`` is then larger than
-        the fresh blocks plus the second list)."""
+        blocks only (the caller takes the rest from `pop_victims`)."""
         fresh = self._fresh
         if num == 1:  # a decode step's one new block
             if fresh:
@@ -356,14 +357,14 @@ class FreeQueue(LruLinks):
 
     def pop_victims(self, num: int) -> tuple[list[int], list[bool]]:
         """chain, no fresh block left: the ``num`` victims ``num`` calls of `pop` evict,
-        in order, each with `last_victim_newest` as it stood after its choice. Each
-        choice depends on the unlinks before it, so they are chosen one at a time; only
-        the unlink is inline (the caller evicts them, see `BlockPool.take_many`)."""
+        in order, each with `last_victim_newest` as it stood after its choice, chosen one
+        at a time (each depends on the unlinks before it; no pop changes the release
+        clock, typical distance or bias). The caller evicts them (`BlockPool.take_many`).
+        Tiers 2-3 outside loop mode: the oldest if overdue or if recency has been
+        winning, else the older or newer end, whichever is predicted back later."""
         prev, nxt, tier_of, tier_len = self._prev, self._next, self._tier, self._tier_len
         victims: list[int] = []
         newest: list[bool] = []
-        # `_victim` / `_choose` inline for tiers 2 and 3 outside loop mode (no pop changes
-        # the release clock, the typical distance, the bias or loop mode)
         base, freed_at, distance = self._num_blocks, self._freed_at, self._distance
         now, bias = self._num_releases, self._bias
         unknown = self._typical or float(STALE_TURNOVERS * base)
@@ -378,14 +379,12 @@ class FreeQueue(LruLinks):
                     raise CacheError("pop from an empty free queue")
                 last = distance[victim]
                 old_distance = float(last) if last else unknown
-                went = False
-                old_at = freed_at[victim]
+                old_at, went = freed_at[victim], False
                 if now - old_at <= OVERDUE_FACTOR * old_distance and bias >= 0:
                     young = prev[sentinel]
                     last = distance[young]
-                    went = freed_at[young] + (float(last) if last else unknown) >= (
-                        old_at + old_distance
-                    )
+                    young_next = freed_at[young] + (float(last) if last else unknown)
+                    went = young_next >= old_at + old_distance
                     if went:
                         victim = young
                 self.last_victim_newest = went
@@ -424,31 +423,9 @@ class FreeQueue(LruLinks):
             return newest
         for tier in (PROBATION, PROTECTED):
             if self._tier_len[tier]:
-                sentinel = base + tier
-                oldest = self._next[sentinel]
-                if not self._chain:
-                    return oldest
-                return self._choose(oldest, self._prev[sentinel])
+                assert not self._chain, "chain chooses in tiers 2-3 in pop_victims"
+                return self._next[base + tier]
         raise CacheError("pop from an empty free queue")
-
-    def _expected_distance(self, block: int) -> float:
-        known = self._distance[block]
-        if known:
-            return float(known)
-        return self._typical or float(STALE_TURNOVERS * self._num_blocks)
-
-    def _choose(self, oldest: int, newest: int) -> int:
-        """Oldest if overdue or if recency has been winning, else the candidate whose
-        predicted next use is later."""
-        now = self._num_releases
-        old_distance = self._expected_distance(oldest)
-        newest_goes = False
-        if now - self._freed_at[oldest] <= OVERDUE_FACTOR * old_distance and self._bias >= 0:
-            old_next = self._freed_at[oldest] + old_distance
-            new_next = self._freed_at[newest] + self._expected_distance(newest)
-            newest_goes = new_next >= old_next
-        self.last_victim_newest = newest_goes
-        return newest if newest_goes else oldest
 
     def regret(self, evicted_newest: bool) -> None:
         """A lookup missed a block evicted from the ``evicted_newest`` end: move the bias
