@@ -260,10 +260,11 @@ class BlockPool:
         hashes: Sequence[bytes],
         units_per_block: int,
         block_size: int,
-    ) -> None:
+    ) -> bool:
         """`cache` each block ``blocks[j]``, j in ``[first, last)``, under the chain hash
         ``hashes[(j + 1) * units_per_block - 1]`` (a token-indexed table's newly full
-        blocks), skipping null blocks and blocks already cached; in one loop."""
+        blocks), skipping null blocks and blocks already cached; in one loop. True when
+        every one of them was stored (none null, cached or keyed already)."""
         index, own, events = self.index[group_id], self.hashes, self.events
         hash_group, hash_end = self.hash_group, self.hash_end
         if events is None and last - first >= _BULK_CACHE:
@@ -288,7 +289,7 @@ class BlockPool:
                     hash_group[block] = group_id
                     hash_end[block] = end
                 self.num_stored += len(table)
-                return
+                return True
         stored = 0
         for j in range(first, last):
             block = blocks[j]
@@ -305,6 +306,7 @@ class BlockPool:
             if events is not None:
                 events.append(CacheEvent(BLOCK_STORED, group_id, block, key, (j + 1) * block_size))
         self.num_stored += stored
+        return stored == last - first
 
     def uncache(self, block_id: BlockId) -> None:
         """Take a referenced cached block out of its index: a turn-end partial block

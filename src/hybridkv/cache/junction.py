@@ -51,8 +51,6 @@ MAX_CHILDREN_PER_PARENT: Final = 8
 # `ChildIndex.memo` starts afresh past this many payloads (one prompt span met that
 # many distinct children: under one parent, groups and passes, at most 8 per group)
 _MEMO_PAYLOADS: Final = 256
-# `note_children` indexes a prefill chunk of at least this many blocks in bulk
-_BULK_LINK: Final = 4
 
 
 class CopyOrder(NamedTuple):
@@ -241,10 +239,12 @@ def note_children(
     last: int,
     hashes: Sequence[bytes],
     tokens: Sequence[int],
+    fresh: bool = False,
 ) -> None:
     """Index ``blocks[j]``, j in ``[max(first, 1), last)``, that this commit cached
-    (block ``j`` under the chain hash at ``j * B``): `ChildIndex.link` for each, in one
-    loop (a prefill chunk indexes every block it filled)."""
+    (block ``j`` under the chain hash at ``j * B``), in one loop (a prefill chunk
+    indexes every block it filled). ``fresh``: `BlockPool.cache_table` just stored every
+    one of them (so each is cached under its chain hash and not indexed yet)."""
     children = manager.pool.children
     if children is None or manager.key_ahead:
         return
@@ -255,7 +255,7 @@ def note_children(
     step = B // manager.unit_tokens
     own, group = manager.pool.hashes, manager.group_id
     only, many = children.maps(group)
-    parent_of = children.parent_of
+    parent_of, payload_of = children.parent_of, children.payload_of
     # One group: the chunk's tokens as bytes once, each payload one slice of them.
     # Several (a coordinator call with `BlockPool.spans` open): each payload once, the
     # same bytes object for every group (hybrid blocks hold KBs of tokens, and a copy
@@ -263,66 +263,24 @@ def note_children(
     spans = manager.pool.spans
     data = token_bytes(tokens, lo * B, last * B) if spans is None else b""
     width = 8 * B
-    # A prefill chunk's blocks, just cached: the first may join siblings (a junction),
-    # the others are usually new children of new parents: from ``bulk_from`` on they
-    # are indexed in bulk when `_link_bulk` can (else one by one, below)
-    bulk_from = last
-    if spans is None and last - lo >= _BULK_LINK:
-        parent = hashes[lo * step - 1]
-        bulk_from = lo + 1 if parent in only or parent in many else lo
-    j = lo
-    while j < last:
-        if j == bulk_from and _link_bulk(
-            children, only, many, blocks, j, last, hashes, step, own, data, (j - lo) * width
-        ):
-            return
+    added = 0
+    for j in range(lo, last):
         block = blocks[j]
-        if own.get(block) == hashes[(j + 1) * step - 1] and parent_of[block] is None:
+        if fresh or (own.get(block) == hashes[(j + 1) * step - 1] and parent_of[block] is None):
             if spans is None:
                 offset = (j - lo) * width
                 payload = data[offset : offset + width]
             else:
                 payload = span_bytes(manager.pool, tokens, j * B, (j + 1) * B)
-            children.link(only, many, hashes[j * step - 1], block, payload)
-        j += 1
-
-
-def _link_bulk(
-    children: ChildIndex,
-    only: dict[bytes, BlockId],
-    many: dict[bytes, list[BlockId]],
-    blocks: Sequence[BlockId],
-    lo: int,
-    last: int,
-    hashes: Sequence[bytes],
-    step: int,
-    own: dict[int, bytes],
-    data: bytes,
-    offset: int,
-) -> bool:
-    """Index ``blocks[lo:last]`` (payloads: ``data`` from ``offset`` on, one block's
-    tokens each) as `ChildIndex.link` one by one would, if every block is cached under
-    its chain hash and not indexed and no parent has a child yet (then each link adds
-    an ``only`` entry); False (nothing done) otherwise."""
-    table = blocks[lo:last]
-    keys = hashes[(lo + 1) * step - 1 : last * step : step]
-    parents = hashes[lo * step - 1 : (last - 1) * step : step]
-    parent_of, payload_of = children.parent_of, children.payload_of
-    if not (
-        list(map(own.get, table)) == keys  # a list slice: equal lengths, every block cached
-        and not any(map(parent_of.__getitem__, table))
-        and not any(map(only.__contains__, parents))
-        and not any(map(many.__contains__, parents))
-    ):
-        return False
-    only.update(zip(parents, table, strict=False))  # distinct positions: distinct keys
-    width = (len(data) - offset) // len(table)
-    for i, block in enumerate(table):  # not zip(strict=True): a generic call compiled
-        parent_of[block] = parents[i]
-        payload_of[block] = data[offset : offset + width]
-        offset += width
-    children.num_children += len(table)
-    return True
+            parent = hashes[j * step - 1]
+            if parent in only or parent in many:  # siblings: a junction
+                children.link(only, many, parent, block, payload)
+            else:  # `ChildIndex.link`'s common case inline: a new parent's only child
+                only[parent] = block
+                parent_of[block] = parent
+                payload_of[block] = payload
+                added += 1
+    children.num_children += added
 
 
 def _common_prefix(a: bytes, b: bytes, hint: int = 0) -> int:

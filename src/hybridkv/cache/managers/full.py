@@ -308,7 +308,7 @@ class FullAttentionManager(GroupManager):
                             span_bytes(pool, tokens, j * B, num_full * B),
                         )
             elif self.caching and not self.key_ahead:  # keys: chain hashes (`key`)
-                self.pool.cache_table(
+                fresh = self.pool.cache_table(
                     self.group_id,
                     state.blocks,
                     state.num_cached,
@@ -318,7 +318,9 @@ class FullAttentionManager(GroupManager):
                     B,
                 )
                 if self.pool.children is not None:
-                    note_children(self, state.blocks, state.num_cached, num_full, hashes, tokens)
+                    note_children(
+                        self, state.blocks, state.num_cached, num_full, hashes, tokens, fresh
+                    )
             elif self.caching:
                 blocks, block_hashes = state.blocks, self.pool.hashes
                 for j in range(state.num_cached, num_full):
