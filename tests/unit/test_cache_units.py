@@ -273,6 +273,23 @@ def test_chain_policy_order_dead_then_probation_tail_first_then_protected():
     q.check_invariants()
 
 
+def test_chain_policy_evicts_the_oldest_burst_tail_first_too():
+    """When recency wins (the oldest end is chosen), the oldest burst still goes tail
+    first: evicting a chain's head would strand the rest (measured: agentic sessions on
+    a dense model lost a quarter of their hits to head-first eviction)."""
+    q = FreeQueue(20, [], policy="chain")
+    for b in (5, 4, 3):  # chain 3 -> 4 -> 5, released tail first
+        q.push_cached(BlockId(b))
+    for b in (11, 10):  # a newer chain 10 -> 11
+        q.push_cached(BlockId(b))
+    q.regret(evicted_newest=True)  # bias < 0: the oldest end
+    assert q.pop() == (5, True)
+    q.remove_cached(BlockId(4))  # a hit takes the remembered tail: walk again
+    q.check_invariants()
+    assert [q.pop() for _ in range(len(q))] == [(3, True), (11, True), (10, True)]
+    q.check_invariants()
+
+
 def test_chain_policy_evicts_stale_probation_before_newer_blocks():
     """A never-hit block freed more than STALE_TURNOVERS pool sizes of releases ago goes
     before newer ones: blocks nobody comes back for do not pile up."""

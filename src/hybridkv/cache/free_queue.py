@@ -41,11 +41,13 @@ Policies (``EVICTION_POLICIES``):
   frequency: traffic that comes back for the newest blocks turns the rule into LRU.
   Releases of one burst (a request's blocks, tail first) are inserted in reverse so
   that the newest end of a tier holds the chain's tail: a child block is useless
-  without its parent, so leaves go first.
+  without its parent, so leaves go first. The oldest burst goes tail first too (a
+  walk to its newest block, then a cursor): taking its head strands the rest.
 
 Example (``chain``): request A stores blocks 3, 4, 5 (5 its tail) and finishes: they
 go to probation as one burst, ``5 4 3`` from the newest end, so eviction takes 5, 4,
-then 3. A later hit on 3 and 4 moves them to protected when released again.
+then 3, from whichever end it evicts. A later hit on 3 and 4 moves them to protected
+when released again.
 """
 
 from __future__ import annotations
@@ -113,6 +115,8 @@ class FreeQueue(LruLinks):
         self._num_cached = 0
         self._num_releases = 0
         self._anchors = [_NONE] * _NUM_TIERS  # insert after this node within a burst
+        # per tier, the block before the last victim: the oldest burst's tail (if valid)
+        self._tails = [_NONE] * _NUM_TIERS
         self._burst_freed_at = [0] * _NUM_TIERS
         # Stack: the last element is reused first, so push in reverse to hand out
         # the lowest ids first (readable golden scenarios).
@@ -373,13 +377,23 @@ class FreeQueue(LruLinks):
             if not inline or tier_len[DEAD]:
                 victim = self._victim()
             else:
-                sentinel = base + PROBATION if tier_len[PROBATION] else base + PROTECTED
-                victim = nxt[sentinel]  # the oldest
+                tier = PROBATION if tier_len[PROBATION] else PROTECTED
+                sentinel = base + tier
+                victim = nxt[sentinel]  # the oldest block: its burst goes tail first
                 if victim == sentinel:
                     raise CacheError("pop from an empty free queue")
+                old_at = freed_at[victim]
+                cursor = self._tails[tier]
+                if 0 <= cursor < base and tier_of[cursor] == tier and freed_at[cursor] == old_at:
+                    victim = cursor  # the burst's tail, left by the last eviction from it
+                else:  # walk to the burst's newest block (one release time per burst)
+                    node = nxt[victim]
+                    while node != sentinel and freed_at[node] == old_at:
+                        victim = node
+                        node = nxt[node]
                 last = distance[victim]
                 old_distance = float(last) if last else unknown
-                old_at, went = freed_at[victim], False
+                went = False
                 if now - old_at <= OVERDUE_FACTOR * old_distance and bias >= 0:
                     young = prev[sentinel]
                     last = distance[young]
@@ -395,6 +409,7 @@ class FreeQueue(LruLinks):
             prev[victim] = nxt[victim] = tier_of[victim] = _NONE
             tier_len[tier] -= 1
             self._num_cached -= 1  # `_victim` reads it (loop mode)
+            self._tails[tier] = before  # the next tail of this burst, if it has more
             victims.append(victim)
             newest.append(self.last_victim_newest)
         if num:

@@ -38,6 +38,7 @@ class FreeQueueReads:
     _prev: list[int]
     _tier: list[int]
     _tier_len: list[int]
+    _freed_at: list[int]
     _num_cached: int
     _fresh: list[int]
     loops: LoopDetector
@@ -58,6 +59,22 @@ class FreeQueueReads:
     def cached_ids(self) -> list[int]:
         """Every cached free block, tier by tier in eviction order of the tiers."""
         return [b for tier in range(_NUM_TIERS) for b in self.tier_ids(tier)]
+
+    def _check_bursts(self, tier: int, ids: list[int]) -> None:
+        """chain: the blocks of one burst (one release time) are contiguous in their
+        tier, which eviction's walk to the oldest burst's tail relies on."""
+        done: set[int] = set()
+        last = -1
+        for block in ids:
+            freed_at = self._freed_at[block]
+            if freed_at != last:
+                if freed_at in done:
+                    raise InvariantError(
+                        f"free queue tier {TIER_NAMES[tier]}: the burst released at "
+                        f"{freed_at} is split (block {block} is apart from the rest)"
+                    )
+                done.add(freed_at)
+                last = freed_at
 
     def check_invariants(self) -> None:
         """Links are symmetric, tier marks and counts agree, no block twice."""
@@ -80,6 +97,8 @@ class FreeQueueReads:
                 seen.add(block)
             if not self._chain and tier != PROBATION and ids:
                 raise InvariantError(f"lru free queue uses tier {TIER_NAMES[tier]}")
+            if self._chain and tier != DEAD:
+                self._check_bursts(tier, ids)
         if len(seen) != self._num_cached:
             raise InvariantError(
                 f"free queue: {len(seen)} cached blocks linked, count says {self._num_cached}"
