@@ -102,12 +102,14 @@ def test_batched_and_per_request_paths_agree() -> None:
         assert batched[key] == single[key], key
 
 
-@pytest.mark.parametrize(("rules", "hit"), [(("turn_end",), 8), (None, 10)])
-def test_shared_prefix_hit_tokens_are_exact(rules, hit) -> None:
-    """Second request arrives after the first finished: without the junction rule it
-    hits the first's full blocks of the shared 10 tokens (block 4: 8 tokens), nothing
-    from the differing tail; with the default rules (junction copies,
-    `hybridkv.cache.junction`) all 10 shared tokens (2 copied from the first's block)."""
+@pytest.mark.parametrize("rules", [("turn_end",), None])
+def test_shared_prefix_hit_tokens_are_exact(rules) -> None:
+    """Second request arrives after the first finished: it hits the first's full blocks
+    of the shared 10 tokens (block 4: 8 tokens), nothing from the differing tail, with
+    or without the junction rule: on an attention-only plan the rule (and with it
+    junction copies, `hybridkv.cache.junction`) is off; tests/unit/test_junction_copy.py
+    covers copies in a plan with a state group."""
+    hit = 8
     shared = tuple(range(100, 110))
     trace = [
         TraceRequest(id="a", arrival_s=0.0, prompt=(*shared, 1, 2), output=(7, 8)),

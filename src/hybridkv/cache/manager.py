@@ -129,7 +129,15 @@ class CacheManager(StepPaths):
         self._turn_end = "turn_end" in self.checkpoint_rules and self.caching
         if self._turn_end:
             enable_turn_end(self.coordinator)
-            if "junction" in self.checkpoint_rules:  # mid-block hits by copy-on-write
+            # Mid-block hits by copy-on-write, with the junction rule, so only in plans
+            # with a state group: there a block holds hundreds of tokens (a copy serves
+            # up to block_size - 1 of them) and the junction's state needs the copy to
+            # be reached. Attention-only plans (block 16: at most 15 tokens a hit) gain
+            # little and pay for a child index of every cached block: qwen3-4b over the
+            # prefix study's families +0.3 points of the reuse bound (few-shot), -1.7
+            # (chat at 5 GiB), within 0.04 elsewhere; ~20% of manager time
+            # (bench/manager_step.py, full). See docs/prefix_policies/junction_copies.md.
+            if self._junction:
                 enable_junction_copies(self.coordinator)
         self._num_lookups = self._num_lookup_tokens = self._num_hit_tokens = 0
         self._num_preemptions = self._num_alloc_failures = 0
