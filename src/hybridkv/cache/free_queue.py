@@ -115,8 +115,7 @@ class FreeQueue(LruLinks):
         self._num_cached = 0
         self._num_releases = 0
         self._anchors = [_NONE] * _NUM_TIERS  # insert after this node within a burst
-        # per tier, the block before the last victim: the oldest burst's tail (if valid)
-        self._tails = [_NONE] * _NUM_TIERS
+        self._tails = [_NONE] * _NUM_TIERS  # per tier, the oldest burst's tail (a hint)
         self._burst_freed_at = [0] * _NUM_TIERS
         # Stack: the last element is reused first, so push in reverse to hand out
         # the lowest ids first (readable golden scenarios).
@@ -370,7 +369,7 @@ class FreeQueue(LruLinks):
         victims: list[int] = []
         newest: list[bool] = []
         base, freed_at, distance = self._num_blocks, self._freed_at, self._distance
-        now, bias = self._num_releases, self._bias
+        now, bias, tails = self._num_releases, self._bias, self._tails
         unknown = self._typical or float(STALE_TURNOVERS * base)
         inline = self._chain and not (self.loops.loop and not self.windowed)
         for _ in range(num):
@@ -383,14 +382,15 @@ class FreeQueue(LruLinks):
                 if victim == sentinel:
                     raise CacheError("pop from an empty free queue")
                 old_at = freed_at[victim]
-                cursor = self._tails[tier]
-                if 0 <= cursor < base and tier_of[cursor] == tier and freed_at[cursor] == old_at:
-                    victim = cursor  # the burst's tail, left by the last eviction from it
+                tail = tails[tier]  # valid if still in this tier and burst
+                if 0 <= tail < base and tier_of[tail] == tier and freed_at[tail] == old_at:
+                    victim = tail
                 else:  # walk to the burst's newest block (one release time per burst)
                     node = nxt[victim]
                     while node != sentinel and freed_at[node] == old_at:
                         victim = node
                         node = nxt[node]
+                    tails[tier] = victim
                 last = distance[victim]
                 old_distance = float(last) if last else unknown
                 went = False
@@ -401,6 +401,8 @@ class FreeQueue(LruLinks):
                     went = young_next >= old_at + old_distance
                     if went:
                         victim = young
+                if not went:
+                    tails[tier] = prev[victim]  # the burst's next tail, if it has more
                 self.last_victim_newest = went
             tier = tier_of[victim]
             before, after = prev[victim], nxt[victim]
@@ -409,7 +411,6 @@ class FreeQueue(LruLinks):
             prev[victim] = nxt[victim] = tier_of[victim] = _NONE
             tier_len[tier] -= 1
             self._num_cached -= 1  # `_victim` reads it (loop mode)
-            self._tails[tier] = before  # the next tail of this burst, if it has more
             victims.append(victim)
             newest.append(self.last_victim_newest)
         if num:
