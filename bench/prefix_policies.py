@@ -58,7 +58,18 @@ from hybridkv.spec import AttentionSpec, DType, ModelSpec, SlidingWindowSpec
 
 GiB = 1 << 30
 HERE = Path(__file__).resolve().parent
-DEFAULT_VLLM_PYTHON = "/work/vllm-venv/bin/python"
+# vLLM 0.33 in its own venv: CI's (scripts/install_vllm033.sh), else an older place
+DEFAULT_VLLM_PYTHON = next(
+    (
+        path
+        for path in (
+            str(HERE.parent / ".venv-vllm033" / "bin" / "python"),
+            "/work/vllm-venv/bin/python",
+        )
+        if Path(path).exists()
+    ),
+    "/work/vllm-venv/bin/python",
+)
 
 
 @dataclass(frozen=True)
