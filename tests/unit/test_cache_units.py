@@ -276,7 +276,7 @@ def test_chain_policy_order_dead_then_probation_tail_first_then_protected():
 def test_chain_policy_evicts_the_oldest_burst_tail_first_too():
     """When recency wins (the oldest end is chosen), the oldest burst still goes tail
     first: evicting a chain's head would strand the rest (measured: agentic sessions on
-    a dense model lost a quarter of their hits to head-first eviction)."""
+    a dense model lost up to half of their hits to head-first eviction)."""
     q = FreeQueue(20, [], policy="chain")
     for b in (5, 4, 3):  # chain 3 -> 4 -> 5, released tail first
         q.push_cached(BlockId(b))

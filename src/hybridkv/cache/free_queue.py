@@ -42,7 +42,7 @@ Policies (``EVICTION_POLICIES``):
   Releases of one burst (a request's blocks, tail first) are inserted in reverse so
   that the newest end of a tier holds the chain's tail: a child block is useless
   without its parent, so leaves go first. The oldest burst goes tail first too (a
-  walk to its newest block, then a cursor): taking its head strands the rest.
+  walk to its newest block, then a kept hint): taking its head strands the rest.
 
 Example (``chain``): request A stores blocks 3, 4, 5 (5 its tail) and finishes: they
 go to probation as one burst, ``5 4 3`` from the newest end, so eviction takes 5, 4,
