@@ -59,17 +59,8 @@ from hybridkv.spec import AttentionSpec, DType, ModelSpec, SlidingWindowSpec
 GiB = 1 << 30
 HERE = Path(__file__).resolve().parent
 # vLLM 0.33 in its own venv: CI's (scripts/install_vllm033.sh), else an older place
-DEFAULT_VLLM_PYTHON = next(
-    (
-        path
-        for path in (
-            str(HERE.parent / ".venv-vllm033" / "bin" / "python"),
-            "/work/vllm-venv/bin/python",
-        )
-        if Path(path).exists()
-    ),
-    "/work/vllm-venv/bin/python",
-)
+VLLM_PYTHONS = (str(HERE.parent / ".venv-vllm033" / "bin" / "python"), "/work/vllm-venv/bin/python")
+DEFAULT_VLLM_PYTHON = next((p for p in VLLM_PYTHONS if Path(p).exists()), VLLM_PYTHONS[-1])
 
 
 @dataclass(frozen=True)
