@@ -29,13 +29,13 @@ from typing import SupportsIndex
 from hybridkv.cache.coordinator import Coordinator
 from hybridkv.cache.events import CacheEvent
 from hybridkv.cache.free_queue import DEFAULT_EVICTION_POLICY
-from hybridkv.cache.hashing import MAX_TOKEN_ID
 from hybridkv.cache.junction import enable_junction_copies
 from hybridkv.cache.managers import Counters
 from hybridkv.cache.request import RequestRecord
 from hybridkv.cache.step_paths import StepPaths
 from hybridkv.cache.turn_end import enable_turn_end
 from hybridkv.cache.validate import (
+    FAST_MAX_COUNT,
     check_count,
     token_array,
 )
@@ -104,7 +104,7 @@ class CacheManager(StepPaths):
         # groups); without state groups, only by the lookahead reserved.
         self._max_accept = min(
             (self.plan.group(g).num_spec_states for g in self._state_group_ids),
-            default=MAX_TOKEN_ID,
+            default=FAST_MAX_COUNT,
         )
         self._all_groups = range(len(self._managers))
         self._unit = self.coordinator.hasher.unit_tokens

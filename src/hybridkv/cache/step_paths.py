@@ -19,9 +19,9 @@ from collections.abc import Sequence
 from typing import NoReturn, SupportsIndex, cast
 
 from hybridkv.cache.delta import NO_CHANGE, StepDelta
-from hybridkv.cache.hashing import MAX_TOKEN_ID
 from hybridkv.cache.request import RequestRecord
 from hybridkv.cache.validate import (
+    FAST_MAX_COUNT,
     all_counts,
     all_valid_token_lists,
     append_tokens,
@@ -66,8 +66,8 @@ class StepPaths(CacheViews):
             r is not None
             and type(n) is int
             and type(lookahead) is int
-            and 0 <= n <= MAX_TOKEN_ID
-            and 0 <= lookahead <= MAX_TOKEN_ID
+            and 0 <= n <= FAST_MAX_COUNT
+            and 0 <= lookahead <= FAST_MAX_COUNT
         ):
             if r.try_fast_allocate(n, lookahead):
                 return NO_CHANGE

@@ -9,13 +9,17 @@ import sys
 from array import array
 from collections.abc import Sequence
 from itertools import chain
-from typing import cast
+from typing import Final, cast
 
 from hybridkv.cache.hashing import MAX_TOKEN_ID
 from hybridkv.errors import CacheError
 
 # byte holding the sign bit of a 64-bit int in the machine's byte order
 _HIGH_BYTE = 7 if sys.byteorder == "little" else 0
+# The largest count a fast path takes unchecked: the compiled build's largest unboxed
+# int, so that its compares stay native (a compare with MAX_TOKEN_ID, a boxed int there,
+# is a generic call); valid larger counts go through the checked path
+FAST_MAX_COUNT: Final = (1 << 62) - 1
 
 
 def check_count(req_id: str, name: str, value: object) -> int:

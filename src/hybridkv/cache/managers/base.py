@@ -69,10 +69,12 @@ class FastLimits(NamedTuple):
 
 NO_GROWTH: tuple[None, tuple[BlockId, ...]] = (None, ())
 
-# "No bound" in `GroupManager.fast_bounds` (a `FastLimits` field of None): above any
-# token count (< 2^63 by the validators' bound, sums of a few stay below 2^64), so that
-# the request record takes minima and compares plain ints.
-UNBOUNDED: Final = 1 << 62
+# "No bound" in `GroupManager.fast_bounds` (a `FastLimits` field of None): the largest
+# int the compiled build keeps unboxed (mypyc's short ints: 63-bit signed), so that the
+# request record takes minima and compares native ints (2^62 was a boxed int there:
+# every compare with it took the generic slow path). A step reaching it (no request
+# holds 2^62 tokens) only misses the fast path: the slow path checks it.
+UNBOUNDED: Final = (1 << 62) - 1
 Bounds = tuple[int, int, int, int]  # `FastLimits` as ints, None -> UNBOUNDED
 
 

@@ -58,6 +58,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 from hybridkv.cache.managers.base import UNBOUNDED, Bounds, GroupManager, StepSlots
 from hybridkv.cache.turn_end import find_turn_end, store_turn_end
@@ -299,13 +300,16 @@ class StateManager(GroupManager):
         self.settle_fast_all([state], accepted)
 
     def settle_fast_all(self, states: list[StateBlocks], accepted: int) -> None:
-        # a list, not a Sequence: the compiled loop indexes it natively
+        # a list, not a Sequence: the compiled loop indexes it natively. The ids move
+        # typed as ``running`` (maybe None: an object in the compiled build), so they
+        # are neither unboxed nor boxed again (each boxing of an id above 256 is a new
+        # int object); ``running`` is set here (c > 0)
         if accepted:
             i = accepted - 1
             for state in states:
-                spares = state.spares
+                spares = cast("list[BlockId | None]", state.spares)
                 block = spares[i]
-                spares[i] = state.running  # type: ignore[assignment]  # set: c > 0
+                spares[i] = state.running
                 state.running = state.write = block
 
     def _settles_in_place(self, state: StateBlocks, c: int, n: int, c2: int) -> bool:
