@@ -221,6 +221,22 @@ def test_fast_path_decode_step_256_requests():
     assert best < 256 * 5e-6 * 2, f"{best * 1e6:.0f} us for 256 requests"
 
 
+@pytest.mark.parametrize(
+    ("kind", "span_tokens"),
+    [("sliding", 3), ("sliding", 16), ("sliding", 33), ("chunked", 8), ("chunked", 12)],
+)
+def test_window_managers_inline_their_specs_first_live_block(kind, span_tokens):
+    """Sliding and chunked managers compute `first_live_block` in their own ints (the
+    spec's is an interpreted call in the compiled build): the spec's block at every
+    count of computed tokens."""
+    p = toy_plan([ToyGroup(kind, 4, span_tokens)], num_blocks=16)
+    manager = CacheManager(p).coordinator.managers[0]
+    spec = p.groups[0].spec
+    firsts = [manager.first_live_block(c) for c in range(200)]
+    assert firsts == [spec.first_live_block(c, 4) for c in range(200)]
+    assert firsts[-1] > 0  # the window moved
+
+
 def test_tokens_per_group_leaves_room_for_the_other_groups():
     """The seed pair (Coder-Next + Qwen3-4B draft, fp8, K=3, 60 GiB): each full-attention
     group reports the tokens it holds while the others hold the same requests' needs,

@@ -1,6 +1,7 @@
 """Structures reshaped so that the cache core hands the garbage collector fewer objects
 (issue 25, thirteenth session): ghost keys as bytes, the turn-end discard's length gate,
-junction parents by block id, the request record's flat fast limits, token lists
+junction parents by block id, the request record's fast limits (a flat list of ints
+then; one `GroupLimits` of native ints per group since), token lists
 appended with `array.fromlist`. Each keeps the behaviour of the form it replaced."""
 
 from __future__ import annotations
@@ -71,13 +72,19 @@ def _running(groups: list[ToyGroup]) -> CacheManager:
     return cm
 
 
-def test_check_invariants_reads_each_groups_flat_limits() -> None:
+def test_check_invariants_reads_each_groups_cached_limits() -> None:
     cm = _running([ToyGroup("full", 4), ToyGroup("sliding", 4, span_tokens=8)])
     cm.check_invariants()
     record = cm._requests["a"]
-    assert len(record.limits) == 4 * 2  # four bounds per group, side by side
-    assert record.group_limits(1) == tuple(record.limits[4:8])
-    record.limits[4 + 3] += 1  # group 1's commit bound goes stale
+    assert len(record.limits) == 2  # one `GroupLimits` per group, made at start
+    limits = record.limits[1]
+    assert record.group_limits(1) == (
+        limits.end,
+        limits.verified,
+        limits.lookahead,
+        limits.commit_below,
+    )
+    limits.commit_below += 1  # group 1's commit bound goes stale
     with pytest.raises(InvariantError, match="group 1: cached fast limits"):
         cm.check_invariants()
 

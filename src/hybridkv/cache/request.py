@@ -31,15 +31,26 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Sequence
-from typing import Any, Final
+from typing import Any
 
 from hybridkv.cache.managers import Bounds, GroupManager
 from hybridkv.errors import InvariantError
 
-# Per group, `GroupManager.fast_bounds`'s four ints (end, verified, lookahead, commit
-# below) side by side in one flat list: no tuple per group and refresh, which would
-# live as long as the limits and keep the garbage collector busy
-_NUM_BOUNDS: Final = 4
+
+class GroupLimits:
+    """One group's `GroupManager.fast_bounds` (end, verified, lookahead, commit below),
+    made once per group when a request starts and overwritten at each refresh. Native
+    int attributes in the compiled build: a refresh stores four ints and the minima
+    read them without an int object each (a list of ints boxed every bound above 256,
+    a new object per refresh, and unboxed it at every read)."""
+
+    __slots__ = ("commit_below", "end", "lookahead", "verified")
+
+    def __init__(self) -> None:
+        self.end = self.verified = self.lookahead = self.commit_below = 0
+
+    def bounds(self) -> Bounds:
+        return self.end, self.verified, self.lookahead, self.commit_below
 
 
 class RequestRecord:
@@ -88,7 +99,7 @@ class RequestRecord:
         self.pending_states: tuple[int, list[Any]] | None = None
         # per group: table positions [lo, hi) nulled since the last delta handed out
         self.nulled: dict[int, tuple[int, int]] | None = None
-        self.limits: list[int] = []  # per group: `GroupManager.fast_bounds`, flat
+        self.limits: list[GroupLimits] = []  # per group: `GroupManager.fast_bounds`
         self.clear_limits()
 
     # ------------------------------------------------------------------ fast path
@@ -131,42 +142,40 @@ class RequestRecord:
         # one call per kind, on a manager object: a native method call in the compiled
         # build (a stored function object was a generic call with argument parsing)
         self.settlers = [(first[kind], group) for kind, group in by_kind.items()]
-        self.limits = [0] * (_NUM_BOUNDS * len(managers))
+        self.limits = [GroupLimits() for _ in managers]
 
     def refresh_limits(self, managers: Sequence[GroupManager], groups: Sequence[int]) -> None:
         """Recompute the limits of ``groups`` (indexes into ``managers``), then the minimum."""
         limits, c, states = self.limits, self.num_computed, self.states
-        if len(limits) == _NUM_BOUNDS:  # one group: its limits are the minimum
-            end, verified, lookahead, commit = managers[0].fast_bounds(states[0], c)
-            limits[0], limits[1], limits[2], limits[3] = end, verified, lookahead, commit
-            self.fast_end, self.fast_verified = end, verified
-            self.fast_lookahead, self.commit_below = lookahead, commit
-            return
         for g in groups:
-            end, verified, lookahead, commit = managers[g].fast_bounds(states[g], c)
-            i = _NUM_BOUNDS * g
-            limits[i], limits[i + 1] = end, verified
-            limits[i + 2], limits[i + 3] = lookahead, commit
-        # the minima in one loop over native ints (zip(*limits) and four min() calls
-        # cost several times this in the compiled build, at ten groups)
-        end, verified, lookahead, commit = limits[0], limits[1], limits[2], limits[3]
-        for i in range(_NUM_BOUNDS, len(limits), _NUM_BOUNDS):
-            if limits[i] < end:
-                end = limits[i]
-            if limits[i + 1] < verified:
-                verified = limits[i + 1]
-            if limits[i + 2] < lookahead:
-                lookahead = limits[i + 2]
-            if limits[i + 3] < commit:
-                commit = limits[i + 3]
+            lim = limits[g]
+            lim.end, lim.verified, lim.lookahead, lim.commit_below = managers[g].fast_bounds(
+                states[g], c
+            )
+        # the minima in one loop over native ints (zip and four min() calls cost several
+        # times this in the compiled build, at ten groups)
+        first = limits[0]
+        end, verified, lookahead, commit = (
+            first.end,
+            first.verified,
+            first.lookahead,
+            first.commit_below,
+        )
+        for lim in limits:
+            if lim.end < end:
+                end = lim.end
+            if lim.verified < verified:
+                verified = lim.verified
+            if lim.lookahead < lookahead:
+                lookahead = lim.lookahead
+            if lim.commit_below < commit:
+                commit = lim.commit_below
         self.fast_end, self.fast_verified = end, verified
         self.fast_lookahead, self.commit_below = lookahead, commit
 
     def group_limits(self, g: int) -> Bounds:
         """The cached limits of group ``g``."""
-        i = _NUM_BOUNDS * g
-        limits = self.limits
-        return limits[i], limits[i + 1], limits[i + 2], limits[i + 3]
+        return self.limits[g].bounds()
 
     def owe_nulled(self, nulled: dict[int, tuple[int, int]] | None) -> None:
         """After a slow commit (limits refreshed): positions ``nulled`` are owed to the
@@ -181,7 +190,7 @@ class RequestRecord:
             if self.limits or self.fast_end or self.commit_below:
                 raise InvariantError(f"request {self.req_id!r} holds no blocks but has limits")
             return
-        if len(self.limits) != _NUM_BOUNDS * len(managers):
+        if len(self.limits) != len(managers):
             raise InvariantError(
                 f"request {self.req_id!r}: {len(self.limits)} cached limits for "
                 f"{len(managers)} groups"
@@ -194,7 +203,8 @@ class RequestRecord:
                     f"request {self.req_id!r} group {g}: cached fast limits {cached} but the "
                     f"manager says {fresh} at {self.num_computed} computed tokens"
                 )
-        minima = [min(self.limits[i::_NUM_BOUNDS]) for i in range(_NUM_BOUNDS)]
+        every = [lim.bounds() for lim in self.limits]
+        minima = [min(bounds[i] for bounds in every) for i in range(4)]
         if self.nulled is not None:
             minima[0] = 0  # a delta is owed: the next allocate takes the slow path
         if tuple(minima) != (
@@ -209,24 +219,24 @@ class RequestRecord:
         """Groups whose own limits the step ``(n, lookahead)`` crosses (called once the
         fast path failed for a running request)."""
         limits = self.limits
-        if len(limits) == _NUM_BOUNDS:
+        if len(limits) == 1:
             return [0]
         top = self.num_computed + n
         end = top + lookahead
         out: list[int] = []
-        for i in range(0, len(limits), _NUM_BOUNDS):
-            if end > limits[i] or top > limits[i + 1] or lookahead > limits[i + 2]:
-                out.append(i // _NUM_BOUNDS)
+        for g, lim in enumerate(limits):
+            if end > lim.end or top > lim.verified or lookahead > lim.lookahead:
+                out.append(g)
         return out
 
     def groups_to_commit(self, c2: int, always: list[bool]) -> list[int]:
         """Groups with something to cache or release at ``c2``, plus the ``always`` ones
         (state groups)."""
         limits = self.limits
-        if len(limits) == _NUM_BOUNDS:
+        if len(limits) == 1:
             return [0]  # called once the fast commit failed: the one group has work
         out: list[int] = []
         for g, forced in enumerate(always):
-            if forced or c2 >= limits[_NUM_BOUNDS * g + 3]:
+            if forced or c2 >= limits[g].commit_below:
                 out.append(g)
         return out

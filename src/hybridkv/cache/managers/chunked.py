@@ -26,6 +26,11 @@ class ChunkedLocalManager(FullAttentionManager):
         assert isinstance(self.group.spec, ChunkedLocalSpec)
         self.chunk_tokens = self.group.spec.attention_chunk_size
 
+    def first_live_block(self, num_computed: int) -> int:
+        # `ChunkedLocalSpec.first_live_block` in the manager's own ints (as sliding's)
+        chunk = self.chunk_tokens
+        return num_computed // chunk * chunk // self.block_size
+
     def next_release(self, first_live: int) -> int | None:
         boundary = (first_live + 1) * self.block_size
         return cdiv(boundary, self.chunk_tokens) * self.chunk_tokens

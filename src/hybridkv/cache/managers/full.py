@@ -54,6 +54,7 @@ class FullAttentionManager(GroupManager):
     releases: ClassVar[bool] = False
 
     def first_live_block(self, num_computed: int) -> int:
+        # the spec's arithmetic (sliding and chunked managers inline their own)
         return self.group.spec.first_live_block(num_computed, self.block_size)
 
     def next_release(self, first_live: int) -> int | None:
