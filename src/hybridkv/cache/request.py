@@ -147,6 +147,18 @@ class RequestRecord:
     def refresh_limits(self, managers: Sequence[GroupManager], groups: Sequence[int]) -> None:
         """Recompute the limits of ``groups`` (indexes into ``managers``), then the minimum."""
         limits, c, states = self.limits, self.num_computed, self.states
+        if len(limits) == 1:  # one group: its limits are the minimum
+            end, verified, lookahead, commit = managers[0].fast_bounds(states[0], c)
+            lim = limits[0]
+            lim.end, lim.verified, lim.lookahead, lim.commit_below = (
+                end,
+                verified,
+                lookahead,
+                commit,
+            )
+            self.fast_end, self.fast_verified = end, verified
+            self.fast_lookahead, self.commit_below = lookahead, commit
+            return
         for g in groups:
             lim = limits[g]
             lim.end, lim.verified, lim.lookahead, lim.commit_below = managers[g].fast_bounds(

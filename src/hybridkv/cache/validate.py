@@ -36,10 +36,12 @@ def check_count(req_id: str, name: str, value: object) -> int:
 
 
 def token_array(req_id: str, name: str, tokens: object) -> array[int]:
-    """``tokens`` packed as signed 64-bit ints (the request's own storage; hashing reads
-    its bytes directly), or a CacheError naming the first bad one. Any integer type
-    converts (numpy integers, and bools as 0 / 1); floats, negative ids and ids >= 2^63
-    are refused."""
+    """``tokens`` packed as 64-bit ints (the request's own storage; hashing reads its
+    bytes directly), or a CacheError naming the first bad one. Any integer type converts
+    (numpy integers, and bools as 0 / 1); floats, negative ids and ids >= 2^63 are
+    refused. The array is unsigned ('Q'): ids below 2^63 have the bytes of signed ints,
+    and appending to it converts each id without the signed type's argument parsing
+    (`append_tokens`)."""
     if isinstance(tokens, str | bytes) or not hasattr(tokens, "__iter__"):
         raise CacheError(
             f"request {req_id!r}: {name} must be a sequence of token ids, got "
@@ -54,12 +56,8 @@ def token_array(req_id: str, name: str, tokens: object) -> array[int]:
         raw = array("Q", tokens)  # type: ignore[arg-type]
     except (TypeError, OverflowError):
         raw = None
-    if raw is not None:
-        data = raw.tobytes()
-        if data[_HIGH_BYTE::8].isascii():
-            packed = array("q")
-            packed.frombytes(data)
-            return packed
+    if raw is not None and raw.tobytes()[_HIGH_BYTE::8].isascii():
+        return raw
     for i, t in enumerate(tokens):  # type: ignore[arg-type]  # name the culprit
         if not hasattr(t, "__index__"):
             raise CacheError(
@@ -75,10 +73,10 @@ def token_array(req_id: str, name: str, tokens: object) -> array[int]:
 
 
 def append_tokens(tokens: array[int], new: Sequence[int]) -> bool:
-    """Append ``new`` to ``tokens`` if every id is an int in [0, 2^63) and return True;
-    else leave ``tokens`` as it was and return False (`token_array` names the culprit).
-    The array refuses non-integers and ids >= 2^63 at C speed; negative ids are looked
-    for after (the signed array takes them)."""
+    """Append ``new`` to ``tokens`` (a `token_array`) if every id is an int in [0, 2^63)
+    and return True; else leave ``tokens`` as it was and return False (`token_array`
+    names the culprit). The unsigned array refuses non-integers and negative ids at C
+    speed; ids >= 2^63 are looked for after (the unsigned array takes them)."""
     num = len(tokens)
     if isinstance(new, list):
         # a scheduler's list (the common case): `fromlist` is all-or-nothing and sets
@@ -87,7 +85,7 @@ def append_tokens(tokens: array[int], new: Sequence[int]) -> bool:
             tokens.fromlist(new)
         except (TypeError, OverflowError):
             return False
-        if _all_non_negative(new):
+        if _all_signed(new):
             return True
         del tokens[num:]
         return False
@@ -96,23 +94,24 @@ def append_tokens(tokens: array[int], new: Sequence[int]) -> bool:
     if not new:
         return True
     try:
-        if min(new) < 0:
-            return False
         tokens.extend(new)
     except (TypeError, OverflowError):
         del tokens[num:]  # extend may have appended the ids before the bad one
         return False
+    if max(new) > MAX_TOKEN_ID:
+        del tokens[num:]
+        return False
     return True
 
 
-def _all_non_negative(ids: list[int]) -> bool:
-    """No id below 0 (``ids`` passed `array.fromlist`: ints or integer types). A loop:
-    native ints in the compiled build, where a min() call costs more for a few ids;
-    an integer type the compiled loop cannot unbox (numpy) says False, and the checked
-    path then judges it."""
+def _all_signed(ids: list[int]) -> bool:
+    """No id above 2^63 - 1 (``ids`` passed the unsigned array: integers >= 0). A loop:
+    native ints in the compiled build, compared with the unboxed `FAST_MAX_COUNT` first
+    (only an id above it meets the boxed MAX_TOKEN_ID); an integer type the compiled
+    loop cannot unbox (numpy) says False, and the checked path then judges it."""
     try:
         for t in ids:
-            if t < 0:
+            if t > FAST_MAX_COUNT and t > MAX_TOKEN_ID:
                 return False
     except TypeError:
         return False
