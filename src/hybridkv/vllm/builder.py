@@ -173,6 +173,14 @@ def _options(vllm_config: Any, specs: dict[str, KVCacheSpec], align: int) -> Pla
         )
     conv, ssm = next(iter(state_dtypes)) if state_dtypes else (None, None)
     mode = str(cache.mamba_cache_mode)
+    tp = int(vllm_config.parallel_config.tensor_parallel_size)
+    draft_tp = getattr(spec_config, "draft_tensor_parallel_size", None) if spec_config else None
+    if method == "draft" and draft_tp not in (None, tp):
+        # hybridkv shards every model of a plan over one tensor-parallel size
+        raise PlanError(
+            f"the draft model runs at tensor-parallel size {draft_tp}, the main model at "
+            f"{tp}; hybridkv plans both at one size"
+        )
     return PlanOptions(
         spec_method=method,
         num_spec_tokens=int(spec_config.num_speculative_tokens) if method else 0,
@@ -186,6 +194,8 @@ def _options(vllm_config: Any, specs: dict[str, KVCacheSpec], align: int) -> Pla
         layout="shared",
         block_align_tokens=align,
         one_group_models=("draft",) if method == "draft" else (),
+        # every worker's specs are its tensor-parallel shard (vLLM merges equal ones)
+        tp=tp,
     )
 
 

@@ -100,6 +100,8 @@ def collect_facts(
         spec_method=getattr(spec, "method", None) if spec is not None else None,
         num_spec_tokens=int(getattr(spec, "num_speculative_tokens", 0) or 0) if spec else 0,
         user_block_size=user_block_size,
+        # this worker's specs are its tensor-parallel shard; plan that shard
+        tp=int(vllm_config.parallel_config.tensor_parallel_size),
     )
 
 
@@ -182,10 +184,14 @@ def _install_builder() -> bool:
 
 def install() -> bool:
     """Wrap vLLM's hybrid block-size rule once per process (and, on vLLM 0.33.x, its
-    KV-cache config builder resolution); True when anything was newly wrapped."""
+    KV-cache config builder resolution, on vLLM's CPU build its Triton overrides: see
+    `hybridkv.vllm.cpu_ops`); True when anything was newly wrapped."""
     from vllm.platforms.interface import Platform
 
+    from hybridkv.vllm.cpu_ops import install_cpu_ops
+
     newly = _install_builder()
+    newly = install_cpu_ops() or newly
     current = Platform.__dict__["_align_hybrid_block_size"].__func__
     if getattr(current, _MARK, False):
         return newly

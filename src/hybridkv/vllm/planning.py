@@ -22,6 +22,13 @@ CPU kernel unit 32, vLLM's align 128)::
 Both plans are hybridkv's own arithmetic (`hybridkv.plan`); the caller checks that
 hybridkv's page sizes equal vLLM's before it applies anything, and keeps vLLM's rule
 with the reason otherwise.
+
+With tensor parallelism each worker holds one shard of every layer (attention KV heads
+and Gated DeltaNet / Mamba heads divided over the ranks), and vLLM's rule runs on that
+shard in every worker. hybridkv plans the same shard (``PlanOptions.tp``): at TP 2 the
+tiny model's state page is 68,608 bytes and its attention layers keep 256 bytes per
+token. The plan depends only on facts every rank shares, so all ranks choose the same
+block size and the engine core, which merges the ranks' specs, sees one layout.
 """
 
 from __future__ import annotations
@@ -64,6 +71,10 @@ class VllmFacts:
     spec_method: str | None = None  # vLLM's method name
     num_spec_tokens: int = 0
     user_block_size: int | None = None
+    # vLLM's tensor-parallel size: the page numbers above are one rank's shard (heads
+    # divided over ranks), so hybridkv plans the same shard; every rank has the same
+    # facts, hence the same plan, and the engine core merges equal specs
+    tp: int = 1
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -85,8 +96,10 @@ class VllmChoice:
 
     def log_line(self, max_model_len: int) -> str:
         ratio = self.requests_per_gib / self.vllm_requests_per_gib
+        tp = self.ours.options.tp
+        shard = f", each of {tp} tensor-parallel shards" if tp > 1 else ""
         return (
-            f"hybridkv plan (layout {self.ours.layout}, tensor pages): attention block "
+            f"hybridkv plan (layout {self.ours.layout}, tensor pages{shard}): attention block "
             f"{self.block_size} tokens (vLLM's rule: {self.vllm_block_size}), page "
             f"{self.page_bytes} B; padding: state {100 * self.state_padding:.2f}%, attention "
             f"{100 * self.attention_padding:.2f}% (vLLM's rule: state "
@@ -126,6 +139,7 @@ def _options(facts: VllmFacts, **values: Any) -> PlanOptions:
         state_mode=facts.state_mode if facts.prefix_caching else "none",
         memory_bytes=NOMINAL_KV_BYTES,
         packing="tensor",
+        tp=facts.tp,
         **values,
     )
 
@@ -138,15 +152,16 @@ def _check_same_pages(ours: CachePlan, facts: VllmFacts) -> None:
             if group.page_bytes != facts.state_page_bytes:
                 raise PlanError(
                     f"hybridkv's state page for layers {layers} is {group.page_bytes} bytes, "
-                    f"vLLM's is {facts.state_page_bytes}; the specs disagree (dtypes or "
-                    "speculative rows), so vLLM's rule is kept"
+                    f"vLLM's is {facts.state_page_bytes} (tensor-parallel size {facts.tp}); the "
+                    "specs disagree (dtypes, speculative rows or shards), so vLLM's rule is kept"
                 )
         else:
             per_token = group.page_bytes // group.block_size
             if per_token != facts.attn_bytes_per_token:
                 raise PlanError(
                     f"hybridkv's attention page for layers {layers} is {per_token} bytes per "
-                    f"token, vLLM's is {facts.attn_bytes_per_token}; vLLM's rule is kept"
+                    f"token, vLLM's is {facts.attn_bytes_per_token} (tensor-parallel size "
+                    f"{facts.tp}); vLLM's rule is kept"
                 )
 
 
