@@ -22,6 +22,9 @@ code. Each stdin line is one command; each answer is one stdout line starting wi
   KV-cache state (blocks in use, running / waiting requests; hybridkv's scheduler also
   runs its invariant checks). Needs ``"in_process": true`` in the settings (vLLM's
   engine core in this process, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``).
+* ``{"op": "spec"}`` -> vLLM's speculative-decoding counters since start (``drafts``,
+  ``draft_tokens``, ``accepted_tokens``; zeros without drafts). Needs
+  ``"disable_log_stats": false`` in the settings (the counters are vLLM's stats).
 * ``{"op": "quit"}``.
 
 The prompts are random token ids (seeded), so any checkpoint of any vocabulary works.
@@ -155,6 +158,23 @@ class SchedTimer:
         return out
 
 
+SPEC_COUNTERS = {
+    "vllm:spec_decode_num_drafts": "drafts",
+    "vllm:spec_decode_num_draft_tokens": "draft_tokens",
+    "vllm:spec_decode_num_accepted_tokens": "accepted_tokens",
+}
+
+
+def _spec_counts(llm: Any) -> dict[str, int]:
+    from vllm.v1.metrics.reader import Counter
+
+    counts = dict.fromkeys(SPEC_COUNTERS.values(), 0)
+    for metric in llm.get_metrics():  # one counter per engine (label), summed
+        if isinstance(metric, Counter) and metric.name in SPEC_COUNTERS:
+            counts[SPEC_COUNTERS[metric.name]] += metric.value
+    return counts
+
+
 def _scheduler(llm: Any) -> Any:
     return llm.llm_engine.engine_core.engine_core.scheduler
 
@@ -198,6 +218,9 @@ def main() -> None:  # vLLM spawns its engine: keep all work under main()
             )
         elif cmd["op"] == "chat":
             _answer(_chat(llm, cmd, vocab))
+        elif cmd["op"] == "spec":
+            stats_on = not settings.get("disable_log_stats", True)
+            _answer(_spec_counts(llm) if stats_on else {"error": "needs disable_log_stats false"})
         elif cmd["op"] == "sched":
             _answer({"error": "needs in_process"} if timer is None else timer.take())
         else:
