@@ -16,6 +16,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from hybridkv.cache import CacheManager
+from hybridkv.cache.hashing import chain_hash_at
 from hybridkv.cache.junction import (
     MAX_CHILDREN_PER_PARENT,
     ChildIndex,
@@ -71,11 +72,10 @@ def _reference_partial(m: CacheManager, g: int, tokens: list[int], anchor: int, 
     children = manager.pool.children
     hashes = m.block_hashes("probe")
     unit = manager.unit_tokens
-    if children is None or anchor <= 0 or anchor // unit > len(hashes):
+    if children is None or anchor < 0 or anchor // unit > len(hashes):
         return None
-    entries = {
-        b: children.payload_of[b] for b in children.children_of(g, hashes[anchor // unit - 1])
-    }
+    parent = hashes[anchor // unit - 1] if anchor else m._requests["probe"].root
+    entries = {b: children.payload_of[b] for b in children.children_of(g, parent)}
     if not entries:
         return None
     end = min(limit, anchor + B - 1, len(tokens) - 1)
@@ -131,20 +131,20 @@ def test_find_partial_with_the_shared_memo_matches_the_plain_comparison():
     checked = 0
     for prompt in _prompts(rng, stems, 40):
         m.add_request("probe", prompt)
-        hashes = m.block_hashes("probe")
+        hashes, root = m.block_hashes("probe"), m._requests["probe"].root
         tokens = array("q", prompt)
         # groups and limits in random order: the memo is shared by every group and
         # holds the whole span's prefix, capped per call
         calls = [
             (g, anchor, limit)
             for g in token_groups
-            for anchor in range(B, len(prompt), B)
+            for anchor in range(0, len(prompt), B)
             for limit in range(anchor, len(prompt) + 1)
         ]
         rng.shuffle(calls)
         for g, anchor, limit in calls:
             manager = m.coordinator.managers[g]
-            got = find_partial(manager, hashes, tokens, anchor, limit)
+            got = find_partial(manager, hashes, root, tokens, anchor, limit)
             assert got == _reference_partial(m, g, prompt, anchor, limit), (g, anchor, limit)
             checked += got is not None
         m.free("probe")
@@ -164,10 +164,11 @@ def test_attention_match_reuses_answers_and_equals_the_plain_chain():
         got = m._junctions["probe"]
         # the plain chain: every token group's max_hit, fresh blocks seen, no answers
         hashes, tokens = m.block_hashes("probe"), array("q", prompt)
+        root = m._requests["probe"].root
         match = len(prompt) - 1
         for manager in coordinator.managers:
             if not manager.is_state:
-                match = manager.max_hit(hashes, tokens, match, {})
+                match = manager.max_hit(hashes, root, tokens, match, {})
         assert got == match
         m.free("probe")
     m.check_invariants()
@@ -206,11 +207,10 @@ def test_children_payloads_are_the_blocks_tokens_and_bounded_per_parent():
     by_hash = {}
     for prompt in prompts:
         m.add_request("probe", prompt)
-        hashes = m.block_hashes("probe")
-        for j in range(1, len(hashes)):
-            by_hash[hashes[j - 1]] = by_hash.get(hashes[j - 1], set()) | {
-                tuple(prompt[j * B : (j + 1) * B])
-            }
+        hashes, root = m.block_hashes("probe"), m._requests["probe"].root
+        for j in range(len(hashes)):
+            parent = chain_hash_at(hashes, root, B, j * B)
+            by_hash[parent] = by_hash.get(parent, set()) | {tuple(prompt[j * B : (j + 1) * B])}
         m.free("probe")
     seen = 0
     for _, parent, kids in children.by_parent():

@@ -4,10 +4,15 @@ session resumes there, taking the partial block over."""
 
 from __future__ import annotations
 
+from array import array
+
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from hybridkv.cache import CacheManager
 from hybridkv.cache.toy import ToyGroup, toy_plan
+from hybridkv.cache.turn_end import _longest_prefix
 from hybridkv.errors import CacheError
 
 F4, S8 = ToyGroup("full", 4), ToyGroup("state", 8)
@@ -184,3 +189,150 @@ def test_junction_with_turn_end_checkpoints_at_the_attention_match_inside_an_int
         assert cm.lookup("c") == expected
         assert cm.allocate("c", 2 + 12 - expected) is not None
         cm.check_invariants()
+
+
+# -- ends inside the first block: entries anchored at the chain's root ----------------
+
+
+def _serve_turn(
+    cm: CacheManager, req: str, prompt: list[int], output: list[int], **keys: object
+) -> int:
+    """`_run_turn` with the request's extra keys (cache salt, LoRA id)."""
+    cm.add_request(req, prompt, **keys)  # type: ignore[arg-type]
+    hit = cm.lookup(req)
+    assert cm.allocate(req, len(prompt) - hit) is not None
+    for token in output:
+        cm.commit(req, 0, [token])
+        if token != output[-1]:
+            assert cm.allocate(req, 1) is not None
+    cm.check_invariants()
+    cm.free(req)
+    cm.check_invariants()
+    return hit
+
+
+def _hybrid(attention_tokens: int, interval_tokens: int, layout: str = "shared") -> CacheManager:
+    groups = [ToyGroup("full", attention_tokens), ToyGroup("state", interval_tokens)]
+    return CacheManager(toy_plan(groups, num_blocks=64, layout=layout))  # default rules
+
+
+@pytest.mark.parametrize(
+    ("attention_tokens", "interval_tokens", "layout"),
+    [(256, 256, "shared"), (16, 16, "shared"), (16, 64, "split")],
+)
+@pytest.mark.parametrize("first_end", [5, 15, 40, 100, 200, 250])
+def test_turns_ending_inside_the_first_block_resume_at_the_token_exact_bound(
+    attention_tokens: int, interval_tokens: int, layout: str, first_end: int
+) -> None:
+    """A chat whose first turn ends ``first_end`` tokens in (inside the first block at
+    B 256, where block-granular caching hits 0): every next turn (previous prompt +
+    output + 20 user tokens) hits exactly the previous context minus its last token,
+    which no step computed. Turn 2 resumes from entries anchored at the chain's root;
+    turn 3 from the root or from the next block's boundary."""
+    cm = _hybrid(attention_tokens, interval_tokens, layout)
+    prompt = [1000 + i for i in range(first_end - 3)]
+    bound = 0
+    for turn in range(3):
+        output = [10 + turn, 20 + turn, 30 + turn]
+        assert _serve_turn(cm, f"t{turn}", prompt, output) == bound
+        bound = len(prompt) + len(output) - 1
+        prompt = prompt + output + [2000 + 20 * turn + i for i in range(20)]
+
+
+def test_root_entries_never_cross_cache_salts_or_lora_ids() -> None:
+    """The root digests the extra keys that key the first block, so a turn-end entry
+    inside it serves only the same cache salt and LoRA id: the same tokens under
+    another tenant hit 0 and keep an entry of their own."""
+    cm = _hybrid(256, 256)
+    prompt, output = list(range(100, 197)), [7, 8, 9]  # context 100: 99 computed
+    nxt = prompt + output + [1, 2, 3]
+    _serve_turn(cm, "a", prompt, output, cache_salt="tenant a")
+    probes = [
+        ({"cache_salt": "tenant a"}, 99),
+        ({"cache_salt": "tenant b"}, 0),
+        ({}, 0),
+        ({"cache_salt": "tenant a", "lora_id": 1}, 0),
+    ]
+    for i, (keys, expected) in enumerate(probes):
+        cm.add_request(f"probe{i}", nxt, **keys)  # type: ignore[arg-type]
+        assert cm.lookup(f"probe{i}") == expected, keys
+        cm.free(f"probe{i}")
+    _serve_turn(cm, "b", prompt, output, cache_salt="tenant b")
+    partial = cm.coordinator.pools[0].partial
+    assert partial is not None and len(partial) == 4  # 2 tenants x (attention, state)
+    assert all(len(anchors) == 2 for anchors in partial.only.values())  # one root each
+    for salt in ("tenant a", "tenant b"):
+        cm.add_request(salt, nxt, cache_salt=salt)
+        assert cm.lookup(salt) == 99
+    cm.check_invariants()
+
+
+def test_eight_sessions_sharing_a_system_prompt_resume_at_their_own_ends() -> None:
+    """B 256, a 200-token system prompt, first prompts of 40..250 tokens (those under
+    200 a head of it), 5 output tokens: every first turn ends inside the first block,
+    so all 8 sessions' entries hang off one root, most of them sharing 200 tokens. Each
+    session's next turn finds its own entry (bisection over the sorted keys) and hits
+    exactly its bound; so does the turn after."""
+    cm = _hybrid(256, 256)
+    system = [5000 + i for i in range(200)]
+    lengths = [40, 100, 200, 210, 220, 230, 240, 250]
+    prompts = [(system + [6000 + 64 * s + i for i in range(64)])[:n] for s, n in enumerate(lengths)]
+    bounds = [0] * len(prompts)
+    for turn in range(3):
+        for s, prompt in enumerate(prompts):
+            output = [100 + s, 200 + turn, 300 + s]
+            assert _serve_turn(cm, f"s{s}t{turn}", prompt, output) == bounds[s], (s, turn)
+            bounds[s] = len(prompt) + len(output) - 1
+            prompts[s] = prompt + output + [7000 + 30 * s + i for i in range(30)]
+        if turn == 0:
+            partial = cm.coordinator.pools[0].partial
+            assert partial is not None and len(partial) == 2 * len(prompts)
+            assert [len(keys) for keys in partial.many[0].values()] == [len(prompts)]
+
+
+def test_sessions_sharing_a_system_prompt_shorter_than_a_block_hit_it_by_a_copy() -> None:
+    """Junction rule at the root: A's first turn fills block 0 (cached: a child of the
+    root); B shares only the 200-token system prompt, hits nothing (no state at 200
+    yet) and checkpoints its state there; C then hits 200 with A's block 0's first 200
+    slots copied into a fresh block. Another cache salt hits nothing."""
+    cm = _hybrid(256, 256)
+    system = [5000 + i for i in range(200)]
+    cm.add_request("A", [*system, *range(1, 101)])
+    cm.lookup("A")
+    assert cm.allocate("A", 300) is not None
+    source = cm.block_table("A", 0)[0]
+    cm.commit("A", 0, [7])
+    cm.free("A")
+    b = [*system, *range(101, 151)]
+    cm.add_request("B", b)
+    assert cm.lookup("B") == 0
+    assert cm.allocate("B", len(b)) is not None
+    assert [pos for pos, _ in cm.state_slots("B", 1).checkpoints] == [200]
+    cm.commit("B", 0, [7])
+    cm.free("B")
+    c = [*system, *range(201, 251)]
+    cm.add_request("D", c, cache_salt="other")
+    assert cm.lookup("D") == 0
+    cm.add_request("C", c)
+    assert cm.lookup("C") == 200
+    delta = cm.allocate("C", len(c) - 200)
+    assert delta is not None
+    (order,) = delta.copies
+    assert (order.group_id, order.src_block, order.num_tokens) == (0, source, 200)
+    assert order.dst_block == cm.block_table("C", 0)[0] != source
+    cm.check_invariants()
+
+
+@given(
+    st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=5), max_size=12),
+    st.lists(st.integers(0, 3), max_size=7),
+)
+def test_longest_prefix_bisection_equals_a_scan(entries: list[list[int]], want: list[int]):
+    """`_longest_prefix` over sorted keys (a head, then 8 bytes a token) answers as a
+    scan of every key for the longest one that prefixes the wanted tokens."""
+    head = b"h" * 5  # not a multiple of 8: token bytes never align with the key's start
+    keys = sorted({head + array("q", e).tobytes() for e in entries})
+    query = head + array("q", want).tobytes()
+    prefixes = [k for k in keys if query.startswith(k)]
+    expected = max(prefixes, key=len) if prefixes else None
+    assert _longest_prefix(keys, query, len(head)) == expected

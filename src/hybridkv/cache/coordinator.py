@@ -122,6 +122,7 @@ class Coordinator:
     def find_hit(
         self,
         hashes: Sequence[bytes],
+        root: bytes,
         tokens: Sequence[int],
         limit: int,
         found: list[dict[int, BlockId]],
@@ -129,7 +130,8 @@ class Coordinator:
     ) -> int:
         """Longest prefix (<= ``limit`` tokens) every group can serve; ``found[g]``
         collects the cached blocks group ``g`` saw; ``answers`` (if given) collects
-        each ``(group, limit) -> max_hit`` asked (for `attention_match`)."""
+        each ``(group, limit) -> max_hit`` asked (for `attention_match`). ``hashes``
+        and ``root``: the request's chain (`GroupManager.max_hit`)."""
         if not self.caching or limit <= 0:
             return 0
         managers = self.managers
@@ -138,7 +140,7 @@ class Coordinator:
         opened = num > 1 and self.turn_end and self._spans_on()
         try:
             while agreed < num:
-                new_limit = managers[g].max_hit(hashes, tokens, limit, found[g])
+                new_limit = managers[g].max_hit(hashes, root, tokens, limit, found[g])
                 if answers is not None:
                     answers[(g, limit)] = new_limit
                 if new_limit == 0:
@@ -156,6 +158,7 @@ class Coordinator:
     def attention_match(
         self,
         hashes: Sequence[bytes],
+        root: bytes,
         tokens: Sequence[int],
         limit: int,
         found: list[dict[int, BlockId]],
@@ -174,7 +177,7 @@ class Coordinator:
                 if not manager.is_state:
                     known = answers.get((g, match))
                     if known is None:
-                        known = manager.max_hit(hashes, tokens, match, found[g])
+                        known = manager.max_hit(hashes, root, tokens, match, found[g])
                     match = known
         finally:
             if opened:
@@ -184,6 +187,7 @@ class Coordinator:
     def hit_states(
         self,
         hashes: Sequence[bytes],
+        root: bytes,
         tokens: Sequence[int],
         hit: int,
         found: list[dict[int, BlockId]] | None,
@@ -193,7 +197,9 @@ class Coordinator:
         states = []
         for g, manager in enumerate(self.managers):
             if hit:
-                state = manager.hit_state(hashes, tokens, hit, None if found is None else found[g])
+                state = manager.hit_state(
+                    hashes, root, tokens, hit, None if found is None else found[g]
+                )
             else:
                 state = manager.new_state()
             if state is None:
@@ -295,6 +301,7 @@ class Coordinator:
         lookahead: int,
         accepted: int,
         hashes: Sequence[bytes],
+        root: bytes,
         tokens: Sequence[int],
         groups: Sequence[int] | None = None,
         nulled: dict[int, tuple[int, int]] | None = None,
@@ -308,7 +315,9 @@ class Coordinator:
         opened = len(todo) > 1 and self.turn_end and self._spans_on()
         try:
             for g in todo:
-                span = managers[g].commit(states[g], c, n, lookahead, accepted, hashes, tokens)
+                span = managers[g].commit(
+                    states[g], c, n, lookahead, accepted, hashes, root, tokens
+                )
                 if span is not None:
                     if nulled is None:
                         nulled = {}
@@ -322,7 +331,12 @@ class Coordinator:
         return nulled
 
     def keep_turn_ends(
-        self, states: list[Any], c: int, hashes: Sequence[bytes], tokens: Sequence[int]
+        self,
+        states: list[Any],
+        c: int,
+        hashes: Sequence[bytes],
+        root: bytes,
+        tokens: Sequence[int],
     ) -> None:
         """turn_end rule: every group caches what holds its data at ``c`` (the request's
         settled computed tokens) before `release_all` (see `cache.turn_end`)."""
@@ -330,7 +344,7 @@ class Coordinator:
         opened = len(self.managers) > 1 and self.turn_end and self._spans_on()
         try:
             for g, manager in enumerate(self.managers):
-                manager.keep_turn_end(states[g], c, hashes, tokens)
+                manager.keep_turn_end(states[g], c, hashes, root, tokens)
         finally:
             if opened:
                 self._spans_off()

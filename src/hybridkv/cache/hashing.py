@@ -11,6 +11,10 @@ and one chain serves all groups::
     attention group, block 8: block j ends at 8(j+1) -> key h_{2(j+1)}
     state group, interval 12: checkpoint after 12 tokens -> key h3
 
+The chain hash *at* a unit boundary ``p`` names the prefix ``tokens[:p]``
+(`chain_hash_at`): ``h_{p / unit}``, and the root ``h0`` at ``p = 0`` -- what a block
+starting at ``p`` is chained to (junction children, turn-end entries anchor there).
+
 Because ``h_i`` digests the whole prefix (and the extra keys), the key of a block names
 its full context; sha256 is collision resistant, so equal keys mean equal prefixes,
 cache salts and LoRA ids, and a hit needs no token comparison. A faster non-
@@ -32,6 +36,19 @@ HASH_ALGOS = ("sha256",)
 _DOMAIN = b"hybridkv-block-hash-v1"
 MAX_TOKEN_ID: Final = (1 << 63) - 1  # tokens are hashed as signed 64-bit integers
 _EMPTY_SHA256 = sha256()  # never updated: copied for each unit (see `BlockHasher.extend`)
+
+
+def chain_hash_at(
+    hashes: Sequence[bytes], root: bytes, unit_tokens: int, num_tokens: int
+) -> bytes | None:
+    """The chain hash naming ``tokens[:num_tokens]`` (a multiple of ``unit_tokens``):
+    ``root`` at 0 (the extra keys that key the first block: cache salt, LoRA id), None
+    when that unit is not hashed yet."""
+    if num_tokens == 0:
+        return root
+    if num_tokens < 0 or num_tokens // unit_tokens > len(hashes):
+        return None
+    return hashes[num_tokens // unit_tokens - 1]
 
 
 class BlockHasher:

@@ -7,7 +7,9 @@ mid-block) used to hit only up to the block boundary below. With this rule:
 
 * every token-indexed group keeps a bounded index *parent chain hash -> cached child
   blocks with their tokens* (`ChildIndex`, per pool, kept consistent with eviction
-  through `BlockPool._unindex`);
+  through `BlockPool._unindex`); the parent of a first block is the chain's root
+  (`hashing.chain_hash_at`: cache salt, LoRA id), so a system prompt shorter than a
+  block is served too, and never across tenants;
 * at lookup, after the full-block match stops at ``a = k * B``, the child of the chain
   hash at ``a`` whose tokens share the longest common prefix with the prompt's next
   block extends the hit to ``j`` (``a < j < a + B``) -- only if every state group also
@@ -26,9 +28,8 @@ the hash at 8 include A's block [8,16) with its tokens); request C shares 13 tok
     full-block match: 8; child of hash(8) with the longest common prefix: A's block,
     13 - 8 = 5 tokens -> hit 13 (if the states have 13), copy 5 slots into a fresh block
 
-An end inside the first block is not served (the chain's root is not a hash the
-managers see, as for turn-end entries), nor groups keyed one token ahead (EAGLE / MTP
-head groups: a child's slots depend on the token after them).
+Groups keyed one token ahead (EAGLE / MTP head groups) are not served: a child's slots
+depend on the token after them.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from array import array
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Final, NamedTuple
 
+from hybridkv.cache.hashing import chain_hash_at
 from hybridkv.errors import InvariantError
 from hybridkv.ids import BlockId
 
@@ -238,17 +240,19 @@ def note_children(
     first: int,
     last: int,
     hashes: Sequence[bytes],
+    root: bytes,
     tokens: Sequence[int],
     fresh: bool = False,
 ) -> None:
-    """Index ``blocks[j]``, j in ``[max(first, 1), last)``, that this commit cached
-    (block ``j`` under the chain hash at ``j * B``), in one loop (a prefill chunk
-    indexes every block it filled). ``fresh``: `BlockPool.cache_table` just stored every
-    one of them (so each is cached under its chain hash and not indexed yet)."""
+    """Index ``blocks[j]``, j in ``[first, last)``, that this commit cached (block ``j``
+    under the chain hash at ``j * B``: the root for the first block), in one loop (a
+    prefill chunk indexes every block it filled). ``fresh``: `BlockPool.cache_table`
+    just stored every one of them (so each is cached under its chain hash and not
+    indexed yet)."""
     children = manager.pool.children
     if children is None or manager.key_ahead:
         return
-    lo = max(first, 1)
+    lo = first
     if lo >= last:
         return
     B = manager.block_size
@@ -272,7 +276,7 @@ def note_children(
                 payload = data[offset : offset + width]
             else:
                 payload = span_bytes(manager.pool, tokens, j * B, (j + 1) * B)
-            parent = hashes[j * step - 1]
+            parent = hashes[j * step - 1] if j else root
             if parent in only or parent in many:  # siblings: a junction
                 children.link(only, many, parent, block, payload)
             else:  # `ChildIndex.link`'s common case inline: a new parent's only child
@@ -310,18 +314,21 @@ def _common_prefix(a: bytes, b: bytes, hint: int = 0) -> int:
 def find_partial(
     manager: GroupManager,
     hashes: Sequence[bytes],
+    root: bytes,
     tokens: Sequence[int],
     anchor: int,
     limit: int,
 ) -> tuple[int, BlockId] | None:
-    """The cached child of the chain hash at block boundary ``anchor`` sharing the
-    longest common prefix with ``tokens[anchor:limit]`` (capped at one block):
-    (anchor + that length, block), or None when no child shares a token."""
+    """The cached child of the chain hash at block boundary ``anchor`` (``root`` at 0)
+    sharing the longest common prefix with ``tokens[anchor:limit]`` (capped at one
+    block): (anchor + that length, block), or None when no child shares a token."""
     children = manager.pool.children
-    unit = manager.unit_tokens
-    if children is None or manager.key_ahead or anchor <= 0 or anchor // unit > len(hashes):
+    if children is None or manager.key_ahead:
         return None
-    entries = children.children_of(manager.group_id, hashes[anchor // unit - 1])
+    parent = chain_hash_at(hashes, root, manager.unit_tokens, anchor)
+    if parent is None:
+        return None
+    entries = children.children_of(manager.group_id, parent)
     if not entries:
         return None
     payload_of = children.payload_of

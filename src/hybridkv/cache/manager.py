@@ -182,14 +182,14 @@ class CacheManager(StepPaths):
             found: list[dict[int, BlockId]] = [{} for _ in self._managers]
             answers: dict[tuple[int, int], int] = {}  # (group, limit) -> max_hit
             limit = len(r.tokens) - 1
-            hit = coordinator.find_hit(r.hashes, r.tokens, limit, found, answers)
+            hit = coordinator.find_hit(r.hashes, r.root, r.tokens, limit, found, answers)
             if hit:
-                states = coordinator.hit_states(r.hashes, r.tokens, hit, found)
+                states = coordinator.hit_states(r.hashes, r.root, r.tokens, hit, found)
                 if states is not None:
                     r.pending_states = (coordinator.num_evictions(), states)
             if self._junction:  # where the prompt leaves the cached attention chains
                 self._junctions[req_id] = coordinator.attention_match(
-                    r.hashes, r.tokens, limit, found, answers
+                    r.hashes, r.root, r.tokens, limit, found, answers
                 )
         r.pending_hit = hit
         return hit
@@ -223,7 +223,7 @@ class CacheManager(StepPaths):
         if r.started and self._turn_end and not r.pending:
             # settled: every group's data at num_computed is final (see cache.turn_end)
             self._ensure_hashes(r, r.num_computed)
-            self.coordinator.keep_turn_ends(r.states, r.num_computed, r.hashes, r.tokens)
+            self.coordinator.keep_turn_ends(r.states, r.num_computed, r.hashes, r.root, r.tokens)
         if r.started:
             hot = r.req_id in self._hit_requests
             if hot:

@@ -248,7 +248,7 @@ class StepPaths(CacheViews):
                 states = None  # a block may be gone: look the hit up again below
         if states is None:
             self._ensure_hashes(r, c)
-            states = coordinator.hit_states(r.hashes, r.tokens, c, None)
+            states = coordinator.hit_states(r.hashes, r.root, r.tokens, c, None)
         if states is None:  # a hit block was evicted since lookup: look up again
             r.pending_hit = None
             r.pending_states = None
@@ -258,12 +258,12 @@ class StepPaths(CacheViews):
             match = self._junctions.get(req_id, 0)
             for g in self._state_group_ids:
                 interval = self._managers[g].block_size
-                # with turn_end keys a checkpoint may sit inside an interval: at the
-                # attention match itself (cache/turn_end.py) -- not for engines that
-                # write states only at step ends (`checkpoints_inside_steps=False`)
+                # with turn_end keys a checkpoint may sit inside an interval (the first
+                # one too: anchored at the chain's root): at the attention match itself
+                # (cache/turn_end.py) -- not for engines that write states only at step
+                # ends (`checkpoints_inside_steps=False`)
                 junction = match // interval * interval
-                inside = self._managers[g].inside_steps
-                if self._turn_end and match > interval and inside:  # a turn-end key needs an anchor
+                if self._turn_end and self._managers[g].inside_steps:
                     junction = match
                 states[g].junction = junction if junction > c else 0
         delta = coordinator.try_allocate(states, c, n, lookahead, True, None, r.nulled)
@@ -374,6 +374,7 @@ class StepPaths(CacheViews):
                 r.pend_lookahead,
                 a,
                 r.hashes,
+                r.root,
                 tokens,
                 groups,
                 r.nulled,

@@ -19,16 +19,25 @@ block that can serve a shared prefix, so the rule never costs the block hits.
 
 Key of such an entry (never equal to a chain hash: it is longer than a digest)::
 
-    TAG | chain hash at a | tokens[a:c] (8 bytes each) | tokens[c] (groups keyed ahead)
+    TAG | anchor | tokens[a:c] (8 bytes each) | tokens[c] (groups keyed ahead)
+
+The anchor is the chain hash at ``a`` (`hashing.chain_hash_at`), which names everything
+before it; at ``a == 0`` it is the chain's root, the digest of the extra keys that key
+the first block (cache salt, LoRA id), so an entry never serves another tenant::
 
     B = 8, c = 21: a = 16; full blocks [0,8) [8,16) cached as usual; the partial block
     holds 16..20, keyed by (hash at 16, tokens 16..20); the state after 21 likewise.
     next prompt: tokens[:21] + message -> hit 21 (was 16)
 
-The key holds the tokens themselves, so a hit is an exact token match of the prefix
-(the chain hash at ``a`` names everything before it). A lookup at anchor ``a`` tries
-each entry kept there (few: one per turn that ended in that block) and keeps the longest
-whose tokens prefix the new request's.
+    B = 256, c = 240 (a first turn inside the first block): a = 0, keyed by (root,
+    tokens 0..239). next prompt: tokens[:241] + message -> hit 240 (was 0)
+
+The key holds the tokens themselves, so a hit is an exact token match of the prefix.
+A lookup at anchor ``a`` wants the longest entry kept there whose tokens prefix the new
+request's. Entries under one anchor are kept sorted by key (`PartialIndex`), and the
+longest that prefixes the prompt is found by bisection (`_longest_prefix`), not by a
+scan: the root anchors every short request of a tenant, and a shared system prompt
+anchors every session's turn ending in the block after it.
 
 Sharing: a partial attention block's slots past ``c`` are not the new request's, so a
 hit *takes the block over* (`BlockPool.uncache` after the touch: it leaves the index and
@@ -40,17 +49,19 @@ checkpoint) and stays cached. Entries are made only when their request lets go o
 block; a block still in use (or cached for full-block hits) is served by a *copy* of
 its first slots instead (`cache.junction`, with the junction rule).
 
-Limits: an end inside the first block (``a == 0``) is not kept (the chain's root is
-not a hash the managers see); the end of a *prompt* while its request decodes on is not
-kept (that would need a copy of the block being written).
+Limits: the end of a *prompt* while its request decodes on is not kept (that would need
+a copy of the block being written); an entry serves only a prompt that extends its
+tokens exactly (a prompt diverging inside the partial block misses it).
 """
 
 from __future__ import annotations
 
+from bisect import bisect_right, insort
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Final
 
-from hybridkv.cache.junction import token_bytes
+from hybridkv.cache.hashing import chain_hash_at
+from hybridkv.cache.junction import _common_prefix, token_bytes
 from hybridkv.errors import InvariantError
 from hybridkv.ids import BlockId
 
@@ -68,18 +79,19 @@ _MIN_KEY_BYTES: Final = len(_TAG) + 32 + 8
 
 
 class PartialIndex:
-    """The turn-end entries of one pool, by group and anchor (the chain hash at ``a``).
-    The keys themselves live in the pool's group index like any block hash (so eviction
-    and the index checks treat them alike); this table only lets a lookup enumerate the
-    entries anchored at one block boundary. An entry's end is its anchor's position
-    plus the tokens its key holds (`find_turn_end`). Most anchors hold one entry: ``only``
-    maps them to its key, and only anchors with more hold a list (``many``, oldest
-    first): no container per entry, which would live as long as the entry and keep the
-    garbage collector busy (a hybrid trace keeps thousands)."""
+    """The turn-end entries of one pool, by group and anchor (the chain hash at ``a``,
+    the root at 0). The keys themselves live in the pool's group index like any block
+    hash (so eviction and the index checks treat them alike); this table only lets a
+    lookup find the entries anchored at one block boundary. An entry's end is its
+    anchor's position plus the tokens its key holds (`find_turn_end`). Most anchors hold
+    one entry: ``only`` maps them to its key, and only anchors with more hold a list
+    (``many``, sorted by key, so by tokens: a lookup bisects it): no container per
+    entry, which would live as long as the entry and keep the garbage collector busy (a
+    hybrid trace keeps thousands)."""
 
     def __init__(self) -> None:
         self.only: dict[int, dict[bytes, bytes]] = {}  # group -> anchor -> its one key
-        self.many: dict[int, dict[bytes, list[bytes]]] = {}  # group -> anchor -> keys (2+)
+        self.many: dict[int, dict[bytes, list[bytes]]] = {}  # group -> anchor -> sorted keys
         self.anchor_of: dict[int, dict[bytes, bytes]] = {}  # group -> key -> anchor
         self.num_entries = 0
 
@@ -99,14 +111,14 @@ class PartialIndex:
         self.num_entries += 1
         listed = self.many[group_id].get(anchor)
         if listed is not None:
-            listed.append(key)
+            insort(listed, key)
             return
         other = only.get(anchor)
         if other is None:
             only[anchor] = key
         else:
             del only[anchor]
-            self.many[group_id][anchor] = [other, key]
+            self.many[group_id][anchor] = [other, key] if other < key else [key, other]
 
     def discard(self, group_id: int, key: bytes) -> None:
         """Forget ``key`` if it is a turn-end entry (called for every evicted block)."""
@@ -130,7 +142,7 @@ class PartialIndex:
             only[anchor] = listed[0]
 
     def entries(self, group_id: int, anchor: bytes) -> list[bytes] | None:
-        """The keys of the entries anchored at ``anchor``, oldest first (None: none)."""
+        """The keys of the entries anchored at ``anchor``, sorted (None: none)."""
         only = self.only.get(group_id)
         if only is None:
             return None
@@ -144,15 +156,16 @@ class PartialIndex:
 
     def check(self, pool: BlockPool, token_groups: set[int]) -> None:
         """Every entry is indexed by the pool under its key, listed once under its
-        anchor, ends past its anchor; entries of token-indexed groups are free blocks."""
+        anchor (lists sorted), ends past its anchor; entries of token-indexed groups are
+        free blocks."""
         count = 0
         for group, only in self.only.items():
             listed = [(anchor, [key]) for anchor, key in only.items()]
             for anchor, keys in self.many[group].items():
-                if len(keys) < 2 or anchor in only:
+                if len(keys) < 2 or anchor in only or keys != sorted(keys):
                     raise InvariantError(
                         f"pool {pool.pool_id} group {group}: {len(keys)} turn-end entries "
-                        "listed under one anchor (2+), or the anchor is also single"
+                        "listed under one anchor (2+, sorted), or the anchor is also single"
                     )
                 listed.append((anchor, keys))
             for anchor, keys in listed:
@@ -195,31 +208,55 @@ class PartialIndex:
 def _key(
     manager: GroupManager, anchor: bytes, tokens: Sequence[int], start: int, end: int
 ) -> bytes:
+    """The key of an entry anchored at ``start`` ending at ``end`` (see the module
+    docstring): the token after it too in a group keyed ahead, in the same bytes as the
+    others, so that the keys of shorter entries prefix it (`_longest_prefix`)."""
     ahead = 1 if manager.key_ahead else 0
     spans = manager.pool.spans  # one build per call of the coordinator (`span_bytes`)
     if spans is not None:
         key = spans.get((start, end, ahead))
         if key is not None:
             return key
-    key = _TAG + anchor + token_bytes(tokens, start, end)
-    if ahead:
-        key += int(tokens[end]).to_bytes(8, "little", signed=True)
+    key = _TAG + anchor + token_bytes(tokens, start, end + ahead)
     if spans is not None:
         spans[(start, end, ahead)] = key
     return key
 
 
-def _anchor_hash(manager: GroupManager, hashes: Sequence[bytes], anchor: int) -> bytes | None:
-    """Chain hash at the block boundary ``anchor`` (None: not hashed, or ``anchor == 0``)."""
-    unit = manager.unit_tokens
-    if anchor <= 0 or anchor // unit > len(hashes):
-        return None
-    return hashes[anchor // unit - 1]
+def _longest_prefix(keys: list[bytes], want: bytes, head: int) -> bytes | None:
+    """The longest of ``keys`` (sorted; each ``head`` bytes, then whole tokens of 8
+    bytes) that prefixes ``want``, or None.
+
+    The greatest key ``<= want`` either prefixes it (then no longer key does: it would
+    sort between the two) or first differs from it at byte ``d`` with a smaller byte; a
+    key prefixing ``want`` and longer than ``d`` would sort after it, so the answer
+    prefixes ``want[:d]`` cut to whole tokens: bisect again with that. Each round
+    shortens ``want``; a round costs a bisection (C compares), not a pass over keys::
+
+        keys (tokens)  [1 2] [1 2 3 4] [1 2 5] [7]      want [1 2 3 9]
+        greatest <= want: [1 2 3 4], differs at token 3 -> want [1 2 3]
+        greatest <= want: [1 2], a prefix -> the answer
+    """
+    if len(keys) == 1:  # most anchors
+        key = keys[0]
+        return key if want.startswith(key) else None
+    while True:
+        i = bisect_right(keys, want)
+        if i == 0:
+            return None
+        key = keys[i - 1]
+        if want.startswith(key):
+            return key
+        cut = head + 8 * _common_prefix(key[head:], want[head:])
+        if cut <= head:
+            return None  # no token in common: every key holds at least one
+        want = want[:cut]
 
 
 def find_turn_end(
     manager: GroupManager,
     hashes: Sequence[bytes],
+    root: bytes,
     tokens: Sequence[int],
     anchor: int,
     limit: int,
@@ -227,46 +264,55 @@ def find_turn_end(
 ) -> tuple[int, BlockId] | None:
     """Longest turn-end entry of ``manager``'s group anchored at boundary ``anchor``
     whose tokens prefix ``tokens[anchor:]`` and that ends at or below ``limit``
-    (``exact``: ends exactly at ``limit``); (end, block) or None."""
+    (``exact``: ends exactly at ``limit``); (end, block) or None. ``root``: the chain's
+    root (`hashing.chain_hash_at`), the anchor at 0."""
     partial = manager.pool.partial
-    unit = manager.unit_tokens
-    if partial is None or anchor <= 0 or anchor // unit > len(hashes):
-        return None  # `_anchor_hash` is None: inline, as `entries` below (a lookup's
-    anchor_hash = hashes[anchor // unit - 1]  # every token group asks at every pass)
+    if partial is None:
+        return None
+    # `chain_hash_at` inline (every token group asks at every pass of a lookup)
+    if anchor == 0:
+        anchor_hash = root
+    elif anchor < 0 or anchor // manager.unit_tokens > len(hashes):
+        return None
+    else:
+        anchor_hash = hashes[anchor // manager.unit_tokens - 1]
+    # a hit leaves >= 1 token (and keyed ahead reads it); entries end inside the block
+    top = min(limit, len(tokens) - 1, anchor + manager.block_size - 1)
+    if exact:  # the one key an entry ending at ``limit`` has
+        if not anchor < limit <= top:
+            return None
+        block = manager.index.get(_key(manager, anchor_hash, tokens, anchor, limit))
+        return None if block is None else (limit, block)
     keys = partial.entries(manager.group_id, anchor_hash)
-    if not keys:
+    if not keys or top <= anchor:
+        return None
+    head = len(_TAG) + len(anchor_hash)
+    key = _longest_prefix(keys, _key(manager, anchor_hash, tokens, anchor, top), head)
+    if key is None:
         return None
     # an entry's end: its anchor plus the tokens its key holds (8 bytes each, see `_key`)
-    fixed = len(_TAG) + len(anchor_hash) + (8 if manager.key_ahead else 0)
-    best: tuple[int, BlockId] | None = None
-    for key in keys:
-        end = anchor + (len(key) - fixed) // 8
-        if end > limit or (exact and end != limit) or (best is not None and end <= best[0]):
-            continue
-        if end >= len(tokens):  # a hit leaves >= 1 token (and keyed ahead reads it)
-            continue
-        if key == _key(manager, anchor_hash, tokens, anchor, end):
-            best = (end, manager.index[key])
-    return best
+    end = anchor + (len(key) - head) // 8 - (1 if manager.key_ahead else 0)
+    return end, manager.index[key]
 
 
 def store_turn_end(
     manager: GroupManager,
     block: BlockId,
     hashes: Sequence[bytes],
+    root: bytes,
     tokens: Sequence[int],
     end: int,
 ) -> bool:
     """Cache ``block`` (referenced, uncached, holding positions up to ``end``) as the
     turn-end entry at ``end``; False (nothing changed) when ``end`` is a block boundary,
-    inside the first block, not followed by a verified token in a group keyed ahead, or
-    already kept by another block."""
+    not followed by a verified token in a group keyed ahead, not hashed up to its
+    anchor, or already kept by another block. ``root``: as in `find_turn_end`."""
     partial = manager.pool.partial
     size = manager.block_size
     if partial is None or end % size == 0 or end >= len(tokens) + (0 if manager.key_ahead else 1):
         return False
     anchor = end // size * size
-    anchor_hash = _anchor_hash(manager, hashes, anchor)
+    anchor_hash = chain_hash_at(hashes, root, manager.unit_tokens, anchor)
     if anchor_hash is None:
         return False
     key = _key(manager, anchor_hash, tokens, anchor, end)

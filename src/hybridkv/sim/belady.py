@@ -19,7 +19,9 @@ knows the whole trace, so the next use of a cached block is known:
   (`hybridkv.sim.reuse`), so a block that request would not read is not counted as used
   by it.
 * turn-end entries (`cache.turn_end`) are keyed off their anchor block: used by the
-  requests holding the anchor whose reuse bound reaches the entry's end.
+  requests holding the anchor whose reuse bound reaches the entry's end (the anchor of
+  an entry inside the first block is the chain's root: every request of its tenant
+  holds it).
 
 Approximations (why this is a reference, not a proof of optimality): admission order
 can differ from arrival order, a preempted request that comes back is not counted as a
@@ -66,7 +68,7 @@ class FutureUses:
             hashes: list[bytes] = []
             root = hasher.root(req.cache_salt, None)
             hasher.extend(hashes, root, list(req.prompt), len(req.prompt) - 1)
-            for h in hashes[: bound[index] // unit]:
+            for h in [root, *hashes[: bound[index] // unit]] if bound[index] else []:
                 self.users.setdefault(h, []).append(time)
         self.started = bytearray(len(order))
         self.low = 0  # every time below has started

@@ -181,18 +181,23 @@ class GroupManager:
     def max_hit(
         self,
         hashes: Sequence[bytes],
+        root: bytes,
         tokens: Sequence[int],
         limit: int,
         found: dict[int, BlockId],
     ) -> int:
         """Longest hit <= ``limit`` tokens this group can serve (0 always works); every
         cached block seen goes into ``found`` (end position -> block) for `hit_state`.
-        Idempotent: ``max_hit(h) == h`` for the ``h`` it returns."""
+        Idempotent: ``max_hit(h) == h`` for the ``h`` it returns. ``hashes``: the
+        request's chain hashes; ``root``: the chain's root, the hash at 0
+        (`hashing.chain_hash_at`: what turn-end entries and junction children inside
+        the first block hang off)."""
         raise NotImplementedError
 
     def hit_state(
         self,
         hashes: Sequence[bytes],
+        root: bytes,
         tokens: Sequence[int],
         hit: int,
         found: dict[int, BlockId] | None,
@@ -242,6 +247,7 @@ class GroupManager:
         lookahead: int,
         accepted: int,
         hashes: Sequence[bytes],
+        root: bytes,
         tokens: Sequence[int],
     ) -> tuple[int, int] | None:
         """Settle a step: cache what became verified, release what is no longer needed.
@@ -271,7 +277,7 @@ class GroupManager:
         raise NotImplementedError
 
     def keep_turn_end(
-        self, state: Any, c: int, hashes: Sequence[bytes], tokens: Sequence[int]
+        self, state: Any, c: int, hashes: Sequence[bytes], root: bytes, tokens: Sequence[int]
     ) -> None:
         """turn_end rule, just before `release_all` of a request settled at ``c``
         computed tokens: cache what holds the data at ``c`` (see `cache.turn_end`)."""

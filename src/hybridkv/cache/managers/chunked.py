@@ -38,8 +38,9 @@ class ChunkedLocalManager(FullAttentionManager):
     def max_hit(
         self,
         hashes: Sequence[bytes],
+        root: bytes,
         tokens: Sequence[int],
         limit: int,
         found: dict[int, BlockId],
     ) -> int:
-        return self.window_hit(hashes, tokens, limit, found)
+        return self.window_hit(hashes, root, tokens, limit, found)

@@ -67,6 +67,7 @@ class FullAttentionManager(GroupManager):
     def max_hit(
         self,
         hashes: Sequence[bytes],
+        root: bytes,
         tokens: Sequence[int],
         limit: int,
         found: dict[int, BlockId],
@@ -107,12 +108,13 @@ class FullAttentionManager(GroupManager):
                 found.update(zip(ends, blocks, strict=True))  # type: ignore[arg-type]  # no None
                 num += len(blocks)
         if self.turn_end and num * B < limit:
-            return self._turn_end_hit(hashes, tokens, num * B, limit, found)
+            return self._turn_end_hit(hashes, root, tokens, num * B, limit, found)
         return num * B
 
     def _turn_end_hit(
         self,
         hashes: Sequence[bytes],
+        root: bytes,
         tokens: Sequence[int],
         anchor: int,
         limit: int,
@@ -120,8 +122,8 @@ class FullAttentionManager(GroupManager):
     ) -> int:
         """``anchor`` (a block hit), extended into the next block by a turn-end entry
         ending at or below ``limit`` when one matches (see `cache.turn_end`)."""
-        entry = find_turn_end(self, hashes, tokens, anchor, limit)
-        partial = find_partial(self, hashes, tokens, anchor, limit)
+        entry = find_turn_end(self, hashes, root, tokens, anchor, limit)
+        partial = find_partial(self, hashes, root, tokens, anchor, limit)
         if partial is not None and (entry is None or partial[0] > entry[0]):
             entry = partial  # a junction copy reaches further than any turn-end entry
         if entry is None:
@@ -132,11 +134,13 @@ class FullAttentionManager(GroupManager):
     def window_hit(
         self,
         hashes: Sequence[bytes],
+        root: bytes,
         tokens: Sequence[int],
         limit: int,
         found: dict[int, BlockId],
     ) -> int:
-        """Largest ``k * B <= limit`` with blocks [first_live_block(kB), k) cached.
+        """Largest ``k * B <= limit`` with blocks [first_live_block(kB), k) cached (with
+        turn_end, extended into block ``k`` as `_turn_end_hit` does).
 
         Scans down from the limit; after a miss at block j, only ``k <= j`` can work, so
         every block is looked up at most once::
@@ -164,14 +168,17 @@ class FullAttentionManager(GroupManager):
                     break
             if miss is None:
                 if self.turn_end and k * B < limit:
-                    return self._turn_end_hit(hashes, tokens, k * B, limit, found)
+                    return self._turn_end_hit(hashes, root, tokens, k * B, limit, found)
                 return k * B
             k = min(k - 1, miss)
+        if self.turn_end and limit > 0:  # an end inside the first block needs no block
+            return self._turn_end_hit(hashes, root, tokens, 0, limit, found)
         return 0
 
     def hit_state(
         self,
         hashes: Sequence[bytes],
+        root: bytes,
         tokens: Sequence[int],
         hit: int,
         found: dict[int, BlockId] | None,
@@ -194,9 +201,9 @@ class FullAttentionManager(GroupManager):
         if hit % B:  # a turn-end hit or a junction copy: the block after the k full ones
             block = found.get(hit) if found is not None else None
             if block is None:
-                entry = find_turn_end(self, hashes, tokens, k * B, hit, exact=True)
+                entry = find_turn_end(self, hashes, root, tokens, k * B, hit, exact=True)
                 if entry is None:
-                    entry = find_partial(self, hashes, tokens, k * B, hit)
+                    entry = find_partial(self, hashes, root, tokens, k * B, hit)
                     if entry is None or entry[0] != hit:
                         return None
                 block = entry[1]
@@ -215,7 +222,12 @@ class FullAttentionManager(GroupManager):
             self.pool.uncache(state.blocks[k])
 
     def keep_turn_end(
-        self, state: TableBlocks, c: int, hashes: Sequence[bytes], tokens: Sequence[int]
+        self,
+        state: TableBlocks,
+        c: int,
+        hashes: Sequence[bytes],
+        root: bytes,
+        tokens: Sequence[int],
     ) -> None:
         end = self.cacheable_end(c, len(tokens))
         j = end // self.block_size
@@ -225,7 +237,7 @@ class FullAttentionManager(GroupManager):
         if (
             block != NULL_BLOCK
             and block not in self.pool.hashes
-            and store_turn_end(self, block, hashes, tokens, end)
+            and store_turn_end(self, block, hashes, root, tokens, end)
         ):
             # released now, first to evict (`cache.turn_end`); release_all skips it
             self.pool.release(block, dead=True)
@@ -274,6 +286,7 @@ class FullAttentionManager(GroupManager):
         lookahead: int,
         accepted: int,
         hashes: Sequence[bytes],
+        root: bytes,
         tokens: Sequence[int],
     ) -> tuple[int, int] | None:
         c2 = c + n + accepted
@@ -297,14 +310,14 @@ class FullAttentionManager(GroupManager):
                     else:
                         pool.cache(block, self.group_id, hashes[end // self.unit_tokens - 1], end)
                 children = pool.children
-                if children is not None and j and not self.key_ahead:
+                if children is not None and not self.key_ahead:
                     step = B // self.unit_tokens
                     if own.get(block) == hashes[num_full * step - 1] and (
                         children.parent_of[block] is None
                     ):
                         children.add(
                             self.group_id,
-                            hashes[j * step - 1],
+                            hashes[j * step - 1] if j else root,
                             block,
                             span_bytes(pool, tokens, j * B, num_full * B),
                         )
@@ -320,7 +333,7 @@ class FullAttentionManager(GroupManager):
                 )
                 if self.pool.children is not None:
                     note_children(
-                        self, state.blocks, state.num_cached, num_full, hashes, tokens, fresh
+                        self, state.blocks, state.num_cached, num_full, hashes, root, tokens, fresh
                     )
             elif self.caching:
                 blocks, block_hashes = state.blocks, self.pool.hashes

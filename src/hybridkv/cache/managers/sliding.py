@@ -41,8 +41,9 @@ class SlidingWindowManager(FullAttentionManager):
     def max_hit(
         self,
         hashes: Sequence[bytes],
+        root: bytes,
         tokens: Sequence[int],
         limit: int,
         found: dict[int, BlockId],
     ) -> int:
-        return self.window_hit(hashes, tokens, limit, found)
+        return self.window_hit(hashes, root, tokens, limit, found)

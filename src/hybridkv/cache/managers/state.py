@@ -102,6 +102,7 @@ class StateManager(GroupManager):
     def max_hit(
         self,
         hashes: Sequence[bytes],
+        root: bytes,
         tokens: Sequence[int],
         limit: int,
         found: dict[int, BlockId],
@@ -111,12 +112,14 @@ class StateManager(GroupManager):
         B = self.block_size
         pos = min(limit, len(hashes) * self.unit_tokens) // B * B
         turn_end = self.turn_end
-        while pos > 0:
+        while True:
             if turn_end and pos < limit:  # a turn end in (pos, limit] beats pos
-                entry = find_turn_end(self, hashes, tokens, pos, limit)
+                entry = find_turn_end(self, hashes, root, tokens, pos, limit)
                 if entry is not None:
                     found[entry[0]] = entry[1]
                     return entry[0]
+            if pos <= 0:
+                return 0
             block = found.get(pos)
             if block is None:
                 block = self.cached_block(hashes, tokens, pos)
@@ -124,11 +127,11 @@ class StateManager(GroupManager):
                 found[pos] = block
                 return pos
             pos -= B
-        return 0
 
     def hit_state(
         self,
         hashes: Sequence[bytes],
+        root: bytes,
         tokens: Sequence[int],
         hit: int,
         found: dict[int, BlockId] | None,
@@ -139,14 +142,19 @@ class StateManager(GroupManager):
         if block is None:
             B = self.block_size
             if hit % B:
-                entry = find_turn_end(self, hashes, tokens, hit // B * B, hit, exact=True)
+                entry = find_turn_end(self, hashes, root, tokens, hit // B * B, hit, exact=True)
                 block = None if entry is None else entry[1]
             else:
                 block = self.cached_block(hashes, tokens, hit)
         return None if block is None else StateBlocks(running=block)
 
     def keep_turn_end(
-        self, state: StateBlocks, c: int, hashes: Sequence[bytes], tokens: Sequence[int]
+        self,
+        state: StateBlocks,
+        c: int,
+        hashes: Sequence[bytes],
+        root: bytes,
+        tokens: Sequence[int],
     ) -> None:
         # The running block holds the state after exactly c tokens once a step settled;
         # a checkpoint boundary is cached at commit already.
@@ -158,7 +166,7 @@ class StateManager(GroupManager):
             or self.pool.is_cached(running)
         ):
             return
-        if store_turn_end(self, running, hashes, tokens, c):
+        if store_turn_end(self, running, hashes, root, tokens, c):
             self.counters.checkpoints_stored += 1
             # released now, first to evict (`cache.turn_end`); release_all skips it
             self.pool.release(running, dead=True)
@@ -238,6 +246,7 @@ class StateManager(GroupManager):
         lookahead: int,
         accepted: int,
         hashes: Sequence[bytes],
+        root: bytes,
         tokens: Sequence[int],
     ) -> tuple[int, int] | None:
         c2 = c + n + accepted
@@ -265,7 +274,7 @@ class StateManager(GroupManager):
             if (
                 pos <= c2
                 and (not pos % B or pos == junction)
-                and self._store_checkpoint(block, pos, hashes, tokens, pos == junction)
+                and self._store_checkpoint(block, pos, hashes, root, tokens, pos == junction)
             ):
                 self.pool.release(block)  # stays in the cache as evictable
             else:
@@ -274,7 +283,7 @@ class StateManager(GroupManager):
         if old is not None and old != write:
             self.pool.release(old)  # a read-only checkpoint this step started from
         if not c2 % B or c2 == junction:
-            self._store_checkpoint(new_running, c2, hashes, tokens, c2 == junction)
+            self._store_checkpoint(new_running, c2, hashes, root, tokens, c2 == junction)
         state.running = new_running
         state.write = None if new_running in self.pool.hashes else new_running
         spares += old_spares[num_spec:]
@@ -342,6 +351,7 @@ class StateManager(GroupManager):
         block: BlockId,
         pos: int,
         hashes: Sequence[bytes],
+        root: bytes,
         tokens: Sequence[int],
         junction: bool = False,
     ) -> bool:
@@ -350,7 +360,7 @@ class StateManager(GroupManager):
         if not self.checkpoints or pos <= 0:
             return False
         if pos % self.block_size:
-            if not (junction and store_turn_end(self, block, hashes, tokens, pos)):
+            if not (junction and store_turn_end(self, block, hashes, root, tokens, pos)):
                 return False
         elif not self.try_cache(block, hashes, tokens, pos):
             return False
