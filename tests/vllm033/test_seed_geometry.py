@@ -45,8 +45,9 @@ class Seed:
     attention_backend: Any
 
 
-def build_seed(root: Path, *, prefix_caching: bool) -> Seed:
-    """The seed geometry's VllmConfig and per-layer specs, as vLLM 0.33 makes them."""
+def build_seed(root: Path, *, prefix_caching: bool, tp: int = 1) -> Seed:
+    """The seed geometry's VllmConfig and per-layer specs, as vLLM 0.33 makes them
+    (one tensor-parallel rank's shard of them at ``tp`` > 1)."""
     import torch
     from vllm.config import (
         CacheConfig,
@@ -68,7 +69,7 @@ def build_seed(root: Path, *, prefix_caching: bool) -> Seed:
     model = ModelConfig(
         model=str(main), tokenizer=str(main), skip_tokenizer_init=True, max_model_len=MAX_MODEL_LEN
     )
-    parallel = ParallelConfig()
+    parallel = ParallelConfig(tensor_parallel_size=tp)
     config = VllmConfig(
         model_config=model,
         parallel_config=parallel,
