@@ -56,51 +56,102 @@ class Blocks:
 
 @dataclass
 class FakeWorker:
+    """vLLM's worker as far as the rows go. A state block holds what its state has
+    consumed, in two parts as vLLM keeps it: the ssm state, and the conv window, which a
+    speculative step leaves at one offset per draft (``conv[block][i]``: after the
+    step's first ``i + 1`` tokens). ``acc``: the worker's ``num_accepted_tokens``."""
+
     groups: list[VllmGroup]
     align: bool
+    num_spec: int = 0
     rows: dict[str, list[list[int]]] = field(default_factory=dict)
     cols: dict[str, dict[int, int]] = field(default_factory=dict)
+    acc: dict[str, int] = field(default_factory=dict)
     slots: dict[tuple[int, int], int] = field(default_factory=dict)  # (block, slot) -> token
-    states: dict[int, tuple[int, ...]] = field(default_factory=dict)  # block -> consumed
+    ssm: dict[int, tuple[int, ...]] = field(default_factory=dict)  # block -> consumed
+    conv: dict[int, list[tuple[int, ...]]] = field(default_factory=dict)
 
     def drop(self, req_id: str) -> None:
         self.rows.pop(req_id, None)
         self.cols.pop(req_id, None)
+        self.acc.pop(req_id, None)
 
     def copy(self, copies: list[tuple[int, int]]) -> None:
         """The step's block copies, before the step runs (every layer: state and slots)."""
         for src, dst in copies:
-            self.states[dst] = self.states.get(src, ())
+            self.ssm[dst] = self.ssm.get(src, ())
+            self.conv[dst] = list(self.conv.get(src, [()]))
             for g in self.groups:
                 for s in range(g.block_size):
                     if (src, s) in self.slots:
                         self.slots[(dst, s)] = self.slots[(src, s)]
 
-    def run(self, req: FakeRequest, n: int) -> None:
-        """One step of ``n`` scheduled tokens (incl. drafts) from ``req.num_computed_tokens``
-        (vLLM advanced it already: the step starts at ``c = num_computed - n``)."""
+    def _move(self, src_col: int, bias: int, dst_col: int, row: list[int]) -> None:
+        """vLLM's state copy: ssm from column ``src + bias``, conv window at offset
+        ``bias`` of column ``src``, joined into column ``dst`` (offset 0)."""
+        self.ssm[row[dst_col]] = self.ssm.get(row[src_col + bias], ())
+        self.conv[row[dst_col]] = [self.conv.get(row[src_col], [()])[bias]]
+
+    def run(self, req: FakeRequest, n: int, drafts: int = 0) -> None:
+        """One step of ``n`` scheduled tokens incl. ``drafts`` from
+        ``req.num_computed_tokens - n`` (vLLM advanced the count already)."""
         c = req.num_computed_tokens - n
         tokens = req.all_token_ids
         rows = self.rows[req.request_id]
+        spec_row = self.num_spec > 0 and n - drafts == 1 and c >= req.num_prompt_tokens - 1
         for g in self.groups:
             row = rows[g.group_id]
             B = g.block_size
             if g.kind == "state":
                 cols = self.cols.setdefault(req.request_id, {})
+                acc = self.acc.get(req.request_id, 1)
                 cur = -(-(c + n) // B) - 1 if self.align else 0
                 prev = cols.get(g.group_id, (c - 1) // B if self.align else 0)
                 if self.align and prev not in (-1, cur):
-                    self.states[row[cur]] = self.states.get(row[prev], ())
+                    self._move(prev, acc - 1, cur, row)
+                    acc = 1
                 if c:
-                    assert self.states.get(row[cur]) == tuple(tokens[:c]), (req.request_id, c)
-                self.states[row[cur]] = tuple(tokens[: c + n])
+                    got = (self.ssm.get(row[cur + acc - 1]), self.conv[row[cur]][acc - 1])
+                    assert got == (tuple(tokens[:c]),) * 2, (req.request_id, c, acc)
+                if spec_row:
+                    for t in range(drafts + 1):
+                        self.ssm[row[cur + t]] = tuple(tokens[: c + 1 + t])
+                    self.conv[row[cur]] = [tuple(tokens[: c + 1 + t]) for t in range(drafts + 1)]
+                else:
+                    self.ssm[row[cur]] = tuple(tokens[: c + n])
+                    self.conv[row[cur]] = [tuple(tokens[: c + n])]
+                    acc = 1
                 cols[g.group_id] = cur
+                self.acc[req.request_id] = acc
                 continue
             lo = max(0, c - g.span_tokens + 1) if g.kind == "sliding" else 0
             for p in range(lo, c):
                 assert self.slots.get((row[p // B], p % B)) == tokens[p], (req.request_id, p)
             for p in range(c, c + n):
                 self.slots[(row[p // B], p % B)] = tokens[p] if p < len(tokens) else -1
+
+    def accepted(self, req: FakeRequest, c: int, n: int, drafts: int, accepted: int) -> None:
+        """After sampling a step from ``c`` (``n`` tokens incl. ``drafts``): the worker's
+        ``num_accepted_tokens`` and, in align mode with drafts, the post-copy of a
+        boundary the accepted tokens reached into that boundary's column."""
+        if not self.num_spec or n - drafts != 1 or req.request_id not in self.rows:
+            return
+        self.acc[req.request_id] = accepted + 1
+        if not self.align:
+            return
+        for g in self.groups:
+            if g.kind != "state":
+                continue
+            B = g.block_size
+            row = self.rows[req.request_id][g.group_id]
+            cur = self.cols[req.request_id][g.group_id]
+            running, new = c + 1, c + 1 + accepted
+            boundary = new // B * B
+            if boundary >= running:
+                dest = boundary // B - 1
+                self._move(cur, boundary - running, dest, row)
+                if dest == cur:
+                    self.acc[req.request_id] = 1
 
 
 def _manager(groups: list[VllmGroup], num_blocks: int, *, caching: bool = True, spec: int = 0):
@@ -131,7 +182,7 @@ def _drive(
     multi-turn sessions (the next prompt extends the previous context)."""
     rng = random.Random(seed)
     kv = _manager(groups, num_blocks, caching=caching, spec=spec)
-    worker = FakeWorker(groups, align=caching)
+    worker = FakeWorker(groups, align=caching, num_spec=spec)
     B = min((g.block_size for g in groups if g.kind == "state"), default=0)
     system = [rng.randrange(1, 50) for _ in range(shared)]  # a prompt every session shares
     contexts = [
@@ -158,7 +209,7 @@ def _drive(
                 if req not in running:  # preempted for an earlier one this step
                     continue
                 drafts = 0
-                if spec and req.num_computed_tokens >= req.num_prompt_tokens:
+                if spec and req.num_computed_tokens == req.num_tokens - 1:  # decoding
                     drafts = rng.randrange(0, spec + 1)  # the draft count varies per step
                 n = req.num_tokens - req.num_computed_tokens + drafts
                 n = min(n, left)
@@ -216,13 +267,14 @@ def _drive(
                 # drafts in flight: the tokens the drafter proposed
                 req.drafts = [rng.randrange(1, 50) for _ in range(req.spec)]
                 req.all_token_ids.extend(req.drafts)
-                worker.run(req, n)
+                worker.run(req, n, req.spec)
                 del req.all_token_ids[len(req.all_token_ids) - len(req.drafts) :]
             kv.mark_executed()
-            for req, _ in scheduled:
+            for req, n in scheduled:
                 if req.num_computed_tokens < req.num_tokens:
                     continue  # a prefill chunk
                 accepted = rng.randrange(0, req.spec + 1) if req.spec else 0
+                worker.accepted(req, req.num_computed_tokens - n, n, req.spec, accepted)
                 req.num_computed_tokens -= req.spec - accepted
                 new = [*req.drafts[:accepted], rng.randrange(1, 50)]
                 # vLLM keeps only the tokens up to max_tokens; its computed count does not
@@ -294,6 +346,27 @@ def test_sliding_window_with_varying_drafts() -> None:
     _drive(groups, 300, sessions=4, turns=2, seed=2, spec=3)
 
 
+def test_hybrid_with_varying_drafts_reads_exactly_its_tokens() -> None:
+    """Drafts 0..3 per step on a hybrid (the #39271 shape: the count shrinks to 0 and
+    grows again): the worker's state rows with draft columns, pre-copies and boundary
+    post-copies always give each step exactly the state of its computed tokens, and
+    multi-turn chat still hits."""
+    kv = _drive(HYBRID, 300, sessions=4, turns=3, seed=11, spec=3)
+    assert kv.state_layout == "columns"
+    assert kv.cache.stats().num_hit_tokens > 0
+
+
+def test_hybrid_drafts_without_prefix_caching() -> None:
+    """none mode with drafts: a fixed row of 1 + K state blocks, read at the accepted
+    draft's column, no copies."""
+    kv = _drive(HYBRID, 200, sessions=3, turns=2, seed=12, spec=3, caching=False)
+    assert kv.cache.stats().num_hit_tokens == 0
+
+
+def test_hybrid_drafts_under_pressure() -> None:
+    _drive(HYBRID, 40, sessions=5, turns=2, seed=13, spec=3, budget=40)
+
+
 def test_pressure_preempts_and_recovers() -> None:
     _drive(HYBRID, 24, sessions=6, turns=2, seed=3, budget=40)
 
@@ -316,6 +389,35 @@ def test_random_lives_hybrid(
 ) -> None:
     groups = [VllmGroup(0, "full", block), VllmGroup(1, "state", block)]
     _drive(groups, num_blocks, sessions=3, turns=2, seed=seed, budget=budget, shared=shared)
+
+
+@settings(max_examples=15, deadline=None)
+@given(
+    seed=st.integers(0, 10_000),
+    num_blocks=st.integers(48, 120),
+    block=st.sampled_from([4, 8]),
+    budget=st.integers(9, 64),
+    shared=st.sampled_from([0, 13, 20]),
+    spec=st.integers(1, 3),
+    caching=st.booleans(),
+)
+def test_random_lives_hybrid_with_drafts(
+    seed: int, num_blocks: int, block: int, budget: int, shared: int, spec: int, caching: bool
+) -> None:
+    """Random lives with drafts on a hybrid: every state read is exactly the request's
+    computed tokens, invariants hold after every step, every block comes back."""
+    groups = [VllmGroup(0, "full", block), VllmGroup(1, "state", block)]
+    _drive(
+        groups,
+        num_blocks,
+        sessions=3,
+        turns=2,
+        seed=seed,
+        budget=budget,
+        shared=shared,
+        spec=min(spec, block - 1),
+        caching=caching,
+    )
 
 
 def test_split_prefill_chunk() -> None:

@@ -34,7 +34,7 @@ from hybridkv.cache.delta import NO_CHANGE, GroupDelta, StepDelta
 from hybridkv.cache.events import CacheEvent
 from hybridkv.cache.hashing import BlockHasher
 from hybridkv.cache.junction import junction_copies
-from hybridkv.cache.managers import MANAGER_TABLE, Counters, GroupManager
+from hybridkv.cache.managers import MANAGER_TABLE, STATE_LAYOUTS, Counters, GroupManager
 from hybridkv.errors import CacheError
 from hybridkv.ids import BlockId
 from hybridkv.plan.types import CachePlan
@@ -63,6 +63,7 @@ class Coordinator:
         events: list[CacheEvent] | None,
         counters: Counters,
         eviction_policy: str = "lru",
+        state_layout: str = "slots",
     ) -> None:
         if not plan.groups:
             raise CacheError("the plan has 0 groups; nothing to manage")
@@ -77,6 +78,12 @@ class Coordinator:
         self.managers: list[GroupManager] = []
         for group in plan.groups:
             manager_cls = MANAGER_TABLE.get(group.kind)
+            if group.is_state:
+                manager_cls = STATE_LAYOUTS.get(state_layout)
+                if manager_cls is None:
+                    raise CacheError(
+                        f"state layout {state_layout!r}; known layouts: {sorted(STATE_LAYOUTS)}"
+                    )
             if manager_cls is None:
                 raise CacheError(
                     f"group {group.group_id} has kind {group.kind!r}; known kinds: "

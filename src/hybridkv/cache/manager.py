@@ -67,6 +67,9 @@ class CacheManager(StepPaths):
     ``checkpoints_inside_steps``: False for engines that write a state only at the end
     of a step (vLLM's workers): state groups then checkpoint only where a step ends,
     and the scheduler ends prefill chunks on checkpoint boundaries.
+    ``state_layout``: ``slots`` (hybridkv's engine, `StepSlots` per step) or ``columns``
+    (the positional rows of vLLM's workers, for speculative decoding on state layers:
+    `hybridkv.cache.managers.state_columns`).
     """
 
     def __init__(
@@ -80,6 +83,7 @@ class CacheManager(StepPaths):
         eviction_policy: str = DEFAULT_EVICTION_POLICY,
         checkpoint_rules: Sequence[str] | None = None,
         checkpoints_inside_steps: bool = True,
+        state_layout: str = "slots",
     ) -> None:
         self.plan = plan
         self.caching = (
@@ -96,6 +100,7 @@ class CacheManager(StepPaths):
             events=self._events if record_events else None,
             counters=self._counters,
             eviction_policy=eviction_policy,
+            state_layout=state_layout,
         )
         self._managers = self.coordinator.managers
         self._is_state_group = [m.is_state for m in self._managers]

@@ -133,6 +133,10 @@ class VllmKVCacheManager:
         )
         self.eviction_policy = eviction_policy
         self.checkpoint_rules = checkpoint_rules_from_env() if enable_caching else ()
+        # drafts on state layers: the worker's state rows carry K draft columns and split
+        # a state after accepted drafts, which slots cannot express (`state_columns`)
+        has_state = any(g.kind == "state" for g in groups)
+        self.state_layout = "columns" if num_spec_tokens and has_state else "slots"
         self.cache = self._new_cache()
         self.state_group_ids = [g.group_id for g in groups if g.kind == "state"]
         self.rows = WorkerRows(
@@ -163,6 +167,7 @@ class VllmKVCacheManager:
             eviction_policy=self.eviction_policy,
             checkpoint_rules=self.checkpoint_rules,
             checkpoints_inside_steps=False,
+            state_layout=self.state_layout,
         )
 
     # ------------------------------------------------------------------ steps
@@ -270,7 +275,12 @@ class VllmKVCacheManager:
                 f"at {num_new_computed_tokens}"
             )
         self._steps[req_id] = _Step(c, num_new, self._step_id)
-        if started and not delta and self.rows.same_columns(req_id, c + num_new_tokens):
+        if (
+            started
+            and not delta
+            and self.state_layout == "slots"
+            and self.rows.same_columns(req_id, c + num_new_tokens)
+        ):
             return self.empty_kv_cache_blocks  # the common decode step: nothing moved
         slots = {g: self.cache.state_slots(req_id, g) for g in self.state_group_ids}
         rows = self.rows.step(req_id, delta, slots, num_new_tokens)

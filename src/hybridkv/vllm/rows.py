@@ -27,6 +27,12 @@ Checkpoints inside a step cannot be written (the worker writes states only where
 step ends): the manager runs with ``checkpoints_inside_steps=False`` and the scheduler
 ends prefill chunks on ``B`` boundaries. In ``none`` mode (no prefix caching) the
 worker reads column 0: the request's one state block.
+
+With speculative decoding the worker keeps ``K`` draft columns after ``cur`` and splits
+a state over two columns after accepted drafts; the manager then lays the row out in
+the worker's own terms (``state_layout="columns"``,
+`hybridkv.cache.managers.state_columns`) and hands the whole row over
+(`StepSlots.columns`), which is appended as it is.
 """
 
 from __future__ import annotations
@@ -109,6 +115,10 @@ class WorkerRows:
             if B is None:
                 raise InvariantError(f"group {gid} is token-indexed but got state slots")
             row = record.rows[gid]
+            if slot.columns:  # the manager lays the row out itself (drafts on state layers)
+                self._place_run(req_id, gid, row, sent[gid], 0, slot.columns)
+                copies.extend(slot.copies)
+                continue
             if slot.checkpoints or slot.spec_blocks:
                 raise InvariantError(
                     f"request {req_id!r} group {gid}: {len(slot.checkpoints)} checkpoints and "

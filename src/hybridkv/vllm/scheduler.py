@@ -9,10 +9,12 @@ change: ``schedule`` commits the steps whose output arrived, ``update_from_outpu
 marks the step as run, and the align-mode chunk split ends prefill chunks where
 hybridkv checkpoints (vLLM's workers write a state only where a step ends).
 
-Left to vLLM's own KV-cache manager, with one warning naming the reason: KV connectors
-(P/D disaggregation, offloading), pipeline parallelism, decode context parallelism,
-EAGLE / MTP drafters, speculative decoding on models with state layers, and layer kinds
-without a hybridkv manager (cross-attention...). When hybridkv manages, async
+Speculative decoding with drafters that keep no KV (n-gram, suffix, ``custom_class``)
+runs on hybridkv's manager, state layers included: their rows carry the worker's draft
+columns (`hybridkv.cache.managers.state_columns`). Left to vLLM's own KV-cache manager,
+with one warning naming the reason: KV connectors (P/D disaggregation, offloading),
+pipeline parallelism, decode context parallelism, draft-model / EAGLE / MTP drafters,
+and layer kinds without a hybridkv manager (cross-attention...). When hybridkv manages, async
 scheduling is turned off with a logged reason: hybridkv commits a step once its output
 is known, and async scheduling runs the next schedule before that.
 """
@@ -31,6 +33,9 @@ from hybridkv.vllm.kv_plan import UnsupportedVllmSetup, vllm_groups
 from hybridkv.vllm.rows import split_prefill_chunk
 
 logger = logging.getLogger("vllm.hybridkv")
+# speculative methods whose drafter keeps no KV cache: only the main model's groups
+# (draft columns in state groups) change
+DRAFTERS_WITHOUT_KV = ("ngram", "ngram_gpu", "suffix", "custom_class")
 
 
 def _prefix_cache_stats_cls() -> Any:
@@ -52,6 +57,7 @@ class Scheduler(VllmScheduler):
         try:
             _check_supported(self, vllm_config)
             groups = vllm_groups(kv_cache_config)
+            _check_draft_columns(groups, self.num_spec_tokens, self.cache_config)
         except UnsupportedVllmSetup as err:
             # as the plugin does with plans: what hybridkv cannot translate stays vLLM's
             logger.warning("hybridkv: %s; vLLM's own KV-cache manager stays", err)
@@ -160,21 +166,33 @@ def _check_supported(scheduler: Any, vllm_config: Any) -> None:
     spec = vllm_config.speculative_config
     if spec is not None:
         method = getattr(spec, "method", None)
-        if method not in ("ngram", "ngram_gpu", "suffix"):  # n-gram drafters hold no KV
+        if method not in DRAFTERS_WITHOUT_KV:
             reasons.append(
                 f"speculative method {method!r} (its drafter's KV groups are not translated "
-                "yet; n-gram and suffix drafters are)"
+                f"yet; {', '.join(DRAFTERS_WITHOUT_KV)} are)"
             )
-        elif getattr(vllm_config.model_config, "is_hybrid", False) or _has_state(scheduler):
-            reasons.append(
-                "speculative decoding on a model with state layers (the worker's per-draft "
-                "state columns are not translated yet)"
-            )
+        mode = getattr(vllm_config.cache_config, "mamba_cache_mode", "none") or "none"
+        if _has_state(scheduler) and mode not in ("align", "none"):
+            reasons.append(f"speculative decoding with mamba_cache_mode={mode!r}")
     if reasons:
         raise UnsupportedVllmSetup(
             "hybridkv.vllm.Scheduler does not translate this engine's KV cache: "
             + "; ".join(reasons)
         )
+
+
+def _check_draft_columns(groups: list[Any], num_spec_tokens: int, cache_config: Any) -> None:
+    """Drafts on state layers in align mode: one step's drafts may cross at most one
+    state boundary (vLLM's post-copy checkpoints only the last one it reaches)."""
+    if not num_spec_tokens or not cache_config.enable_prefix_caching:
+        return
+    for g in groups:
+        if g.kind == "state" and num_spec_tokens >= g.block_size:
+            raise UnsupportedVllmSetup(
+                f"{num_spec_tokens} speculative tokens with state group {g.group_id}'s "
+                f"{g.block_size}-token blocks: a step's drafts could cross two checkpoint "
+                "boundaries; use fewer speculative tokens"
+            )
 
 
 def _has_state(scheduler: Any) -> bool:

@@ -10,6 +10,7 @@ from hybridkv.cache.managers.chunked import ChunkedLocalManager
 from hybridkv.cache.managers.full import FullAttentionManager, TableBlocks
 from hybridkv.cache.managers.sliding import SlidingWindowManager
 from hybridkv.cache.managers.state import StateBlocks, StateManager, StateSlots, StepSlots
+from hybridkv.cache.managers.state_columns import ColumnBlocks, ColumnStateManager
 from hybridkv.spec.layers import CHUNKED_ATTENTION, FULL_ATTENTION, MLA, SLIDING_ATTENTION, STATE
 
 MANAGER_TABLE: dict[str, type[GroupManager]] = {
@@ -19,12 +20,21 @@ MANAGER_TABLE: dict[str, type[GroupManager]] = {
     CHUNKED_ATTENTION: ChunkedLocalManager,
     STATE: StateManager,
 }
+# How a state group hands its blocks to an engine: slots per step (hybridkv's engine) or
+# the positional rows of vLLM's workers (`state_columns`, speculative decoding in vLLM).
+STATE_LAYOUTS: dict[str, type[GroupManager]] = {
+    "slots": StateManager,
+    "columns": ColumnStateManager,
+}
 
 __all__ = [
     "MANAGER_TABLE",
+    "STATE_LAYOUTS",
     "UNBOUNDED",
     "Bounds",
     "ChunkedLocalManager",
+    "ColumnBlocks",
+    "ColumnStateManager",
     "Counters",
     "FastLimits",
     "FullAttentionManager",

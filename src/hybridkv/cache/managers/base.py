@@ -39,6 +39,10 @@ class StepSlots:
     write_num_tokens: int
     spec_blocks: tuple[BlockId, ...]
     checkpoints: tuple[tuple[int, BlockId], ...] = ()
+    # worker-column layout only (`managers.state_columns`): the request's whole row of
+    # block ids by column, and whole-block copies (source, destination) before the step
+    columns: tuple[BlockId, ...] = ()
+    copies: tuple[tuple[BlockId, BlockId], ...] = ()
 
     @property
     def checkpoint(self) -> tuple[int, BlockId] | None:
