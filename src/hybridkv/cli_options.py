@@ -18,65 +18,64 @@ import typer
 
 from hybridkv.errors import HybridKVError, PlanError
 from hybridkv.plan.tree import TREE_KEYS, TokenTree, check_tree_drafts
-from hybridkv.plan.types import PlanOptions
+from hybridkv.plan.types import MAX_SPEC_TOKENS, PlanOptions, check_num_spec_tokens
 from hybridkv.spec.dtypes import DType, parse_dtype
 from hybridkv.spec.model import ModelSpec
 
-# Binary units (powers of 1024): K, M, G, T with or without "iB" ("60G" = "60GiB", as
-# docker and `free -g` read it). Decimal units (powers of 1000): KB, MB, GB, TB.
-_UNITS = {
-    "b": 1,
-    "k": 1 << 10,
-    "m": 1 << 20,
-    "g": 1 << 30,
-    "t": 1 << 40,
-    "kib": 1 << 10,
-    "mib": 1 << 20,
-    "gib": 1 << 30,
-    "tib": 1 << 40,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "tb": 10**12,
-}
+# Sizes: a number and a unit, nothing else guessed. K, M, G, T alone or with "iB" are
+# binary (powers of 1024: "60G" = "60GiB", as docker and `free -g` read them); with "B"
+# they are decimal (powers of 1000: "60GB" = 60 * 10^9). The prefix letter may be lower
+# case ("512m", "8g"); the "B" may not: a lower-case "b" is a bit ("8Gb" is a gigabit), and
+# reading it as bytes, binary or decimal, would be a guess, so it is refused.
+_UNIT = re.compile(r"(?P<prefix>[KkMmGgTt])(?P<suffix>iB|B)?|B")
+_POWER = {"k": 1, "m": 2, "g": 3, "t": 4}
 # A bare number is read as bytes only when it is clearly a byte count: "--memory 60"
 # almost always means 60 GiB, and planning for 60 bytes would only confuse.
 MIN_BARE_BYTES = 1 << 20
 MAX_BYTES = 1 << 50  # 1 PiB: far beyond any device, small enough for exact arithmetic
-SIZE_HELP = (
-    "G/GiB = 2^30 bytes (binary), GB = 10^9 (decimal); likewise K, M, T; a bare number "
-    f"is bytes and must be >= {MIN_BARE_BYTES}"
+SIZE_FORMS = (
+    "80GiB or 80G (binary, 2^30 bytes per G), 80GB (decimal, 10^9), likewise K, M, T "
+    f"(KiB / K / KB ...), or a whole number of bytes >= {MIN_BARE_BYTES}"
 )
-MAX_SPEC_TOKENS = 256  # K: more drafts per step than any proposer makes use of
+SIZE_HELP = (
+    "G/GiB = 2^30 bytes (binary), GB = 10^9 (decimal); likewise K, M, T; a lower-case b "
+    f"(bits: Gb, gib) is refused; a bare number is bytes and must be >= {MIN_BARE_BYTES}"
+)
 DEFAULT_NUM_SPEC = 4  # K when a speculative method is given without --num-spec
 
 
 def parse_bytes(text: str, *, what: str = "--memory") -> int:
     """'80GiB', '80G' (both binary), '60 GB' (decimal), '1.5TiB', '1073741824' -> bytes.
 
-    Raises `PlanError` for anything else, for a bare number under `MIN_BARE_BYTES`
-    (write the unit), and for sizes above `MAX_BYTES`.
+    Raises `PlanError` naming the accepted forms (`SIZE_FORMS`) for anything else: a unit
+    in bits or unknown ('8Gb', '8gib', '8 parsecs'), a bare number under `MIN_BARE_BYTES`
+    (write the unit), and sizes above `MAX_BYTES`.
     """
     match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
-    example = "write e.g. 80GiB or 80G (binary), 60GB (decimal), or 1073741824 (bytes)"
     if not match:
-        raise PlanError(f"{what}={text!r} is not a size; {example}")
-    number, unit = match.group(1), match.group(2).lower()
-    if unit and unit not in _UNITS:
-        raise PlanError(f"{what}={text!r}: unknown unit {match.group(2)!r}; {example}")
+        raise PlanError(f"{what}={text!r} is not a size; write {SIZE_FORMS}")
+    number, unit = match.group(1), match.group(2)
     if not unit:
         if not number.isdigit() or int(number) < MIN_BARE_BYTES:
             raise PlanError(
                 f"{what}={text!r} has no unit (did you mean {number}GiB?); a bare number is "
-                f"read as bytes and must be a whole number >= {MIN_BARE_BYTES}; {example}"
+                f"read as bytes and must be a whole number >= {MIN_BARE_BYTES}; write "
+                f"{SIZE_FORMS}"
             )
         value = int(number)
     else:
-        value = int(float(number) * _UNITS[unit]) if len(number) <= 20 else MAX_BYTES + 1
+        unit_match = _UNIT.fullmatch(unit)
+        if unit_match is None:
+            why = "a lower-case b is a bit, not a byte" if unit.endswith("b") else "unknown unit"
+            raise PlanError(f"{what}={text!r}: {why} ({unit!r}); write {SIZE_FORMS}")
+        prefix, suffix = unit_match.group("prefix"), unit_match.group("suffix")
+        base = 1000 if suffix == "B" else 1024
+        scale = 1 if prefix is None else base ** _POWER[prefix.lower()]
+        value = int(float(number) * scale) if len(number) <= 20 else MAX_BYTES + 1
     if value > MAX_BYTES:
         raise PlanError(f"{what}={text!r} is {value} bytes, above the limit of {MAX_BYTES} (1PiB)")
     if value < 1:
-        raise PlanError(f"{what}={text!r} is less than one byte; {example}")
+        raise PlanError(f"{what}={text!r} is less than one byte; write {SIZE_FORMS}")
     return value
 
 
@@ -183,11 +182,6 @@ SPEC_CONFIG_UNSUPPORTED = {
 }
 
 
-def _check_num_spec(k: object, what: str) -> None:
-    if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_SPEC_TOKENS:
-        raise PlanError(f"{what}={k!r}: K must be an integer from 0 to {MAX_SPEC_TOKENS}")
-
-
 def speculative_tree(config: dict[str, object], method: str | None) -> TokenTree | None:
     """The token tree a ``--speculative-config`` asks for (``topk`` and
     ``num_speculative_tokens``, or ``speculative_token_tree`` as a list of rank paths or
@@ -268,7 +262,7 @@ def parse_speculative_config(
                 "--speculative-config: 'num_speculative_tokens' is null; give K, an integer "
                 f"from 1 to {MAX_SPEC_TOKENS}"
             )
-        _check_num_spec(value, "--speculative-config num_speculative_tokens")
+        check_num_spec_tokens(value, "--speculative-config num_speculative_tokens")
         k = value
     return method, draft, k
 
@@ -317,7 +311,7 @@ class PlanArgs:
                     f"--num-spec not given: K = {DEFAULT_NUM_SPEC} drafts per step (the "
                     "default of hybridkv generate); pass --num-spec K to change it"
                 )
-        _check_num_spec(k, "--num-spec")
+        check_num_spec_tokens(k, "--num-spec")
         return method, draft, k
 
     def _memory_bytes(self) -> int:
@@ -369,4 +363,4 @@ class PlanArgs:
         return main, draft, options
 
 
-__all__ = ["HybridKVError", "PlanArgs", "parse_bytes"]
+__all__ = ["MAX_SPEC_TOKENS", "HybridKVError", "PlanArgs", "parse_bytes"]

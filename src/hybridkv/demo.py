@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hybridkv.plan.types import check_num_spec_tokens
+
 DEMO_MODELS = Path(__file__).resolve().parent / "engine" / "demo_models"
 DEMO_MAIN = DEMO_MODELS / "main"
 DEMO_DRAFT = DEMO_MODELS / "draft"
@@ -89,6 +91,7 @@ def run_demo(options: DemoOptions, progress: bool = True) -> tuple[Any, dict[str
     from hybridkv.engine.sampler import SamplingParams
     from hybridkv.engine.threads import apply_threads
 
+    check_num_spec_tokens(options.num_spec_tokens, "--num-spec")  # every command's K limit
     if options.num_requests < 1 or options.max_new_tokens < 1 or options.num_spec_tokens < 1:
         raise ValueError("--num-requests, --max-new-tokens and --num-spec must be >= 1")
     if options.spec_method not in DEMO_SPEC_METHODS:

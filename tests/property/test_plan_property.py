@@ -125,7 +125,7 @@ def options(draw: st.DrawFn) -> PlanOptions:
         prefix_caching=prefix,
         state_mode=draw(st.sampled_from([None, "none"] + (["align"] if prefix else []))),
         memory_bytes=draw(st.integers(1 << 20, 200 << 30)),
-        block_size=draw(st.none() | st.integers(1, 4096)),
+        block_size=draw(st.none() | st.integers(1, 256).map(lambda n: 16 * n)),  # the grid
         layout=draw(st.sampled_from(["auto", "shared", "split", "vllm"])),
     )
 

@@ -53,7 +53,8 @@ def plan_json(args: list[str]) -> dict:
     [
         ("60G", 60 << 30),
         ("60GiB", 60 << 30),
-        ("60 gib", 60 << 30),
+        ("60 GiB", 60 << 30),
+        ("8g", 8 << 30),
         ("60GB", 60 * 10**9),
         ("1.5TiB", int(1.5 * (1 << 40))),
         ("512M", 512 << 20),
@@ -64,7 +65,9 @@ def test_sizes_binary_and_decimal_units(text: str, expected: int) -> None:
     assert parse_bytes(text) == expected
 
 
-@pytest.mark.parametrize("text", ["60", "60.5", "1e400GiB", "9" * 400 + "GiB", "60 parsecs", ""])
+@pytest.mark.parametrize(
+    "text", ["60", "60.5", "1e400GiB", "9" * 400 + "GiB", "60 parsecs", "", "8Gb", "60 gib"]
+)
 def test_sizes_without_unit_or_absurd_are_refused(text: str) -> None:
     with pytest.raises(PlanError, match="--memory"):
         parse_bytes(text)

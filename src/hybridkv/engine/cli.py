@@ -26,6 +26,7 @@ from hybridkv.engine.cli_options import (
     ThreadsOpt,
     engine_speculative_config,
 )
+from hybridkv.plan.types import check_num_spec_tokens
 
 
 def parse_prompt_ids(text: str, option: str = "--prompt-ids") -> list[int]:
@@ -64,6 +65,8 @@ def load_llm(
     from hybridkv.engine.llm import DEFAULT_MEMORY_BYTES, LLM
     from hybridkv.engine.threads import apply_threads
 
+    if num_spec is not None:  # before any checkpoint loads: the limit every command uses
+        check_num_spec_tokens(num_spec, "--num-spec")
     budget = DEFAULT_MEMORY_BYTES if memory is None else parse_bytes(memory)
     folders = [resolve_model(name) for name in (model, draft) if name is not None]
     apply_threads(threads, folders)

@@ -14,6 +14,7 @@ from hybridkv.engine.models import LayerDesc
 from hybridkv.engine.proposers import Proposer
 from hybridkv.errors import EngineError, SpecError
 from hybridkv.plan.planner import HEAD_METHODS
+from hybridkv.plan.types import check_num_spec_tokens
 from hybridkv.spec.dtypes import DType, parse_dtype
 
 DEFAULT_MEMORY_BYTES = 64 << 20  # tiny CPU models: plenty, and allocated eagerly
@@ -58,6 +59,7 @@ def resolve_spec(
         spec_method = "draft"
     elif proposer is not None and spec_method is None:
         spec_method = "ngram"
+    check_num_spec_tokens(num_spec_tokens)
     if spec_method is not None and num_spec_tokens < 1:
         raise EngineError(
             f"speculative decoding ({spec_method}) needs num_spec_tokens >= 1, got "

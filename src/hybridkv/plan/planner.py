@@ -22,6 +22,7 @@ from hybridkv.plan.types import (
     STATE_MODES,
     CachePlan,
     PlanOptions,
+    check_num_spec_tokens,
 )
 from hybridkv.spec.model import ModelSpec
 
@@ -46,8 +47,7 @@ def _validate(options: PlanOptions, draft: ModelSpec | None) -> None:
         raise bad("spec_method", options.spec_method, f"use one of {', '.join(SPEC_METHODS)}")
     if options.state_mode is not None and options.state_mode not in STATE_MODES:
         raise bad("state_mode", options.state_mode, f"use one of {', '.join(STATE_MODES)}")
-    if options.num_spec_tokens < 0:
-        raise bad("num_spec_tokens", options.num_spec_tokens, "must be >= 0")
+    check_num_spec_tokens(options.num_spec_tokens)
     if options.spec_method is None and options.num_spec_tokens:
         raise bad(
             "num_spec_tokens",
@@ -76,6 +76,19 @@ def _validate(options: PlanOptions, draft: ModelSpec | None) -> None:
         value = getattr(options, field)
         if value is not None and (not isinstance(value, int) or value < 1):
             raise bad(field, value, "must be a positive integer")
+    align = options.block_align_tokens
+    if options.block_size is not None and options.block_size % align:
+        # attention kernels read blocks in units of block_align_tokens (16 for the GPU
+        # kernels): the shared layout cannot honour another size exactly, and split / vllm
+        # would hand the kernels a block they cannot use; refused up front for all three
+        lower, upper = options.block_size // align * align, -(-options.block_size // align) * align
+        nearest = f"{lower} or {upper}" if lower else str(upper)
+        raise bad(
+            "block_size",
+            options.block_size,
+            f"attention blocks are whole multiples of {align} tokens (the attention "
+            f"kernels' block unit, block_align_tokens={align}); use {nearest}",
+        )
 
 
 def _warnings(plan: CachePlan, main: ModelSpec, draft: ModelSpec | None) -> tuple[str, ...]:

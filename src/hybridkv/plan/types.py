@@ -30,6 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from hybridkv.errors import PlanError
 from hybridkv.ids import cdiv
 from hybridkv.plan.peak import peak_blocks
 from hybridkv.spec.dtypes import DType
@@ -46,6 +47,21 @@ SPEC_METHODS = ("draft", "eagle", "mtp", "ngram", "suffix")
 STATE_MODES = ("align", "all", "none")  # see `hybridkv.cache.managers.state`
 PACKINGS = ("any", "tensor")  # "tensor": no slab-packed pools (engines with one page per tensor)
 DEFAULT_BLOCK_ALIGN_TOKENS = 16  # GPU attention kernels (FlashAttention, FlashInfer)
+# K, draft tokens per step, for every command and API (plan, simulate, trace-gen, generate,
+# serve, demo, `LLM`): no proposer gains from more, and each draft token widens every
+# request's state rows and lookahead blocks, so a larger K only shrinks capacity.
+MAX_SPEC_TOKENS = 256
+
+
+def check_num_spec_tokens(k: object, what: str = "num_spec_tokens") -> int:
+    """``k`` when it is an integer from 0 to `MAX_SPEC_TOKENS`, else `PlanError` naming
+    ``what`` (the flag or argument the caller reads K from)."""
+    if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_SPEC_TOKENS:
+        raise PlanError(
+            f"{what}={k!r}: K must be an integer from 0 to {MAX_SPEC_TOKENS} (draft tokens "
+            "per step; 4 to 16 is typical)"
+        )
+    return k
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 
 from hybridkv.errors import HybridKVError
+from hybridkv.plan.types import check_num_spec_tokens
 from hybridkv.sim.trace import SpecStep, TraceRequest
 
 VOCAB_SIZE = 32000
@@ -42,7 +43,6 @@ VOCAB_SIZE = 32000
 # token list costs ~36 bytes per token before the JSONL is written, so 50M tokens is
 # about 2 GB. Larger traces are refused before anything is generated.
 MAX_WORKLOAD_TOKENS = 50_000_000
-MAX_DRAFTS = 256  # K per step, as `hybridkv plan` bounds it
 MAX_RATE_PER_S = 1e6
 
 
@@ -291,12 +291,11 @@ def check_workload_options(kind: str, opts: WorkloadOptions) -> None:
             raise WorkloadError(f"{name}={value!r} must be an integer >= {low}")
         return value
 
-    whole("num_requests", opts.num_requests, 0)
+    whole("num_requests", opts.num_requests, 1)  # `simulate` refuses an empty trace
     whole("num_prefixes", opts.num_prefixes, 1)
     whole("max_turns", opts.max_turns, 1)
     whole("num_sessions", opts.num_sessions, 1)
-    if whole("max_drafts", opts.max_drafts, 0) > MAX_DRAFTS:
-        raise WorkloadError(f"max_drafts={opts.max_drafts} must be at most {MAX_DRAFTS}")
+    check_num_spec_tokens(opts.max_drafts, "max_drafts")  # the K limit of every command
     if isinstance(opts.seed, bool) or not isinstance(opts.seed, int) or opts.seed < 0:
         raise WorkloadError(f"seed={opts.seed!r} must be an integer >= 0")
     rate = opts.rate_per_s
