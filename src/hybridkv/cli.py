@@ -17,14 +17,32 @@ from typing import Any
 import typer
 from rich.console import Console
 from rich.markup import escape
-from rich.table import Table
-from typer.core import TyperCommand
+from typer.core import TyperCommand, TyperGroup
 
 from hybridkv import cli_options as o
 from hybridkv.errors import HybridKVError
 from hybridkv.plan.report import short_kind
+from hybridkv.tables import Column, fit_table
+
+
+class _CommandList(TyperGroup):
+    """`hybridkv --help` lists each command with the whole first sentence of its help,
+    wrapped: click's default cuts it at the column budget with "..." (at 45 characters
+    when a command name is long), which left half a sentence per command."""
+
+    def format_commands(self, ctx: Any, formatter: Any) -> None:
+        rows = []
+        for name in self.list_commands(ctx):
+            command = self.get_command(ctx, name)
+            if command is not None and not command.hidden:
+                rows.append((name, command.get_short_help_str(limit=1 << 16)))
+        if rows:
+            with formatter.section("Commands"):
+                formatter.write_dl(rows)
+
 
 app = typer.Typer(
+    cls=_CommandList,
     add_completion=False,
     no_args_is_help=True,
     help="Plan, manage and prove KV-cache / recurrent-state memory for hybrid LLMs.",
@@ -167,34 +185,29 @@ def models_command(as_json: o.Json = False) -> None:
             emit_json(rows)
             return
         console = Console()
-        table = Table(
-            title=f"{len(rows)} models ({len(rows) - len(DEMO_ROWS)} presets, "
-            f"{len(DEMO_ROWS)} demo checkpoints)",
-            title_justify="left",
+        title = (
+            f"{len(rows)} models ({len(rows) - len(DEMO_ROWS)} presets, "
+            f"{len(DEMO_ROWS)} demo checkpoints)"
         )
-        if console.width >= WIDE_COLUMNS:
-            for col in ("name", "family", "layer mix", "hf id", "source"):
-                table.add_column(col, no_wrap=col in ("name", "hf id"), overflow="fold")
-            for r in rows:
-                table.add_row(
-                    r["name"], r["family"], short_mix(r["layer_mix"]), r["hf_id"], short_source(r)
-                )
-        else:  # stacked: the name and its Hugging Face id in one cell, never cut
-            table.add_column("name / hf id", no_wrap=True)
-            table.add_column("family: layer mix / source", overflow="fold")
-            for r in rows:
-                table.add_row(
-                    f"{escape(r['name'])}\n[dim]{escape(r['hf_id'])}[/dim]",
-                    f"{r['family']}: {short_mix(r['layer_mix'])}\n"
-                    f"[dim]{escape(short_source(r))}[/dim]",
-                )
-        console.print(table, highlight=False)
+        cells = [
+            [r["name"], r["family"], short_mix(r["layer_mix"]), r["hf_id"], short_source(r)]
+            for r in rows
+        ]
+        console.print(fit_table(title, MODEL_COLUMNS, cells, console.width), highlight=False)
         console.print(kinds_legend(rows), highlight=False)
 
     run_guarded(as_json, body)
 
 
-WIDE_COLUMNS = 120  # below this, `hybridkv models` stacks name and hf id
+# Names and Hugging Face ids are never wrapped; the layer mix and the source are, and
+# below these widths a model is listed as a record of its own (`hybridkv.tables`).
+MODEL_COLUMNS = [
+    Column("name"),
+    Column("family"),
+    Column("layer mix", breaks=", ", min_width=18),
+    Column("hf id"),
+    Column("source", breaks=" ;/", min_width=36),
+]
 # The demo checkpoints `hybridkv demo` / `serve demo` run, listed beside the presets.
 DEMO_ROWS = {"demo": "main", "demo-draft": "draft"}
 

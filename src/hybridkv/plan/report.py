@@ -1,11 +1,12 @@
-"""Human-readable rendering of a `CachePlan` (rich tables)."""
+"""Human-readable rendering of a `CachePlan`: tables that fit the console without
+cutting a number (`hybridkv.tables`)."""
 
 from __future__ import annotations
 
-from rich.console import Console, Group
-from rich.table import Table
+from rich.console import Console, Group, RenderableType
 
 from hybridkv.plan.types import CachePlan, GroupPlan
+from hybridkv.tables import Column, fit_table
 
 
 def format_bytes(num_bytes: float) -> str:
@@ -95,23 +96,27 @@ def _row_key(g: GroupPlan) -> tuple[object, ...]:
     )
 
 
-def groups_table(plan: CachePlan) -> Table:
+GROUP_COLUMNS = [
+    Column("ids"),
+    Column("model"),
+    Column("kind"),
+    Column("spec", breaks=", ", min_width=16),
+    Column("layers", breaks=", ", min_width=20),
+    Column("block", justify="right"),
+    Column("page", justify="right"),
+    Column("pool", justify="right"),
+]
+
+
+def groups_table(plan: CachePlan, width: int) -> RenderableType:
     """One row per run of consecutive groups that differ only in their layers."""
-    table = Table(title=f"groups (layout {plan.layout})", title_justify="left")
-    for col in ("ids", "model", "kind", "spec", "layers", "block", "page", "pool"):
-        numeric = col in ("block", "pool", "page")
-        table.add_column(
-            col,
-            justify="right" if numeric else "left",
-            overflow="fold",  # wrap or fold, never cut with an ellipsis
-            no_wrap=col != "spec",
-        )
     runs: list[list[GroupPlan]] = []
     for g in plan.groups:
         if runs and _row_key(runs[-1][-1]) == _row_key(g):
             runs[-1].append(g)
         else:
             runs.append([g])
+    rows = []
     for run in runs:
         g = run[0]
         ids = str(g.group_id) if len(run) == 1 else f"{g.group_id}-{run[-1].group_id}"
@@ -120,68 +125,77 @@ def groups_table(plan: CachePlan) -> Table:
         page = format_bytes(g.page_bytes)
         if g.padded_page_bytes != g.page_bytes:
             page += f"\n({format_bytes(g.padded_page_bytes)})"
-        table.add_row(
-            ids,
-            g.model,
-            short_kind(g.kind + (f":{g.state_family}" if g.state_family else "")),
-            short_spec(g.spec.describe()),
-            f"{per_group}:\n{_layer_span(layers)}",
-            str(g.block_size),
-            page,
-            str(g.pool_id),
+        rows.append(
+            [
+                ids,
+                g.model,
+                short_kind(g.kind + (f":{g.state_family}" if g.state_family else "")),
+                short_spec(g.spec.describe()),
+                f"{per_group}:\n{_layer_span(layers)}",
+                str(g.block_size),
+                page,
+                str(g.pool_id),
+            ]
         )
-    return table
+    return fit_table(f"groups (layout {plan.layout})", GROUP_COLUMNS, rows, width)
 
 
-def pools_table(plan: CachePlan) -> Table:
-    table = Table(title="pools", title_justify="left")
-    for col in ("pool", "packing", "page", "pages", "tensors", "bytes", "groups"):
-        table.add_column(col, overflow="fold", no_wrap=col in ("page", "bytes"))
+POOL_COLUMNS = [
+    Column(name, justify="left" if name == "packing" else "right")
+    for name in ("pool", "packing", "page", "pages", "tensors", "bytes")
+] + [Column("groups", breaks=",")]
+
+
+def pools_table(plan: CachePlan, width: int) -> RenderableType:
+    rows = []
     for p in plan.pools:
         groups = ",".join(map(str, p.group_ids))
         if len(p.group_ids) > 4 and list(p.group_ids) == list(
             range(p.group_ids[0], p.group_ids[-1] + 1)
         ):
             groups = f"{p.group_ids[0]}-{p.group_ids[-1]}"
-        table.add_row(
-            str(p.pool_id),
-            p.packing,
-            format_bytes(p.page_bytes),
-            str(p.num_pages),
-            str(p.num_tensors),
-            format_bytes(p.total_bytes),
-            groups,
+        rows.append(
+            [
+                str(p.pool_id),
+                p.packing,
+                format_bytes(p.page_bytes),
+                str(p.num_pages),
+                str(p.num_tensors),
+                format_bytes(p.total_bytes),
+                groups,
+            ]
         )
-    return table
+    return fit_table("pools", POOL_COLUMNS, rows, width)
 
 
-def comparison_table(plan: CachePlan) -> Table:
+COMPARISON_COLUMNS = [
+    Column("layout"),
+    Column("requests @target", justify="right"),
+    Column("requests @typical", justify="right"),
+    Column("padding", justify="right"),
+    Column("attention blocks", breaks=","),
+    Column("hit granularity", justify="right"),
+]
+
+
+def comparison_table(plan: CachePlan, width: int) -> RenderableType:
     cap = plan.capacity
-    table = Table(
-        title=f"layouts at {cap.target_len} tokens (typical {cap.typical_len})",
-        title_justify="left",
-    )
-    for col in (
-        "layout",
-        "requests @target",
-        "requests @typical",
-        "padding",
-        "attention blocks",
-        "hit granularity",
-    ):
-        table.add_column(col, overflow="fold")
+    rows = []
     for p in (plan, *plan.alternatives):
         s = p.summary()
         mark = " *" if p is plan else ""
-        table.add_row(
-            p.layout + mark,
-            f"{s['max_concurrency']} ({s['max_concurrency_float']})",
-            str(s["concurrency_at_typical_len"]),
-            f"{p.waste_fraction:.2%}",
-            ",".join(map(str, s["attention_block_sizes"])),
-            str(s["hit_granularity_tokens"]),
+        rows.append(
+            [
+                p.layout + mark,
+                f"{s['max_concurrency']} ({s['max_concurrency_float']})",
+                str(s["concurrency_at_typical_len"]),
+                f"{p.waste_fraction:.2%}",
+                ",".join(map(str, s["attention_block_sizes"])),
+                str(s["hit_granularity_tokens"]),
+            ]
         )
-    return table
+    title = f"layouts at {cap.target_len} tokens (typical {cap.typical_len})"
+    return fit_table(title, COMPARISON_COLUMNS, rows, width)
 
 
 def render(plan: CachePlan, console: Console | None = None) -> None:
@@ -206,9 +220,10 @@ def render(plan: CachePlan, console: Console | None = None) -> None:
     if plan.reason:
         lines.append(f"why: {plan.reason}")
     console.print(head)
-    console.print(Group(groups_table(plan), LEGEND, pools_table(plan)))
+    width = console.width
+    console.print(Group(groups_table(plan, width), LEGEND, pools_table(plan, width)))
     if plan.alternatives:
-        console.print(comparison_table(plan))
+        console.print(comparison_table(plan, width))
     for line in lines:
         console.print(line)
     for warning in plan.warnings:
