@@ -199,3 +199,30 @@ def test_derived_numbers(name, key, expected):
         assert got != expected, f"fixed? drop KNOWN_DIFFERENCES entry: {KNOWN_DIFFERENCES}"
         return
     assert got == expected
+
+
+# How a number was found is not where it comes from: a source names the public config,
+# card or report (by name or URL) and says whether the numbers were checked against it.
+RESEARCH_NOTES = (
+    "session",
+    "find_string",
+    "recollection",
+    "index id",
+    "search hit",
+    "corpus",
+    "found via",
+    "believed",
+    "re-read",
+)
+
+
+@pytest.mark.parametrize("entry", ENTRIES, ids=lambda e: e["name"].lower())
+def test_sources_say_where_numbers_come_from_not_how_they_were_found(entry):
+    texts = [*entry.get("source", []), entry.get("notes") or ""]
+    name = entry["name"].lower()
+    if name not in SKIPPED:  # what `hybridkv models` shows is the generated preset
+        meta = load_config(name)[0]["_hybridkv"]
+        texts += [*meta["source"], meta["notes"]]
+    for text in texts:
+        lowered = text.lower()
+        assert not [w for w in RESEARCH_NOTES if w in lowered], (name, text)
