@@ -34,6 +34,7 @@ from typing import Any
 
 from hybridkv.cache import CacheManager
 from hybridkv.errors import InvariantError
+from hybridkv.vllm.events import VllmEventLog
 from hybridkv.vllm.kv_plan import UnsupportedVllmSetup, VllmGroup, plan_for_vllm
 from hybridkv.vllm.rows import WorkerRows
 
@@ -95,7 +96,8 @@ class VllmKVCacheManager:
     """A stand-in for vLLM's ``KVCacheManager`` backed by `CacheManager`.
 
     ``blocks_cls``: vLLM's ``KVCacheBlocks`` (the scheduler builds its outputs from it);
-    ``copy_cls``: vLLM's ``KVCacheBlockCopy`` (the worker's block copies).
+    ``copy_cls``: vLLM's ``KVCacheBlockCopy`` (the worker's block copies);
+    ``events``: where KV-cache events go when vLLM asked for them (`hybridkv.vllm.events`).
     """
 
     def __init__(
@@ -112,6 +114,7 @@ class VllmKVCacheManager:
         eviction_policy: str = "chain",
         group_specs: list[Any] | None = None,
         copy_cls: Any = tuple2,
+        events: VllmEventLog | None = None,
     ) -> None:
         self.groups = groups
         # vLLM's engine core reads each group's block size and spec from
@@ -137,6 +140,7 @@ class VllmKVCacheManager:
         # a state after accepted drafts, which slots cannot express (`state_columns`)
         has_state = any(g.kind == "state" for g in groups)
         self.state_layout = "columns" if num_spec_tokens and has_state else "slots"
+        self.events = events  # before the cache: it records events only for a log
         self.cache = self._new_cache()
         self.state_group_ids = [g.group_id for g in groups if g.kind == "state"]
         self.rows = WorkerRows(
@@ -167,6 +171,7 @@ class VllmKVCacheManager:
             eviction_policy=self.eviction_policy,
             checkpoint_rules=self.checkpoint_rules,
             checkpoints_inside_steps=False,
+            record_events=self.events is not None,
             state_layout=self.state_layout,
         )
 
@@ -206,6 +211,8 @@ class VllmKVCacheManager:
         accepted = min(accepted, known + len(new_ids) - step.computed - step.num_new)
         self.cache.commit(req_id, max(accepted, 0), new_ids)
         self._num_tokens[req_id] = known + len(new_ids)
+        if self.events is not None:  # blocks it stored need its vLLM hashes now
+            self.events.record(self.cache.take_events(), request)
 
     # ------------------------------------------------------------------ lookups
     def _ensure(self, request: Any) -> str:
@@ -308,6 +315,8 @@ class VllmKVCacheManager:
                 del self._steps[req_id]
         if self.cache.has_request(req_id):
             self.cache.free(req_id)
+            if self.events is not None:  # turn-end entries it stored
+                self.events.record(self.cache.take_events(), request)
         self._num_tokens.pop(req_id, None)
         self.rows.drop(req_id)
 
@@ -361,10 +370,10 @@ class VllmKVCacheManager:
         return stats
 
     def take_events(self) -> list[Any]:
-        # hybridkv's events name (group, block, hash); vLLM's KV event schema wants
-        # vLLM's block hashes, which hybridkv does not compute: none are published.
-        self.cache.take_events()
-        return []
+        if self.events is None:
+            return []
+        self.events.record(self.cache.take_events(), None)  # evictions since
+        return self.events.take()
 
     def take_kv_cache_block_copies(self) -> tuple[list[Any], list[Any]]:
         copies, self._copies = self._copies, []
@@ -388,6 +397,9 @@ class VllmKVCacheManager:
     def reset_prefix_cache(self) -> bool:
         if self._num_tokens:  # requests hold blocks
             return False
+        if self.events is not None:
+            self.events.record(self.cache.take_events(), None)
+            self.events.clear()
         self.cache = self._new_cache()
         if self.prefix_cache_stats is not None:
             self.prefix_cache_stats.reset = True

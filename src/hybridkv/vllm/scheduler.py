@@ -28,6 +28,7 @@ from vllm.v1.core.kv_cache_manager import KVCacheBlocks
 from vllm.v1.core.kv_cache_utils import KVCacheBlockCopy
 from vllm.v1.core.sched.scheduler import Scheduler as VllmScheduler
 
+from hybridkv.vllm.events import vllm_event_log
 from hybridkv.vllm.kv_manager import VllmKVCacheManager
 from hybridkv.vllm.kv_plan import UnsupportedVllmSetup, vllm_groups
 from hybridkv.vllm.rows import split_prefill_chunk
@@ -84,6 +85,7 @@ class Scheduler(VllmScheduler):
             stats_cls=_prefix_cache_stats_cls(),
             log_stats=self.log_stats,
             group_specs=[g.kv_cache_spec for g in kv_cache_config.kv_cache_groups],
+            events=vllm_event_log(self, kv_cache_config, groups),
         )
         # vLLM's own Mamba split rules read its manager; hybridkv's split replaces them
         self.mamba_partial_cache_hit = False
