@@ -289,6 +289,58 @@ def test_malformed_bodies_unknown_models_and_routes(client):
     check_error(client.post("/v1/completions", content=b"x" * (33 << 20)), 413, None)
 
 
+@pytest.mark.parametrize("chunked", [False, True])
+def test_a_body_over_the_limit_is_an_openai_413_with_a_code(client, chunked):
+    """A 60 MB body got a garbled message ("is more than over the limit") and code null
+    when it arrived without a Content-Length; both ways now say the limit and the fix."""
+    body = b"x" * (60 << 20)
+    if chunked:  # no Content-Length: found over the limit while it streams in
+        content = (body[i : i + (1 << 20)] for i in range(0, len(body), 1 << 20))
+        response = client.post("/v1/completions", content=content)
+    else:
+        response = client.post("/v1/completions", content=body)
+    error = check_error(response, 413, None)
+    assert error["code"] == "request_too_large"
+    assert error["type"] == "invalid_request_error"
+    assert "limit of 33554432 bytes (32 MiB)" in error["message"], error["message"]
+    assert "split a batch" in error["message"]
+    if not chunked:
+        assert error["message"].startswith(f"the request body is {len(body)} bytes, over")
+
+
+@pytest.mark.parametrize(
+    ("prompt", "needle"),
+    [
+        ([1, -2], "prompt[1] = -2 is a negative token id"),
+        (["x", ""], "prompt[1] is an empty string"),
+        ([[5, 6], [-1]], "prompt[1][0] = -1 is a negative token id"),
+        ([[]], "prompt[0] is an empty list"),
+        ([1.5], "prompt must be a text, a list of token ids"),
+    ],
+)
+def test_bad_prompts_say_what_is_wrong(client, prompt, needle):
+    """Both used to answer "should be a valid string" (the first form of the union)."""
+    error = check_error(client.post("/v1/completions", json={"prompt": prompt}), 400, "prompt")
+    assert needle in error["message"], error["message"]
+    assert "valid string" not in error["message"]
+
+
+@pytest.mark.parametrize("path", ["/metrics", "/health", "/v1/models", f"/v1/models/{MODEL}"])
+def test_head_answers_on_get_routes(client, path):
+    """AIPerf probes HEAD /metrics; HEAD was a 405 on every GET route."""
+    got = client.get(path)
+    head = client.head(path)
+    assert head.status_code == got.status_code == 200, head.text
+    assert head.content == b""
+    assert head.headers["content-type"] == got.headers["content-type"]
+
+
+def test_head_on_a_post_route_is_405_listing_post(client):
+    response = client.head("/v1/completions")
+    assert response.status_code == 405
+    assert response.headers["allow"] == "POST"
+
+
 # ---------------------------------------------------------------------- disconnects
 def test_stream_disconnect_cancels_and_frees_blocks(server, client):
     idle = wait_idle(client, 0.0)

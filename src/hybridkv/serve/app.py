@@ -21,8 +21,9 @@ text/event-stream; FastAPI's own 422 entries are removed (validation answers 400
 
 Every error leaves as OpenAI's ``{"error": {"message", "type", "param", "code"}}``:
 `RequestError` with its own status, any other `HybridKVError` as 400, unknown routes as
-404, a wrong method as 405 with ``Allow``, a body over ``max_body_bytes`` as 413, and a
-bug of ours as 500 (logged with its traceback).
+404, a wrong method as 405 with ``Allow``, a body over ``max_body_bytes`` as 413 (code
+``request_too_large``), and a bug of ours as 500 (logged with its traceback). ``HEAD``
+answers on every GET route (`_HeadAsGet`).
 """
 
 from __future__ import annotations
@@ -59,6 +60,8 @@ from hybridkv.serve.schemas import (
 
 log = logging.getLogger("hybridkv.serve")
 MAX_BODY_BYTES = 32 << 20  # lists of token-id prompts are large; 32 MiB holds plenty
+# OpenAI's error ``code`` for Starlette's own answers (unknown route, wrong method).
+HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
 
 
 def build_app(engine: EngineLoop, info: ModelInfo, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
@@ -69,6 +72,7 @@ def build_app(engine: EngineLoop, info: ModelInfo, max_body_bytes: int = MAX_BOD
         strict_content_type=False,
     )
     app.add_middleware(_BodyLimit, max_body_bytes=max_body_bytes)
+    app.add_middleware(_HeadAsGet)  # outermost: HEAD is GET before anything else sees it
     _add_error_handlers(app)
     created = int(time.time())
     texts = TokenTexts(info.tokenizer)
@@ -290,9 +294,15 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, err: StarletteHTTPException) -> JSONResponse:
+        if isinstance(err, _BodyTooLarge):
+            return reply(err.error)
         kind = "not_found_error" if err.status_code == 404 else "invalid_request_error"
+        code = HTTP_CODES.get(err.status_code)
         # 405 keeps Starlette's Allow header (RFC 9110: a 405 must list the methods).
-        return reply(RequestError(str(err.detail), status=err.status_code, kind=kind), err.headers)
+        return reply(
+            RequestError(str(err.detail), status=err.status_code, kind=kind, code=code),
+            err.headers,
+        )
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, err: Exception) -> JSONResponse:
@@ -307,6 +317,16 @@ def _add_error_handlers(app: FastAPI) -> None:
         )
 
 
+class _BodyTooLarge(StarletteHTTPException):
+    """A body found over the limit while it streams in. An HTTP exception because FastAPI
+    turns any other error raised while reading a body into a 400 "There was an error
+    parsing the body"; ``error`` is the answer `_add_error_handlers` sends."""
+
+    def __init__(self, error: RequestError) -> None:
+        super().__init__(error.status, error.message)
+        self.error = error
+
+
 class _BodyLimit:
     """ASGI middleware: a body over ``max_body_bytes`` is a 413 (by its Content-Length
     before anything is read, or as it streams in)."""
@@ -316,12 +336,13 @@ class _BodyLimit:
         self.max_body_bytes = max_body_bytes
 
     def _too_large(self, num_bytes: int | None) -> RequestError:
-        size = "more than" if num_bytes is None else f"{num_bytes} bytes,"
+        limit = f"{self.max_body_bytes} bytes ({self.max_body_bytes / (1 << 20):g} MiB)"
+        size = "over" if num_bytes is None else f"{num_bytes} bytes, over"
         return RequestError(
-            f"the request body is {size} over the limit of {self.max_body_bytes} bytes; "
-            "split the request (fewer prompts per request)",
+            f"the request body is {size} this server's limit of {limit}; send fewer or "
+            "shorter prompts per request (split a batch into several requests)",
             status=413,
-            code="body_too_large",
+            code="request_too_large",
         )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -341,7 +362,29 @@ class _BodyLimit:
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > self.max_body_bytes:
-                    raise StarletteHTTPException(413, self._too_large(None).message)
+                    raise _BodyTooLarge(self._too_large(None))
             return message
 
         await self.app(scope, limited, send)
+
+
+class _HeadAsGet:
+    """ASGI middleware: ``HEAD`` on a GET route answers what ``GET`` would, headers only
+    (RFC 9110: a server should support HEAD wherever it supports GET); monitoring and
+    benchmark clients (AIPerf) probe ``HEAD /metrics`` before they start. Any other
+    route answers as GET does there (404, or 405 with ``Allow`` on POST routes)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] != "HEAD":
+            await self.app(scope, receive, send)
+            return
+
+        async def headers_only(message: Message) -> None:
+            if message["type"] == "http.response.body":  # Content-Length stays GET's
+                message = {**message, "body": b""}
+            await send(message)
+
+        await self.app({**scope, "method": "GET"}, receive, headers_only)

@@ -137,13 +137,18 @@ def parse_body(raw: bytes, model: type[_Body]) -> Any:
 
 
 def validation_error(errors: Sequence[Any], prefix: tuple[str, ...] = ()) -> RequestError:
-    """The first of pydantic's ``errors`` as a `RequestError` naming its field (a union
-    member's tag and the leading ``prefix``, e.g. FastAPI's "body", are not part of it)."""
-    first = errors[0]
+    """pydantic's ``errors`` as a `RequestError` naming the field (a union member's tag
+    and the leading ``prefix``, e.g. FastAPI's "body", are not part of it) and saying
+    what is wrong with the value: for a union, the error of the form the value was
+    meant to take (`_intended`), e.g. a negative token id in a list of ids, not
+    "should be a valid string" from the text form tried first."""
+    first = _intended(errors)
     loc = list(first.get("loc", ()))[len(prefix) :]
     cut = next((i for i, part in enumerate(loc) if _is_union_tag(part)), len(loc))
     param = ".".join(str(part) for part in loc[:cut]) or None
     kind = str(first.get("type", "invalid_value"))
+    where = (param or "") + "".join(f"[{part}]" for part in loc[cut + 1 :])
+    value = first.get("input")
     if kind == "extra_forbidden":
         message = f"unknown or unsupported field {param!r}"
     elif kind == "missing":
@@ -151,17 +156,53 @@ def validation_error(errors: Sequence[Any], prefix: tuple[str, ...] = ()) -> Req
     elif kind == "json_invalid":
         reason = first.get("ctx", {}).get("error", "")
         message, param = f"the body is not valid JSON: {reason}", None
-    elif param is None and isinstance(first.get("input"), bytes | bytearray):
+    elif param is None and isinstance(value, bytes | bytearray):
         message = "the body must be JSON, sent with Content-Type: application/json"
     elif param is None and kind in ("model_type", "model_attributes_type", "dict_type"):
         message = "the body must be a JSON object"
+    elif param == "prompt" and kind == "greater_than_equal":
+        message = f"{where} = {value!r} is a negative token id; token ids are integers >= 0"
+    elif kind == "string_too_short":
+        message = f"{where} is an empty string; it needs at least one character"
+    elif kind == "too_short" and param == "prompt":
+        message = f"{where} is an empty list; a prompt of token ids needs at least one id"
+    elif param == "prompt" and cut < len(loc) and first is errors[0]:  # no form fits
+        message = (
+            "prompt must be a text, a list of token ids (integers >= 0), or a list of "
+            f"texts or of token-id lists (got {_short(value)})"
+        )
     else:
-        shown = repr(first.get("input"))
-        message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
-        if cut < len(loc):  # every member of a union refused it; this was the first
+        message = f"{where}: {first.get('msg')}" if param else str(first.get("msg"))
+        if cut < len(loc) and first is errors[0]:  # every union member refused it alike
             message += " (nor any other allowed form)"
-        message += f" (got {shown[:60]}{'...' if len(shown) > 60 else ''})"
+        message += f" (got {_short(value)})"
     return RequestError(message, param=param, code=kind)
+
+
+def _short(value: object) -> str:
+    shown = repr(value)
+    return f"{shown[:60]}{'...' if len(shown) > 60 else ''}"
+
+
+def _intended(errors: Sequence[Any]) -> Any:
+    """The error to report. A value of a union field (``prompt``: text, ids, texts or
+    lists of ids) is refused once per member; the member it was meant as is the one
+    whose errors are all about values, not types (``[1, -2]`` is a list of ids with a
+    negative id, not a string). Otherwise the first error."""
+    first = errors[0]
+    loc = tuple(first.get("loc", ()))
+    cut = next((i for i, part in enumerate(loc) if _is_union_tag(part)), None)
+    if cut is None:
+        return first
+    by_member: dict[Any, list[Any]] = {}
+    for error in errors:
+        other = tuple(error.get("loc", ()))
+        if other[:cut] == loc[:cut] and len(other) > cut:
+            by_member.setdefault(other[cut], []).append(error)
+    for member_errors in by_member.values():
+        if all(not str(e.get("type", "")).endswith("_type") for e in member_errors):
+            return member_errors[0]
+    return first
 
 
 def _is_union_tag(part: int | str) -> bool:
