@@ -24,7 +24,9 @@ two pairs of 200 tokens: every weight packed, the MoE's short- and long-step for
 Like vLLM, the engine compiles by default: ``LLM(torch_compile=True)``
 (`hybridkv.engine.compiled`: the bf16 prefill steps' norms and chunked delta rule
 algebra), compiled once per process during the first untimed runs; ``--engine-eager``
-turns it off, ``--eager`` turns vLLM's off. Both
+turns it off, ``--eager`` turns vLLM's off. These are not `LLM()`'s defaults (eager, one
+thread for a checkpoint this small): the run prints the settings its numbers hold under
+and the `hybridkv serve` / `generate` flags that run the same engine. Both
 sides get the same token budget per step (vLLM's resolved ``max_num_batched_tokens``) and
 ``max_num_seqs`` 64; each case first runs once per side untimed, then ``--reps`` timed
 runs alternate (engine first on even reps, vLLM first on odd ones).
@@ -75,7 +77,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from hybridkv.engine.threads import apply_threads
+from hybridkv.engine.threads import apply_threads, choose_threads
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _engine_vs_vllm_sides import EngineSide, Run, VllmSide
@@ -208,6 +210,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             torch_compile=not args.engine_eager,
             keep_freed_pages=args.malloc == "keep",
         )
+        console.print(engine_settings(args, threads, folder))
         try:
             table = run_cases(args, engine, vllm, console, threads)
         finally:
@@ -215,11 +218,26 @@ def main(argv: Sequence[str] | None = None) -> None:
     console.print(table)
 
 
+def engine_settings(args: argparse.Namespace, threads: int, folder: Path) -> str:
+    """The configuration the engine's numbers hold under, said against `LLM()`'s own
+    defaults (eager; one thread for a checkpoint this small) and as the command line that
+    runs the same engine."""
+    default_threads = choose_threads(None, [folder]) or "torch's default"
+    compile_flag = "--no-torch-compile" if args.engine_eager else "--torch-compile"
+    return (
+        f"engine settings: LLM(torch_compile={not args.engine_eager}, dtype='bfloat16', "
+        f"keep_freed_pages={args.malloc == 'keep'}), {threads} torch thread(s); LLM()'s "
+        f"defaults are torch_compile=False and {default_threads} thread(s) for this "
+        f"checkpoint; the same engine from the command line: hybridkv serve / generate "
+        f"MODEL --dtype bfloat16 {compile_flag} --threads {threads}"
+    )
+
+
 def run_cases(
     args: argparse.Namespace, engine: EngineSide, vllm: VllmSide, console: Console, threads: int
 ) -> Table:
     compile_note = "eager" if args.eager else "torch.compile"
-    engine_note = "eager" if args.engine_eager else "torch_compile"
+    engine_note = "LLM(torch_compile=False)" if args.engine_eager else "LLM(torch_compile=True)"
     table = Table(
         title=f"hybridkv LLM.generate vs vLLM {vllm.ready['version']} ({compile_note}) "
         f"LLM.generate: {PROMPT_TOKENS}-token prompts, {args.new_tokens} new, greedy, bf16, "

@@ -58,3 +58,15 @@ def test_missing_vllm_python_is_named(tmp_path: Path) -> None:
             max_num_seqs=4,
             eager=True,
         )
+
+
+def test_the_run_says_which_engine_settings_its_numbers_hold_under(tmp_path: Path) -> None:
+    """The benchmark compiles and picks threads itself, unlike `LLM()`; it says so, with
+    the `serve` / `generate` flags that run the same engine."""
+    compiled = bench.engine_settings(bench.parse_args(["--threads", "2"]), 2, tmp_path)
+    assert "LLM(torch_compile=True, dtype='bfloat16'" in compiled
+    assert "2 torch thread(s)" in compiled
+    assert "defaults are torch_compile=False and 1 thread(s)" in compiled  # no weights: tiny
+    assert "--dtype bfloat16 --torch-compile --threads 2" in compiled
+    eager = bench.engine_settings(bench.parse_args(["--engine-eager"]), 1, tmp_path)
+    assert "LLM(torch_compile=False" in eager and "--no-torch-compile --threads 1" in eager

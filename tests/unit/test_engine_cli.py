@@ -103,3 +103,28 @@ def test_generate_fp8_kv_matches_the_python_api(tiny_qwen3, flag):
     bad = CliRunner().invoke(app, [*args, flag, "fp9", "--json"])
     assert bad.exit_code == 2
     assert "fp9" in json.loads(bad.stdout)["error"]["message"]
+
+
+@pytest.mark.parametrize("compile_flag", ["--torch-compile", "--no-torch-compile"])
+def test_generate_and_serve_take_the_benchmarks_engine_settings(tiny_qwen3, compile_flag):
+    """bench/engine_vs_vllm.py measures `LLM(torch_compile=True)` with a thread per core,
+    which `generate` and `serve` could not run; both flags now reach the engine, and
+    `generate --json` says which settings its tokens ran under."""
+    import hybridkv.serve.cli  # noqa: F401  (registers serve)
+    from hybridkv.engine import compiled
+
+    was_compiled, was_threads = compiled.enabled(), torch.get_num_threads()
+    args = ["generate", str(tiny_qwen3), "--prompt-ids", "1,2,3", "--max-new-tokens", "2"]
+    try:
+        result = CliRunner().invoke(app, [*args, compile_flag, "--threads", "1", "--json"])
+        assert result.exit_code == 0, result.output
+        payload = json.loads(result.stdout)
+        assert payload["torch_compile"] is (compile_flag == "--torch-compile")
+        assert payload["threads"] == 1
+        if compile_flag == "--torch-compile":
+            assert compiled.enabled()  # process-wide, as LLM(torch_compile=True) sets it
+    finally:
+        compiled.enable(was_compiled)
+        torch.set_num_threads(was_threads)
+    serve_help = CliRunner().invoke(app, ["serve", "--help"], terminal_width=200).output
+    assert "--torch-compile / --no-torch-compile" in serve_help and "--threads" in serve_help

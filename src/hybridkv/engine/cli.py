@@ -24,6 +24,7 @@ from hybridkv.engine.cli_options import (
     SpecMethodOpt,
     StateModeOpt,
     ThreadsOpt,
+    TorchCompileOpt,
     engine_speculative_config,
 )
 from hybridkv.plan.types import check_num_spec_tokens
@@ -57,6 +58,7 @@ def load_llm(
     state_mode: str | None = None,
     eviction_policy: str | None = None,
     spec_tree: list[list[int]] | None = None,
+    torch_compile: bool = False,
 ) -> Any:
     """The `LLM` of `generate` / `serve` flags: MODEL and ``--draft`` may name the demo
     models, ``--draft`` or ``--spec-method`` without ``--num-spec`` drafts 4 per step,
@@ -91,6 +93,7 @@ def load_llm(
         num_spec_tokens=num_spec_tokens,
         device=device,
         max_model_len=max_model_len,
+        torch_compile=torch_compile,
         **extra,
     )
 
@@ -126,6 +129,7 @@ def generate_command(
         int | None, typer.Option("--chunk-size", help="prefill chunk (tokens); none: whole")
     ] = None,
     threads: ThreadsOpt = None,
+    torch_compile: TorchCompileOpt = False,
     ignore_eos: Annotated[
         bool, typer.Option("--ignore-eos", help="do not stop at the checkpoint's EOS id")
     ] = False,
@@ -140,6 +144,8 @@ def generate_command(
     """Generate tokens with the reference engine (planned cache, real cache manager)."""
 
     def body() -> None:
+        import torch
+
         if bool(prompt) == bool(prompt_ids):
             raise ValueError("give --prompt TEXT or --prompt-ids 1,2,3 (one of them, repeatable)")
         method, folder, k, tree = engine_speculative_config(
@@ -160,6 +166,7 @@ def generate_command(
             max_num_seqs=max_num_seqs,
             chunk_size=chunk_size,
             kv_dtype=kv_dtype,
+            torch_compile=torch_compile,
         )
         prompts: list[list[int] | str] = (
             list(prompt) if prompt else [parse_prompt_ids(p) for p in prompt_ids or []]
@@ -182,6 +189,8 @@ def generate_command(
                     "layout": llm.plan.layout,
                     "kv_dtype": str(llm.plan.options.kv_dtype),
                     "device": str(llm.device),
+                    "torch_compile": torch_compile,
+                    "threads": torch.get_num_threads(),
                     "eos_token_ids": list(llm.eos_token_ids),
                     "outputs": [
                         {

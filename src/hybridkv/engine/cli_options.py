@@ -44,6 +44,15 @@ NumSpecOpt = Annotated[
 ]
 DeviceOpt = Annotated[str, typer.Option("--device", help="cpu, cuda or cuda:N")]
 ThreadsOpt = Annotated[int | None, typer.Option("--threads", help=THREADS_HELP)]
+TorchCompileOpt = Annotated[
+    bool,
+    typer.Option(
+        "--torch-compile/--no-torch-compile",
+        help="compile the bf16 / fp16 prefill steps, as bench/engine_vs_vllm.py measures "
+        "the engine (LLM(torch_compile=True)); each new shape compiles on first use "
+        "(seconds to a minute); float32 never takes those paths",
+    ),
+]
 StateModeOpt = Annotated[
     str | None,
     typer.Option(

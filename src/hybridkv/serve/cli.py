@@ -24,6 +24,7 @@ from hybridkv.engine.cli_options import (
     SpecMethodOpt,
     StateModeOpt,
     ThreadsOpt,
+    TorchCompileOpt,
     engine_speculative_config,
 )
 from hybridkv.errors import ServeError
@@ -67,6 +68,7 @@ def serve_command(
     eviction: EvictionOpt = "chain",
     device: DeviceOpt = "cpu",
     threads: ThreadsOpt = None,
+    torch_compile: TorchCompileOpt = False,
     served_model_name: Annotated[
         str | None,
         typer.Option("--served-model-name", help="the model's name in the API (default: MODEL)"),
@@ -91,6 +93,8 @@ def serve_command(
 
         sock = bind(host, port)  # a busy port fails now, not after loading the model
         try:
+            import torch
+
             from hybridkv.engine.cli import load_llm
             from hybridkv.serve.server import run_server
 
@@ -112,6 +116,7 @@ def serve_command(
                 kv_dtype=kv_dtype,
                 state_mode=state_mode,
                 eviction_policy=eviction,
+                torch_compile=torch_compile,
             )
             name = served_model_name or model
             spec = (
@@ -122,7 +127,8 @@ def serve_command(
             typer.echo(
                 f"hybridkv serve: {name} on http://{host}:{sock.getsockname()[1]} "
                 f"(max_model_len {llm.max_model_len}, layout {llm.plan.layout}, device "
-                f"{llm.device}{spec})",
+                f"{llm.device}{spec}, {torch.get_num_threads()} torch thread(s), "
+                f"{'torch.compile' if torch_compile else 'eager'})",
                 err=True,
             )
             run_server(llm, name, sock, log_level)
