@@ -109,6 +109,8 @@ class CacheMachine(RuleBasedStateMachine):
         event("hit > 0" if hit else "hit == 0")
         if hit % 4:
             event("hit inside a block (turn end)")
+        if 0 < hit < max(g.block_size for g in self.plan.groups):
+            event("hit inside a first block or interval (root anchor)")
 
     @rule(req=requests, data=st.data())
     def step(self, req, data):
