@@ -231,6 +231,9 @@ def print_report(llm: Any, report: dict[str, Any]) -> None:
     from hybridkv.plan.report import format_bytes, render
 
     console = Console()
+    header, footer = framing(report)
+    console.rule("hybridkv demo")
+    console.print(header, highlight=False)
     render(llm.plan, console)
     vllm = report["vllm_layout"]
     if vllm is not None:
@@ -281,3 +284,26 @@ def print_report(llm: Any, report: dict[str, Any]) -> None:
         f"({format_bytes(mem['peak_bytes'])}); {report['num_output_tokens']} tokens in "
         f"{report['num_steps']} steps, {report['wall_s']:.1f} s on {report['device']}"
     )
+    console.rule()
+    console.print(footer, highlight=False)
+
+
+def framing(report: dict[str, Any]) -> tuple[str, str]:
+    """The lines around the human-readable report (not in ``--json``): what a newcomer is
+    looking at, that the text is poor by design, and where to go next."""
+    drafter = "its own MTP head" if report["spec"]["method"] == "mtp" else "a tiny Qwen3 draft"
+    header = (
+        "A tiny byte-level Qwen3.5 hybrid shipped with the package (Gated DeltaNet and gated "
+        f"attention layers), drafting with {drafter}, serves {len(report['outputs'])} "
+        "requests that share one code prefix. Below: the cache plan (vLLM's rule beside "
+        "it), each request's prompt end and completion, then the speculative-decoding, "
+        "prefix-cache and memory numbers. The models are tiny and trained for minutes on "
+        "Python's standard library: expect poor code; the numbers are the point."
+    )
+    footer = (
+        "Next: hybridkv plan MODEL plans a real model (hybridkv models lists them), "
+        "hybridkv serve demo --draft demo-draft serves these models over an "
+        "OpenAI-compatible API, hybridkv demo --json prints these numbers as JSON; the "
+        "models and their training: docs/demo.md."
+    )
+    return header, footer

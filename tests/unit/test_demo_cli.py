@@ -111,3 +111,19 @@ def test_demo_refuses_a_tree_from_the_draft_model():
     result = CliRunner().invoke(app, ["demo", "--spec-topk", "2", "--json"])
     assert result.exit_code == 2
     assert "tree" in json.loads(result.stdout)["error"]["message"].lower()
+
+
+def test_demo_text_is_framed_for_a_newcomer_and_json_is_not():
+    """The human-readable demo says first what it shows (and that tiny models write poor
+    text) and last where to go next; `--json` stays pure JSON."""
+    from hybridkv.demo import framing
+
+    args = ["demo", "--num-requests", "2", "--max-new-tokens", "4", "--threads", "1"]
+    result = CliRunner().invoke(app, args, terminal_width=100, env={"COLUMNS": "100"})
+    assert result.exit_code == 0, result.output
+    flat = " ".join(result.stdout.split())
+    report = json.loads(CliRunner().invoke(app, [*args, "--json"]).stdout)
+    header, footer = (" ".join(text.split()) for text in framing(report))
+    assert "expect poor code" in header and "serves 2 requests" in header
+    assert flat.index(header) < flat.index("groups") < flat.index("summary") < flat.index(footer)
+    assert flat.endswith(footer)
