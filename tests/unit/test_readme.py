@@ -144,3 +144,32 @@ def test_demo_numbers_in_the_readme_are_what_the_demo_prints(demo_report: dict) 
     (prefix,) = quoted(r"share a (\d+)-token prefix")
     assert int(num) == len(demo_report["outputs"])
     assert all(o["prefix_hit_tokens"] == int(prefix) for o in demo_report["outputs"][1:])
+
+
+def test_the_plan_command_prints_what_the_readme_says() -> None:
+    """The README's plan command lacked --max-model-len 32768 and printed 2 requests at
+    262,144 tokens, not the 21 vs 19 it quoted; run it as written and read its output."""
+    section = README.split("\n## Plan\n")[1].split("\n## ")[0]
+    (command,) = re.findall(r"```bash\n(hybridkv plan [^\n]+)\n```", section)
+    flat = " ".join(section.split())
+    ours, our_padding, theirs, their_padding = re.search(
+        r"Here: (\d+) requests of ([\d,]+) tokens fit with ([\d.]+)% padding, where vLLM's "
+        r"rule fits (\d+) with ([\d.]+)%",
+        flat,
+    ).group(1, 3, 4, 5)
+    length = re.search(r"Here: \d+ requests of ([\d,]+) tokens", flat).group(1).replace(",", "")
+    result = CliRunner().invoke(app, shlex.split(command)[1:], terminal_width=100)
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.stdout.split())
+    assert f"max concurrency at {length} tokens: {ours} (" in text, text
+    assert re.search(rf"used [\d.]+ GiB, padding [\d.]+ \w?B \({our_padding}%\)", text), text
+    assert f"vllm: {theirs} requests, {their_padding}% padding" in text, text
+    compare = README.split("## How it compares")[1]
+    assert f"| {ours} ({our_padding}% padding) | {theirs} ({their_padding}% padding)" in compare
+
+
+def test_the_readme_says_how_to_get_the_cpu_build_of_torch() -> None:
+    """From PyPI on Linux, the quick start's torch pin brings the CUDA build."""
+    (pin,) = set(re.findall(r"pip install (torch==[\d.]+)", README.split("## What the demo")[0]))
+    flat = " ".join(README.split())
+    assert f"pip install {pin} --index-url https://download.pytorch.org/whl/cpu" in flat
