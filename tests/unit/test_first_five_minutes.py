@@ -9,6 +9,7 @@ grid are refused with the reason.
 from __future__ import annotations
 
 import io
+import json
 import os
 import re
 import subprocess
@@ -303,3 +304,22 @@ def test_block_sizes_off_the_kernels_grid_are_refused_with_the_reason(layout: st
     refused(["plan", "qwen3-4b", "--block-size", "40"], "use 32 or 48")
     ok = runner.invoke(app, ["plan", "qwen3-4b", "--block-size", "32", "--layout", "split"])
     assert ok.exit_code == 0, ok.output
+
+
+# -------------------------------------------------------------------------- lm-eval
+
+
+def test_the_documented_lm_eval_task_runs_offline_from_the_repository() -> None:
+    """docs/demo.md's lm-eval command names a task folder whose data ships beside it
+    (lm-eval itself is not a dependency: the command was run by hand, see the doc)."""
+    doc = (REPO / "docs" / "demo.md").read_text()
+    section = doc.split("## lm-eval against")[1]
+    (folder,) = re.findall(r"--include_path (\S+)", section)
+    (task,) = re.findall(r"--tasks (\S+)", section)
+    spec = (REPO / folder / f"{task}.yaml").read_text()
+    assert f"task: {task}" in spec
+    (data,) = re.findall(r"data_files: (\S+)", spec)
+    lines = [json.loads(line) for line in (REPO / data).read_text().splitlines()]
+    assert len(lines) == 4
+    assert all(0 <= q["answer"] < len(q["choices"]) and q["context"] for q in lines)
+    assert "'lm-eval[api]==0.4.13' transformers" in section
