@@ -4,7 +4,7 @@ vLLM has already placed the tensors (one pool of ``num_blocks`` block ids shared
 every group, block 0 its null block, as in hybridkv's ``shared`` layout); the manager
 only needs the block arithmetic: each group's kind, block size and window, the pool
 size, the speculative rows and the state mode. Byte sizes stay vLLM's business, so the
-plan carries nominal ones (`hybridkv.cache.toy.toy_plan` builds exactly such plans).
+plan carries nominal ones (`hybridkv.plan.nominal`).
 
 Only class names of vLLM's specs are read (duck typing), so this module imports nothing
 of vLLM and works for every supported version.
@@ -16,8 +16,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from hybridkv.cache.toy import ToyGroup, toy_plan
 from hybridkv.errors import HybridKVError
+from hybridkv.plan.nominal import GroupShape, nominal_plan
 from hybridkv.plan.types import CachePlan
 
 
@@ -100,10 +100,11 @@ def plan_for_vllm(
             f"vLLM's KV cache has {num_blocks} blocks; hybridkv's scheduler needs >= 2 "
             "(block 0 is the null block)"
         )
-    return toy_plan(
-        [ToyGroup(g.kind, g.block_size, g.span_tokens) for g in groups],
+    return nominal_plan(
+        [GroupShape(g.kind, g.block_size, g.span_tokens) for g in groups],
         num_blocks=num_blocks,
         num_spec_tokens=num_spec_tokens,
         state_mode=state_mode,
         prefix_caching=prefix_caching,
+        main_model="vllm",
     )
