@@ -51,7 +51,7 @@ from vllm.v1.kv_cache_interface import (
 from hybridkv.errors import HybridKVError, PlanError
 from hybridkv.plan import CachePlan, PlanOptions, plan
 from hybridkv.plan.types import DEFAULT_BLOCK_ALIGN_TOKENS
-from hybridkv.vllm.hooks import _dtype_name
+from hybridkv.vllm.backend_facts import backend_align_tokens, dtype_name
 from hybridkv.vllm.planning import SPEC_METHODS, _dtype
 
 logger = logging.getLogger("vllm.hybridkv")
@@ -108,11 +108,9 @@ def kernel_align_tokens(vllm_config: Any) -> int:
     from vllm.config import get_layers_from_vllm_config
     from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 
-    from hybridkv.vllm.hooks import _kernel_align_tokens
-
     layers = get_layers_from_vllm_config(vllm_config, AttentionLayerBase)  # type: ignore[type-abstract]
     backends = {layer.get_attn_backend() for layer in layers.values()}
-    units = [_kernel_align_tokens(b) for b in backends if not b.is_ssm()]
+    units = [backend_align_tokens(b) for b in backends if not b.is_ssm()]
     return math.lcm(*units) if units else DEFAULT_BLOCK_ALIGN_TOKENS
 
 
@@ -161,12 +159,11 @@ def _options(vllm_config: Any, specs: dict[str, KVCacheSpec], align: int) -> Pla
     states = [s for s in specs.values() if isinstance(s, MambaSpec)]
     # fp8 pages are stored as uint8 in the spec; the cache dtype names the format
     kv_dtypes = {
-        _dtype_name(s.dtype if cache.cache_dtype == "auto" else cache.cache_dtype)
-        for s in attention
+        dtype_name(s.dtype if cache.cache_dtype == "auto" else cache.cache_dtype) for s in attention
     }
     if len(kv_dtypes) > 1:
         raise PlanError(f"attention layers use several KV dtypes {sorted(kv_dtypes)}")
-    state_dtypes = {tuple(_dtype_name(d) for d in s.dtypes) for s in states}
+    state_dtypes = {tuple(dtype_name(d) for d in s.dtypes) for s in states}
     if len(state_dtypes) > 1 or any(len(d) != 2 for d in state_dtypes):
         raise PlanError(
             f"state layers use dtypes {sorted(state_dtypes)}; one (conv, ssm) pair is mapped"

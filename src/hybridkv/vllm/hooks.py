@@ -19,34 +19,12 @@ import logging
 from typing import Any
 
 from hybridkv.errors import HybridKVError
+from hybridkv.vllm.backend_facts import backend_align_tokens, dtype_name
 from hybridkv.vllm.planning import VllmChoice, VllmFacts, choose_block_size
 from hybridkv.vllm.versions import installed_vllm
 
 logger = logging.getLogger("vllm.hybridkv")
 _MARK = "_hybridkv_wrapped"
-
-
-def _dtype_name(dtype: Any) -> str:
-    """torch dtype or vLLM's dtype string -> hybridkv's dtype name."""
-    text = str(dtype).removeprefix("torch.")
-    return {"fp8": "fp8_e4m3", "float8_e4m3fn": "fp8_e4m3", "float8_e5m2": "fp8_e5m2"}.get(
-        text, text
-    )
-
-
-def _kernel_align_tokens(backend_cls: Any) -> int:
-    """The attention kernel's block unit; padded pages rule out kernel-block splitting,
-    so only backends that take any multiple of a unit qualify."""
-    from vllm.v1.attention.backend import MultipleOf
-
-    sizes = backend_cls.get_supported_kernel_block_sizes()
-    units = [s.base for s in sizes if isinstance(s, MultipleOf)]
-    if not units:
-        raise HybridKVError(
-            f"attention backend {backend_cls.__name__} takes only fixed kernel block sizes "
-            f"{sizes}; hybridkv plans need a block unit"
-        )
-    return min(units)
 
 
 def _state_page_bytes(vllm_config: Any) -> tuple[int, Any]:
@@ -85,16 +63,16 @@ def collect_facts(
     return VllmFacts(
         hf_config=model_config.hf_config.to_dict(),
         max_model_len=model_config.max_model_len,
-        kv_dtype=_dtype_name(kv_dtype),
-        conv_dtype=_dtype_name(conv_dtype),
-        ssm_dtype=_dtype_name(ssm_dtype),
+        kv_dtype=dtype_name(kv_dtype),
+        conv_dtype=dtype_name(conv_dtype),
+        ssm_dtype=dtype_name(ssm_dtype),
         attn_bytes_per_token=vllm_page // cache.block_size,
         state_page_bytes=state_page,
-        kernel_align_tokens=_kernel_align_tokens(backend_cls),
+        kernel_align_tokens=backend_align_tokens(backend_cls),
         vllm_block_size=cache.block_size,
         # vLLM rounds to the larger of the kernel unit and the block size it had before
         # its hybrid rule ran (its platform default: 128 on CPU, 16 on CUDA)
-        vllm_align_tokens=max(_kernel_align_tokens(backend_cls), pre_block_size),
+        vllm_align_tokens=max(backend_align_tokens(backend_cls), pre_block_size),
         state_mode=str(cache.mamba_cache_mode),
         prefix_caching=bool(cache.enable_prefix_caching),
         spec_method=getattr(spec, "method", None) if spec is not None else None,
