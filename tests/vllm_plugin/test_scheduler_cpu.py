@@ -198,3 +198,39 @@ def test_engine_core_process_with_stats(tiny_qwen3_next: Path, vllm_python: str)
         log = proc.log_text  # type: ignore[attr-defined]
     assert "vLLM's scheduler runs on hybridkv's cache manager" in log
     assert turns[1]["hit_tokens"] == turns[1]["bound_tokens"] > 0
+
+
+def test_first_turns_inside_the_first_block_reach_the_bound(
+    tiny_qwen3_next: Path, vllm_python: str
+) -> None:
+    """8 sessions share a 200-token system prompt; first prompts of 40..240 tokens (the
+    shorter ones a head of it) and 16 output tokens end inside the first attention block,
+    where block-granular caching (stock) hits nothing. hybridkv's turn-end entries hang
+    off the chain's root there: every turn from the second on hits >= 95% of the
+    token-exact bound (at most the bound)."""
+    chat = {
+        "op": "chat",
+        "sessions": 8,
+        "turns": 3,
+        "system_tokens": 200,
+        "first_tokens": [40, 100, 200, 210, 220, 230, 235, 240],
+        "user_tokens": 30,
+        "max_tokens": 16,
+        "seed": 5,
+    }
+    base = {**SETTINGS, "model": str(tiny_qwen3_next)}
+    for proc in engine(vllm_python, base, plugin=True):
+        block_tokens = proc.ready["block_size"]  # type: ignore[attr-defined]
+        theirs = proc.call(chat)["turns"]  # type: ignore[attr-defined]
+    assert max(chat["first_tokens"]) + chat["max_tokens"] <= block_tokens  # type: ignore[operator]
+    mine, sched = _run(vllm_python, {**base, **OURS}, [chat, {"op": "sched"}])
+    for t, (turn, other) in enumerate(zip(mine["turns"], theirs, strict=True)):
+        print(
+            f"turn {t + 1}: hybridkv {turn['hit_tokens']}, stock {other['hit_tokens']}, "
+            f"bound {turn['bound_tokens']} (block {block_tokens})"
+        )
+    assert mine["turns"][0]["outputs"] == theirs[0]["outputs"]  # no hit on either side
+    for turn, other in zip(mine["turns"][1:], theirs[1:], strict=True):
+        assert 0.95 * turn["bound_tokens"] <= turn["hit_tokens"] <= turn["bound_tokens"]
+        assert turn["hit_tokens"] > other["hit_tokens"]
+    _check_drained(sched)

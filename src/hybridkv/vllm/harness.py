@@ -16,7 +16,10 @@ code. Each stdin line is one command; each answer is one stdout line starting wi
   "max_tokens": N, "seed": 0}`` -> multi-turn chat: every session's next prompt is its
   previous prompt + the reply + U new tokens; per turn, the prefix-hit tokens vLLM reports
   and the token-exact bound (the previous context minus its last token, whose KV the
-  previous turn never computed), and the seconds of each turn's ``generate``.
+  previous turn never computed), and the seconds of each turn's ``generate``. Optional:
+  ``"system_tokens": K`` opens every session's first prompt with the same K tokens (a
+  shared system prompt; a shorter first prompt takes its head), and ``first_tokens``
+  may be a list (one first-prompt length per session, system tokens included).
 * ``{"op": "sched"}`` -> the scheduler's class, its CPU seconds in ``schedule()`` and
   ``update_from_output()`` and the number of steps since the last ``sched``, and its
   KV-cache state (blocks in use, running / waiting requests; hybridkv's scheduler also
@@ -78,7 +81,10 @@ def _chat(llm: Any, cmd: dict[str, Any], vocab: int) -> dict[str, Any]:
     def fresh(n: int) -> list[int]:
         return [rng.randrange(1, vocab) for _ in range(n)]
 
-    prompts = [fresh(int(cmd["first_tokens"])) for _ in range(sessions)]
+    system = fresh(int(cmd.get("system_tokens", 0)))
+    first = cmd["first_tokens"]
+    lengths = [int(n) for n in first] if isinstance(first, list) else [int(first)] * sessions
+    prompts = [system[:n] + fresh(n - len(system[:n])) for n in lengths]
     bounds = [0] * sessions
     per_turn = []
     logprobs = cmd.get("logprobs")
