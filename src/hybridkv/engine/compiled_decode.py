@@ -1,7 +1,7 @@
 """Opt-in ``torch.compile`` of whole decode-step layer cores (reduced precision, CPU).
 
 A decode step at batch 1 is mostly op overhead: ~4,500 aten calls of a few microseconds
-each around ~50 products (docs/engine_perf.md, rounds 8-10). The functions here take a
+each around ~50 products (docs/performance.md). The functions here take a
 layer's work between its products as one compiled region, so inductor fuses the casts,
 norms, gates and state updates into a few loops and the products stay oneDNN's packed
 calls (`packed_linear`), outside:

@@ -263,8 +263,7 @@ def _solve_unit_lower_blocked(system: torch.Tensor, rhs: torch.Tensor) -> torch.
     `_solve_unit_lower` at float32 rounding (tested). Measured on the batch-32 prefill's
     own systems (``[128, 64, 64]``, 64-column right sides, 1 thread): 2.0-2.5 ms against
     3.6-4.0 ms; strong gates leave many tiny coefficients, and the one-call solve's
-    substitution slows on the subnormal products they make (docs/engine_perf.md, round
-    10)."""
+    substitution slows on the subnormal products they make (docs/performance.md)."""
     size = system.shape[-1]
     out = torch.empty_like(rhs)
     for start in range(0, size, SOLVE_BLOCK):

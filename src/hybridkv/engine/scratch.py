@@ -70,7 +70,7 @@ def keep_freed_pages(trim_bytes: int = _TRIM_BYTES) -> bool:
     Qwen3-Next model (bf16, 1 thread; ~2 us each on the benchmark VM: an 8 MB float32
     copy took 4 ms when its destination was fresh, 0.9 ms when it was not), against
     4,000-9,000 with these settings, and 4-14% less CPU per step (two sets of
-    alternating runs, docs/engine_perf.md round 10). `LLM` calls it on the CPU unless
+    alternating runs, docs/performance.md). `LLM` calls it on the CPU unless
     ``LLM(keep_freed_pages=False)``. Allocations up to 32 MiB
     then come from the heap (``M_MMAP_THRESHOLD``), and up to ``trim_bytes`` of free
     heap top stays mapped (``M_TRIM_THRESHOLD``): the process keeps its peak working

@@ -120,8 +120,7 @@ def _regrouped(w_qkvz: torch.Tensor, w_ba: torch.Tensor, s: GDNShape) -> torch.T
 def _fused_projector(weight: torch.Tensor, s: GDNShape) -> Projector:
     """bf16 / fp16 only (float32 keeps transformers' two products, whose sums the
     exactness tests hold): a row permutation changes no output value, one product of
-    ``N = conv_dim + value_dim + 2 Hv`` replaces two (measured: docs/engine_perf.md,
-    round 11)."""
+    ``N = conv_dim + value_dim + 2 Hv`` replaces two (measured: docs/performance.md)."""
     ends = (s.conv_dim, s.conv_dim + s.value_dim, s.conv_dim + s.value_dim + s.num_v_heads)
 
     def project(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
