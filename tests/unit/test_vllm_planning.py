@@ -16,7 +16,7 @@ import pytest
 from hybridkv import PlanError, load_model_spec, plan
 from hybridkv.vllm import register
 from hybridkv.vllm.planning import VllmFacts, choose_block_size
-from hybridkv.vllm.tiny_models import QWEN3_NEXT
+from hybridkv.vllm.tiny_models import QWEN3_DRAFT, QWEN3_NEXT, QWEN3_NEXT_SEED
 from hybridkv.vllm.versions import InstalledVllm, is_supported
 
 # the config.json `hybridkv.vllm.tiny_models.write_tiny_qwen3_next` writes (transformers
@@ -90,9 +90,34 @@ def test_unknown_dtype_and_method_are_refused_with_the_name() -> None:
         choose_block_size(dataclasses.replace(FACTS, spec_method="medusa", num_spec_tokens=2))
 
 
-def test_a_separate_draft_model_keeps_vllm_rule_with_the_reason() -> None:
-    with pytest.raises(PlanError, match="separate draft model"):
+def test_a_separate_draft_model_without_its_config_keeps_vllm_rule() -> None:
+    with pytest.raises(PlanError, match="draft model's config is not known"):
         choose_block_size(dataclasses.replace(FACTS, spec_method="draft_model", num_spec_tokens=3))
+
+
+def test_the_seed_miniature_plans_main_and_draft_with_one_page() -> None:
+    """The seed pair in miniature (`tiny_models` ``qwen3_next_seed`` + ``qwen3_draft``,
+    fp8 KV, K 3): one 1,120-token block for main and draft, the 143,360-byte state
+    page exact (vLLM's rule: 1,152 tokens, state padded 2.86%), the draft in one group
+    where vLLM's grouping (layout "vllm") splits it in two."""
+    facts = dataclasses.replace(
+        FACTS,
+        hf_config={**TINY_QWEN3_NEXT, **QWEN3_NEXT_SEED},
+        draft_hf_config={**QWEN3_DRAFT, "model_type": "qwen3"},
+        kv_dtype="fp8_e4m3",
+        attn_bytes_per_token=128,
+        state_page_bytes=143360,
+        vllm_block_size=1152,
+        spec_method="draft_model",
+        num_spec_tokens=3,
+    )
+    choice = choose_block_size(facts)
+    assert (choice.block_size, choice.page_bytes, choice.state_page_padded) == (1120, 143360, None)
+    assert choice.state_padding == choice.attention_padding == 0
+    assert [(g.model, len(g.layers)) for g in choice.ours.groups if g.model == "draft"] == [
+        ("draft", 4)
+    ]
+    assert [len(g.layers) for g in choice.theirs.groups if g.model == "draft"] == [2, 2]
 
 
 def test_a_user_block_size_is_honoured_or_refused() -> None:

