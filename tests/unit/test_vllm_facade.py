@@ -64,6 +64,11 @@ class FakeWorker:
     groups: list[VllmGroup]
     align: bool
     num_spec: int = 0
+    # a draft model's attention groups write its KV up to ``lookahead`` slots past the
+    # step (vLLM's drafter runs K positions ahead); every attention group's row must
+    # cover them (vLLM's scheduler reserves ``num_lookahead_tokens`` in each)
+    draft_groups: frozenset[int] = frozenset()
+    lookahead: int = 0
     rows: dict[str, list[list[int]]] = field(default_factory=dict)
     cols: dict[str, dict[int, int]] = field(default_factory=dict)
     acc: dict[str, int] = field(default_factory=dict)
@@ -129,6 +134,11 @@ class FakeWorker:
                 assert self.slots.get((row[p // B], p % B)) == tokens[p], (req.request_id, p)
             for p in range(c, c + n):
                 self.slots[(row[p // B], p % B)] = tokens[p] if p < len(tokens) else -1
+            if self.lookahead and g.kind == "full":
+                assert len(row) * B >= c + n + self.lookahead, (req.request_id, g.group_id)
+            if g.group_id in self.draft_groups:
+                for p in range(c + n, c + n + self.lookahead):  # the drafter's own KV
+                    self.slots[(row[p // B], p % B)] = -2
 
     def accepted(self, req: FakeRequest, c: int, n: int, drafts: int, accepted: int) -> None:
         """After sampling a step from ``c`` (``n`` tokens incl. ``drafts``): the worker's
@@ -154,7 +164,14 @@ class FakeWorker:
                     self.acc[req.request_id] = 1
 
 
-def _manager(groups: list[VllmGroup], num_blocks: int, *, caching: bool = True, spec: int = 0):
+def _manager(
+    groups: list[VllmGroup],
+    num_blocks: int,
+    *,
+    caching: bool = True,
+    spec: int = 0,
+    lookahead: int = 0,
+):
     return VllmKVCacheManager(
         groups,
         num_blocks=num_blocks,
@@ -162,6 +179,7 @@ def _manager(groups: list[VllmGroup], num_blocks: int, *, caching: bool = True, 
         state_mode="align" if caching else "none",
         num_spec_tokens=spec,
         blocks_cls=Blocks,
+        num_lookahead_tokens=lookahead,
     )
 
 
@@ -176,13 +194,19 @@ def _drive(
     budget: int = 96,
     caching: bool = True,
     shared: int = 0,
+    draft_groups: frozenset[int] = frozenset(),
 ) -> VllmKVCacheManager:
     """A scheduler loop in vLLM's shape: FCFS admission with a token budget, chunked
     prefill split where hybridkv checkpoints, preemption of the newest on failure,
-    multi-turn sessions (the next prompt extends the previous context)."""
+    multi-turn sessions (the next prompt extends the previous context). With
+    ``draft_groups`` (a draft model's attention groups) every allocation carries vLLM's
+    lookahead of K tokens, as vLLM's scheduler passes it for draft models."""
     rng = random.Random(seed)
-    kv = _manager(groups, num_blocks, caching=caching, spec=spec)
-    worker = FakeWorker(groups, align=caching, num_spec=spec)
+    lookahead = spec if draft_groups else 0
+    kv = _manager(groups, num_blocks, caching=caching, spec=spec, lookahead=lookahead)
+    worker = FakeWorker(
+        groups, align=caching, num_spec=spec, draft_groups=draft_groups, lookahead=lookahead
+    )
     B = min((g.block_size for g in groups if g.kind == "state"), default=0)
     system = [rng.randrange(1, 50) for _ in range(shared)]  # a prompt every session shares
     contexts = [
@@ -219,7 +243,7 @@ def _drive(
                     )
                 if n <= 0:
                     continue
-                while (blocks := kv.allocate_slots(req, n)) is None:
+                while (blocks := kv.allocate_slots(req, n, num_lookahead_tokens=lookahead)) is None:
                     victim = running.pop()
                     kv.free(victim)
                     worker.drop(victim.request_id)
@@ -243,7 +267,12 @@ def _drive(
                     n = split_prefill_chunk(
                         hit, n, req.num_prompt_tokens, B, kv.junction_point(req)
                     )
-                if kv.allocate_slots(req, n, num_new_computed_tokens=hit) is None:
+                if (
+                    kv.allocate_slots(
+                        req, n, num_new_computed_tokens=hit, num_lookahead_tokens=lookahead
+                    )
+                    is None
+                ):
                     break
                 waiting.pop(0)
                 req.num_computed_tokens = hit
@@ -365,6 +394,49 @@ def test_hybrid_drafts_without_prefix_caching() -> None:
 
 def test_hybrid_drafts_under_pressure() -> None:
     _drive(HYBRID, 40, sessions=5, turns=2, seed=13, spec=3, budget=40)
+
+
+# the seed pair's shape: main attention, Gated DeltaNet state, a draft model's attention
+# group (its own block size, as vLLM's grouping may give it)
+DRAFT_MODEL = [VllmGroup(0, "state", 8), VllmGroup(1, "full", 8), VllmGroup(2, "full", 16)]
+
+
+def test_draft_model_lookahead_in_attention_groups_only() -> None:
+    """A draft model (vLLM passes ``num_lookahead_tokens`` = K with every allocation):
+    both attention groups, main and draft, hold K slots past the step, where the
+    drafter writes its own KV; the state group's running column follows the drafts
+    alone, so every read (state columns, pre-copies, post-copies) is right."""
+    kv = _drive(DRAFT_MODEL, 300, sessions=4, turns=3, seed=21, spec=3, draft_groups=frozenset({2}))
+    assert kv.cache.stats().num_hit_tokens > 0
+
+
+def test_draft_model_hits_cover_main_and_draft_groups() -> None:
+    """A prefix hit is one length for every group: a second turn starts with the main
+    model's and the draft's KV below the hit both in place (the worker reads both)."""
+    kv = _drive(
+        DRAFT_MODEL,
+        300,
+        sessions=3,
+        turns=2,
+        seed=22,
+        spec=3,
+        shared=20,
+        draft_groups=frozenset({2}),
+    )
+    assert kv.cache.stats().num_hit_tokens > 0
+
+
+def test_draft_model_under_pressure() -> None:
+    _drive(
+        DRAFT_MODEL,
+        40,
+        sessions=5,
+        turns=2,
+        seed=23,
+        spec=3,
+        budget=40,
+        draft_groups=frozenset({2}),
+    )
 
 
 def test_pressure_preempts_and_recovers() -> None:

@@ -70,6 +70,10 @@ class CacheManager(StepPaths):
     ``state_layout``: ``slots`` (hybridkv's engine, `StepSlots` per step) or ``columns``
     (the positional rows of vLLM's workers, for speculative decoding on state layers:
     `hybridkv.cache.managers.state_columns`).
+    ``drafter_lookahead_tokens``: the part of every step's lookahead that reserves the
+    drafter's own KV (vLLM's ``num_lookahead_tokens``: K for draft models, EAGLE and MTP,
+    0 for n-gram), not drafts being verified: attention groups reserve it, the
+    ``columns`` state layout places its running column by the drafts alone.
     """
 
     def __init__(
@@ -84,6 +88,7 @@ class CacheManager(StepPaths):
         checkpoint_rules: Sequence[str] | None = None,
         checkpoints_inside_steps: bool = True,
         state_layout: str = "slots",
+        drafter_lookahead_tokens: int = 0,
     ) -> None:
         self.plan = plan
         self.caching = (
@@ -126,10 +131,13 @@ class CacheManager(StepPaths):
             )
         self.checkpoint_rules = tuple(checkpoint_rules)
         self._junction = "junction" in self.checkpoint_rules and bool(self._state_group_ids)
+        if drafter_lookahead_tokens < 0:
+            raise CacheError(f"drafter_lookahead_tokens={drafter_lookahead_tokens}: must be >= 0")
         for manager in self._managers:
             if manager.is_state:
                 manager.junction_rule = self._junction
                 manager.inside_steps = checkpoints_inside_steps
+                manager.drafter_lookahead_tokens = drafter_lookahead_tokens
         self._junctions: dict[str, int] = {}  # junction rule: attention match at lookup
         self._turn_end = "turn_end" in self.checkpoint_rules and self.caching
         if self._turn_end:

@@ -115,6 +115,7 @@ class VllmKVCacheManager:
         group_specs: list[Any] | None = None,
         copy_cls: Any = tuple2,
         events: VllmEventLog | None = None,
+        num_lookahead_tokens: int = 0,
     ) -> None:
         self.groups = groups
         # vLLM's engine core reads each group's block size and spec from
@@ -135,6 +136,9 @@ class VllmKVCacheManager:
             state_mode=state_mode,
         )
         self.eviction_policy = eviction_policy
+        # vLLM's scheduler passes its drafter's lookahead (K for a draft model, EAGLE,
+        # MTP) with every allocation; the cache tells it apart from the drafts
+        self.num_lookahead_tokens = num_lookahead_tokens
         self.checkpoint_rules = checkpoint_rules_from_env() if enable_caching else ()
         # drafts on state layers: the worker's state rows carry K draft columns and split
         # a state after accepted drafts, which slots cannot express (`state_columns`)
@@ -173,6 +177,7 @@ class VllmKVCacheManager:
             checkpoints_inside_steps=False,
             record_events=self.events is not None,
             state_layout=self.state_layout,
+            drafter_lookahead_tokens=self.num_lookahead_tokens,
         )
 
     # ------------------------------------------------------------------ steps

@@ -10,10 +10,13 @@ marks the step as run, and the align-mode chunk split ends prefill chunks where
 hybridkv checkpoints (vLLM's workers write a state only where a step ends).
 
 Speculative decoding with drafters that keep no KV (n-gram, suffix, ``custom_class``)
-runs on hybridkv's manager, state layers included: their rows carry the worker's draft
-columns (`hybridkv.cache.managers.state_columns`). Left to vLLM's own KV-cache manager,
-with one warning naming the reason: KV connectors (P/D disaggregation, offloading),
-pipeline parallelism, decode context parallelism, draft-model / EAGLE / MTP drafters,
+and with a separate draft model runs on hybridkv's manager, state layers included: their
+rows carry the worker's draft columns (`hybridkv.cache.managers.state_columns`); a draft
+model's layers are attention groups of their own, and vLLM's lookahead (K slots for the
+drafter's KV) is reserved in every attention group and in no state group. Left to vLLM's
+own KV-cache manager, with one warning naming the reason: KV connectors (P/D
+disaggregation, offloading), pipeline parallelism, decode context parallelism, EAGLE /
+MTP drafters (their blocks are keyed one token ahead, which is not mapped yet),
 and layer kinds without a hybridkv manager (cross-attention...). When hybridkv manages, async
 scheduling is turned off with a logged reason: hybridkv commits a step once its output
 is known, and async scheduling runs the next schedule before that.
@@ -37,6 +40,11 @@ logger = logging.getLogger("vllm.hybridkv")
 # speculative methods whose drafter keeps no KV cache: only the main model's groups
 # (draft columns in state groups) change
 DRAFTERS_WITHOUT_KV = ("ngram", "ngram_gpu", "suffix", "custom_class")
+# a separate draft model: its layers form attention groups of their own, keyed like the
+# main model's (its KV at p depends on tokens <= p); every allocation carries vLLM's
+# lookahead (K) for them, which hybridkv reserves in every attention group
+DRAFTERS_WITH_KV = ("draft_model",)
+MANAGED_DRAFTERS = DRAFTERS_WITHOUT_KV + DRAFTERS_WITH_KV
 
 
 def _prefix_cache_stats_cls() -> Any:
@@ -86,6 +94,7 @@ class Scheduler(VllmScheduler):
             log_stats=self.log_stats,
             group_specs=[g.kv_cache_spec for g in kv_cache_config.kv_cache_groups],
             events=vllm_event_log(self, kv_cache_config, groups),
+            num_lookahead_tokens=self.num_lookahead_tokens,
         )
         # vLLM's own Mamba split rules read its manager; hybridkv's split replaces them
         self.mamba_partial_cache_hit = False
@@ -168,10 +177,10 @@ def _check_supported(scheduler: Any, vllm_config: Any) -> None:
     spec = vllm_config.speculative_config
     if spec is not None:
         method = getattr(spec, "method", None)
-        if method not in DRAFTERS_WITHOUT_KV:
+        if method not in MANAGED_DRAFTERS:
             reasons.append(
                 f"speculative method {method!r} (its drafter's KV groups are not translated "
-                f"yet; {', '.join(DRAFTERS_WITHOUT_KV)} are)"
+                f"yet; {', '.join(MANAGED_DRAFTERS)} are)"
             )
         mode = getattr(vllm_config.cache_config, "mamba_cache_mode", "none") or "none"
         if _has_state(scheduler) and mode not in ("align", "none"):

@@ -130,6 +130,11 @@ class GroupManager:
         self.turn_end = False  # turn_end rule (`cache.turn_end`): set by `CacheManager`
         # state groups: False checkpoints only where a step ends (set by `CacheManager`)
         self.inside_steps = True
+        # lookahead every step reserves for the drafter's own KV (vLLM's
+        # ``num_lookahead_tokens``: K for draft models, EAGLE, MTP), on top of the drafts
+        # being verified; attention groups reserve it, state groups ignore it (set by
+        # `CacheManager`)
+        self.drafter_lookahead_tokens = 0
         assert group.block_size % unit_tokens == 0
         self.init_kind()
 

@@ -116,17 +116,21 @@ class ColumnStateManager(StateManager):
         moved = sum(1 for col in state.cols if state.cur < col < cur)
         return max(0, cur + K + 1 - max(len(state.row), cur) - moved)
 
+    def _drafts(self, lookahead: int) -> int:
+        """Drafts scheduled this step: the lookahead less the drafter's own (its KV
+        slots in attention groups; the worker's running column counts drafts only)."""
+        return min(max(lookahead - self.drafter_lookahead_tokens, 0), self.num_spec_states)
+
     def num_new_blocks(self, state: StateBlocks, c: int, n: int, lookahead: int) -> int:
         assert isinstance(state, ColumnBlocks)
-        d = min(lookahead, self.num_spec_states)
+        d = self._drafts(lookahead)
         return self._fresh(state, c, self._column(c + n + d))
 
     def place(
         self, state: StateBlocks, c: int, n: int, lookahead: int, new: list[BlockId]
     ) -> list[BlockId]:
         assert isinstance(state, ColumnBlocks)
-        K = self.num_spec_states
-        d = min(lookahead, K)
+        d = self._drafts(lookahead)
         cur = self._column(c + n + d)
         fresh = list(new)
         state.drafts = d
