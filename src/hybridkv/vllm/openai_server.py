@@ -116,7 +116,11 @@ class OpenAIServer:
             env=child_env,
             start_new_session=True,
         )
-        self._wait_ready()
+        try:
+            self._wait_ready()
+        except BaseException:  # also Ctrl-C during the minutes of start-up: no orphans
+            self.close()
+            raise
 
     @property
     def log_text(self) -> str:
@@ -142,13 +146,20 @@ class OpenAIServer:
             except httpx.HTTPError:
                 pass
             time.sleep(1.0)
-        self.close()
         raise HybridKVError(f"vLLM's server did not answer /health in {START_TIMEOUT_S:.0f} s")
 
     def metrics(self) -> dict[str, float]:
         import httpx
 
-        return parse_metrics(httpx.get(self.url + "/metrics", timeout=30).text)
+        # on a host short of memory a connection is now and then reset: ask again
+        for attempt in range(5):
+            try:
+                return parse_metrics(httpx.get(self.url + "/metrics", timeout=60).text)
+            except httpx.TransportError:
+                if attempt == 4:
+                    raise
+                time.sleep(2.0)
+        raise AssertionError("unreachable")
 
     def complete(self, prompt: list[int], max_tokens: int) -> dict[str, Any]:
         """One non-streaming completion (greedy, EOS ignored): the response body."""
