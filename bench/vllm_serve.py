@@ -19,8 +19,9 @@ Per run: TTFT p50 / p90 (request sent -> first token received), output tokens/s 
 whole run (first request sent -> last stream closed), prefix-hit tokens from each
 response's ``usage.prompt_tokens_details.cached_tokens`` against the token-exact bound
 (the longest prefix the prompt shares with a request that had finished when it was sent,
-less its last token), vLLM's ``/metrics`` counters (prefix-cache hits / queries,
-preemptions, prompt and generation tokens: both sides' work) and errors. ``--reps``
+that request's last generated token excluded: it was never fed back), vLLM's
+``/metrics`` counters (prefix-cache hits / queries, preemptions, prompt and generation
+tokens: both sides' work) and errors. ``--reps``
 alternating repetitions (stock, plugin, ours, stock, ...), median [range], and per-pair
 ratios against stock.
 
@@ -97,8 +98,10 @@ async def _chat(server: OpenAIServer, args: argparse.Namespace, seed: int) -> di
         context: list[int] = list(system)
         for turn in range(args.turns):
             prompt = context + users[s][turn]
-            bound = max((_common_prefix(prompt, done) for done in finished), default=0)
-            bound = min(bound, len(prompt) - 1)  # the last prompt token is always computed
+            # a finished context's last token was generated but never fed back, so no cache
+            # holds it; and the prompt's own last token is always computed
+            bound = max((_common_prefix(prompt, done[:-1]) for done in finished), default=0)
+            bound = min(bound, len(prompt) - 1)
             got: StreamResult = await stream_completion(
                 client, server.url, server.model, prompt, args.max_tokens
             )
