@@ -219,6 +219,16 @@ def test_turn_end_in_the_first_unit_has_no_parent() -> None:
     assert event.block_hashes == [external(tail_hash(None, tokens[:3]))]
 
 
+def test_runs_split_around_a_tail_entry() -> None:
+    """Blocks 8 and 16 of a group with a tail entry stored between them: three events
+    in order, each consistent (a run never spans an entry of another shape)."""
+    req = _req(list(range(1, 30)))
+    log = VllmEventLog(schema(4), [GroupMeta(8, "mamba")])
+    log.record([_stored(0, 8), _stored(0, 13, b"junction-13", 2), _stored(0, 16, block=3)], req)
+    events = log.take()
+    assert [(e.token_ids[0], e.block_size) for e in events] == [(1, 8), (13, 1), (9, 8)]
+
+
 def test_removal_uses_the_published_key_and_merges_per_group() -> None:
     req = _req(list(range(1, 30)))
     log = VllmEventLog(schema(4), [GroupMeta(8, "full_attention"), GroupMeta(8, "mamba")])

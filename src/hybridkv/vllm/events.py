@@ -140,7 +140,11 @@ class VllmEventLog:
             if not self._announce(event, key):
                 continue  # another cached block holds this vLLM key: announced already
             if full:
-                contiguous = run_group == event.group_id and run[-1][0] + meta.block_size == end
+                contiguous = (
+                    bool(run)
+                    and run_group == event.group_id
+                    and run[-1][0] + meta.block_size == end
+                )
                 if run and not contiguous:
                     self._flush(run, run_group, request)
                     run = []
