@@ -28,6 +28,12 @@ code. Each stdin line is one command; each answer is one stdout line starting wi
 * ``{"op": "spec"}`` -> vLLM's speculative-decoding counters since start (``drafts``,
   ``draft_tokens``, ``accepted_tokens``; zeros without drafts). Needs
   ``"disable_log_stats": false`` in the settings (the counters are vLLM's stats).
+* ``{"op": "events", "reset": false}`` -> the KV-cache events vLLM's scheduler published
+  since the last ``events`` (``batches``: each as a subscriber decodes it), every prefix
+  lookup (``lookups``: request id, events published before it, the hit, the token ids),
+  the lookup that admitted each request (``admitted``: request id -> index into
+  ``lookups``), the groups' metadata (vLLM's ``get_kv_cache_group_metadata``) and vLLM's
+  ``hash_block_size``. Needs ``"in_process": true`` and ``"kv_events_config"``.
 * ``{"op": "quit"}``.
 
 The prompts are random token ids (seeded), so any checkpoint of any vocabulary works.
@@ -96,6 +102,8 @@ def _chat(llm: Any, cmd: dict[str, Any], vocab: int) -> dict[str, Any]:
             "hit_tokens": sum(o.num_cached_tokens or 0 for o in outs),
             "bound_tokens": sum(bounds),
             "outputs": [list(o.outputs[0].token_ids) for o in outs],
+            "cached": [o.num_cached_tokens or 0 for o in outs],
+            "request_ids": [o.request_id for o in outs],
         }
         if logprobs:  # the first generated position's top tokens, per session
             turn["first_logprobs"] = [
@@ -181,6 +189,75 @@ def _spec_counts(llm: Any) -> dict[str, int]:
     return counts
 
 
+class EventTap:
+    """KV-cache events as vLLM's scheduler publishes them (after its publisher stamped
+    the data-parallel rank; msgpack round trip, as a subscriber reads them), and each
+    prefix lookup with the number of events taken before it: the stream up to there is
+    what the lookup saw. Events a lookup takes early join the step's batch as usual."""
+
+    def __init__(self, scheduler: Any) -> None:
+        import msgspec
+
+        manager, publisher = scheduler.kv_cache_manager, scheduler.kv_event_publisher
+        take, lookup, allocate = (
+            manager.take_events,
+            manager.get_computed_blocks,
+            manager.allocate_slots,
+        )
+        publish = publisher.publish
+        self.batches: list[Any] = []
+        self.lookups: list[list[Any]] = []
+        self.admitted: dict[str, int] = {}
+        self.num_taken = 0
+        self.hash_block_size = int(scheduler.hash_block_size)
+        early: list[Any] = []
+
+        def drain() -> list[Any]:
+            events = take() or []
+            self.num_taken += len(events)
+            return events
+
+        def tapped_lookup(request: Any, *args: Any, **kwargs: Any) -> Any:
+            early.extend(drain())
+            out = lookup(request, *args, **kwargs)
+            tokens = list(request.all_token_ids)
+            self.lookups.append([request.request_id, self.num_taken, int(out[1]), tokens])
+            return out
+
+        def tapped_allocate(request: Any, *args: Any, **kwargs: Any) -> Any:
+            out = allocate(request, *args, **kwargs)
+            req_id = request.request_id
+            if out is not None and req_id not in self.admitted:  # its first allocation
+                mine = [i for i, looked in enumerate(self.lookups) if looked[0] == req_id]
+                self.admitted[req_id] = mine[-1] if mine else -1
+            return out
+
+        def tapped_take() -> list[Any]:
+            events = early + drain()
+            early.clear()
+            return events
+
+        def tapped_publish(batch: Any) -> None:
+            publish(batch)
+            self.batches.append(msgspec.msgpack.decode(msgspec.msgpack.encode(batch)))
+
+        manager.take_events, manager.get_computed_blocks = tapped_take, tapped_lookup
+        manager.allocate_slots = tapped_allocate
+        publisher.publish = tapped_publish
+
+    def take(self, engine_core: Any) -> dict[str, Any]:
+        out = {
+            "batches": self.batches,
+            "lookups": self.lookups,
+            "admitted": self.admitted,
+            "groups": engine_core.get_kv_cache_group_metadata(),
+            "hash_block_size": self.hash_block_size,
+            "num_taken": self.num_taken,
+        }
+        self.batches, self.lookups, self.admitted, self.num_taken = [], [], {}, 0
+        return out
+
+
 def _scheduler(llm: Any) -> Any:
     return llm.llm_engine.engine_core.engine_core.scheduler
 
@@ -193,9 +270,15 @@ def main() -> None:  # vLLM spawns its engine: keep all work under main()
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM
 
+    if isinstance(settings.get("kv_events_config"), dict):  # LLM() takes only the object
+        from vllm.config import KVEventsConfig
+
+        settings["kv_events_config"] = KVEventsConfig(**settings["kv_events_config"])
     start = time.perf_counter()
     llm = LLM(**settings)
     timer = SchedTimer(_scheduler(llm)) if in_process else None
+    events_on = in_process and settings.get("kv_events_config") is not None
+    tap = EventTap(_scheduler(llm)) if events_on else None
     vocab = int(llm.llm_engine.model_config.get_vocab_size())
     cache = llm.llm_engine.vllm_config.cache_config  # synced back from the engine core
     _answer(
@@ -219,6 +302,7 @@ def main() -> None:  # vLLM spawns its engine: keep all work under main()
                 {
                     "outputs": [list(o.outputs[0].token_ids) for o in outs],
                     "cached": [o.num_cached_tokens or 0 for o in outs],
+                    "request_ids": [o.request_id for o in outs],
                     "seconds": seconds,
                 }
             )
@@ -229,6 +313,9 @@ def main() -> None:  # vLLM spawns its engine: keep all work under main()
             _answer(_spec_counts(llm) if stats_on else {"error": "needs disable_log_stats false"})
         elif cmd["op"] == "sched":
             _answer({"error": "needs in_process"} if timer is None else timer.take())
+        elif cmd["op"] == "events":
+            core = llm.llm_engine.engine_core.engine_core
+            _answer({"error": "needs in_process and events"} if tap is None else tap.take(core))
         else:
             _answer({"error": f"unknown op {cmd['op']!r}"})
 
