@@ -13,7 +13,7 @@ is padded to the attention page (196,608 B); hybridkv plans 256-token blocks on 
 the same rounds (same seeds) and the preemption counts of ``/metrics`` are printed side by
 side (docs/vllm_serve.md explains the difference; it is not asserted).
 
-``test_one_round_under_pressure`` (one server start, one round: about 2 minutes here) runs
+``test_one_round_under_pressure`` (one server start, one round: 2-3.5 minutes here) runs
 with ``-m vllm``; ``test_minutes_of_load_against_stock`` (two servers, rounds for a few
 minutes on each) runs only when ``slow`` is selected (``-m "vllm and slow"``).
 """
