@@ -27,8 +27,7 @@ from typing import Final
 from hybridkv.cache.block import NULL_BLOCK, BlockInfo
 from hybridkv.cache.events import BLOCK_REMOVED, BLOCK_STORED, CacheEvent
 from hybridkv.cache.free_queue import PROBATION, PROTECTED, FreeQueue
-from hybridkv.cache.junction import ChildIndex
-from hybridkv.cache.turn_end import _MIN_KEY_BYTES, PartialIndex
+from hybridkv.cache.indexes import MIN_TURN_END_KEY_BYTES, ChildIndex, PartialIndex
 from hybridkv.errors import InvariantError
 from hybridkv.ids import BlockId
 from hybridkv.plan.types import PoolPlan
@@ -369,7 +368,7 @@ class BlockPool:
             del own[block]
             group = hash_group[block]
             del index[group][block_hash]
-            if partial is not None and len(block_hash) >= _MIN_KEY_BYTES:
+            if partial is not None and len(block_hash) >= MIN_TURN_END_KEY_BYTES:
                 partial.discard(group, block_hash)
             if children is not None and parents[block] is not None:
                 children.discard(group, block)  # type: ignore[arg-type]

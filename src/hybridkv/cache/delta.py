@@ -18,10 +18,20 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import NamedTuple
 
-from hybridkv.cache.junction import CopyOrder
 from hybridkv.ids import BlockId
 
 _EMPTY: Mapping[int, tuple[BlockId, ...]] = {}
+
+
+class CopyOrder(NamedTuple):
+    """Copy slots ``[0, num_tokens)`` of block ``src_block`` into ``dst_block`` (every
+    layer of token-indexed group ``group_id``: K and V pages), before the step runs
+    (a junction copy, `cache.junction`)."""
+
+    group_id: int
+    src_block: BlockId
+    dst_block: BlockId
+    num_tokens: int
 
 
 class GroupDelta(NamedTuple):

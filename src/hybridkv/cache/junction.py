@@ -36,10 +36,14 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Final, NamedTuple
+from typing import TYPE_CHECKING, Any, Final
 
+# `CopyOrder` lives in `cache.delta`, the indexes with the pool (`cache.indexes`);
+# their names stay importable here
+from hybridkv.cache.delta import CopyOrder as CopyOrder
 from hybridkv.cache.hashing import chain_hash_at
-from hybridkv.errors import InvariantError
+from hybridkv.cache.indexes import MAX_CHILDREN_PER_PARENT as MAX_CHILDREN_PER_PARENT
+from hybridkv.cache.indexes import ChildIndex as ChildIndex
 from hybridkv.ids import BlockId
 
 if TYPE_CHECKING:
@@ -47,167 +51,9 @@ if TYPE_CHECKING:
     from hybridkv.cache.coordinator import Coordinator
     from hybridkv.cache.managers.base import GroupManager
 
-# Children kept per (group, parent): a parent with more (many prompts diverging at the
-# same block) keeps the newest; the oldest are likely evicted already.
-MAX_CHILDREN_PER_PARENT: Final = 8
 # `ChildIndex.memo` starts afresh past this many payloads (one prompt span met that
 # many distinct children: under one parent, groups and passes, at most 8 per group)
 _MEMO_PAYLOADS: Final = 256
-
-
-class CopyOrder(NamedTuple):
-    """Copy slots ``[0, num_tokens)`` of block ``src_block`` into ``dst_block`` (every
-    layer of token-indexed group ``group_id``: K and V pages), before the step runs."""
-
-    group_id: int
-    src_block: BlockId
-    dst_block: BlockId
-    num_tokens: int
-
-
-class ChildIndex:
-    """Cached full blocks of one pool by parent (the chain hash before the block), per
-    group, at most `MAX_CHILDREN_PER_PARENT` per parent, oldest first; a block's tokens
-    (bytes, 8 per token) in ``payload_of[block]`` and its parent hash in
-    ``parent_of[block]`` (None: not indexed; its group is the pool's ``hash_group``).
-
-    Most parents have one child: ``only`` maps them to it, and only parents with more
-    hold a list (``many``). No container per cached block (a dict or a ``(group,
-    parent)`` key per block would live as long as the block and keep the garbage
-    collector busy), and per-block facts in lists by block id, read at every cache and
-    eviction."""
-
-    def __init__(self, num_blocks: int) -> None:
-        self.only: dict[int, dict[bytes, BlockId]] = {}  # group -> parent -> its child
-        self.many: dict[int, dict[bytes, list[BlockId]]] = {}  # group -> parent -> 2..8
-        self.parent_of: list[bytes | None] = [None] * num_blocks
-        self.payload_of: list[bytes] = [b""] * num_blocks
-        self.num_children = 0
-        # `find_partial`'s memo: the common prefix (tokens) of the last prompt span
-        # compared (``memo_want``) with each payload compared to it. A pure function of
-        # two values, so it never goes stale; it serves every group of the pool, whose
-        # children under one parent hold the same tokens (one comparison, not one per
-        # group and pass of the lookup's fixed point)
-        self.memo_want = b""
-        self.memo: dict[bytes, int] = {}
-
-    def __len__(self) -> int:
-        return self.num_children
-
-    def maps(self, group_id: int) -> tuple[dict[bytes, BlockId], dict[bytes, list[BlockId]]]:
-        """``group_id``'s (only, many) maps (made on first use)."""
-        only = self.only.get(group_id)
-        if only is None:
-            only = self.only[group_id] = {}
-            self.many[group_id] = {}
-        return only, self.many[group_id]
-
-    def children_of(self, group_id: int, parent: bytes) -> list[BlockId]:
-        """The children of ``parent`` in ``group_id``, oldest first (read only)."""
-        only = self.only.get(group_id)
-        if only is None:
-            return []
-        block = only.get(parent)
-        if block is not None:
-            return [block]
-        return self.many[group_id].get(parent, [])
-
-    def by_parent(self) -> list[tuple[int, bytes, list[BlockId]]]:
-        """Every (group, parent, children oldest first) of the index."""
-        out = [
-            (g, parent, [block]) for g, only in self.only.items() for parent, block in only.items()
-        ]
-        out += [(g, parent, kids) for g, many in self.many.items() for parent, kids in many.items()]
-        return out
-
-    def add(self, group_id: int, parent: bytes, block: BlockId, payload: bytes) -> None:
-        only, many = self.maps(group_id)
-        self.link(only, many, parent, block, payload)
-
-    def link(
-        self,
-        only: dict[bytes, BlockId],
-        many: dict[bytes, list[BlockId]],
-        parent: bytes,
-        block: BlockId,
-        payload: bytes,
-    ) -> None:
-        """`add` with the group's maps at hand (`note_children` indexes a chunk's
-        blocks with one `maps` call)."""
-        self.parent_of[block] = parent
-        self.payload_of[block] = payload
-        self.num_children += 1
-        kids = many.get(parent)
-        if kids is not None:
-            kids.append(block)
-            if len(kids) > MAX_CHILDREN_PER_PARENT:
-                self._forget(kids.pop(0))  # the oldest goes
-            return
-        other = only.get(parent)  # not only.pop(parent, None): a generic call compiled
-        if other is None:
-            only[parent] = block
-        else:
-            del only[parent]
-            many[parent] = [other, block]
-
-    def _forget(self, block: BlockId) -> None:
-        self.parent_of[block] = None
-        self.payload_of[block] = b""
-        self.num_children -= 1
-
-    def discard(self, group_id: int, block: BlockId) -> None:
-        """Forget ``block`` of ``group_id`` if indexed (called whenever a block leaves
-        its hash index)."""
-        parent = self.parent_of[block]
-        if parent is None:
-            return
-        self._forget(block)
-        only = self.only[group_id]
-        child = only.get(parent)
-        if child is not None and child == block:  # narrowed: a native int compare
-            del only[parent]
-            return
-        many = self.many[group_id]
-        kids = many[parent]
-        kids.remove(block)
-        if len(kids) == 1:  # back to one child
-            del many[parent]
-            only[parent] = kids[0]
-
-    def check(self, pool: BlockPool) -> None:
-        """Every child is a cached block of its group, indexed once under its parent
-        with its payload, and the counts agree."""
-        count = 0
-        for group, parent, children in self.by_parent():
-            many = len(children) > 1 or parent in self.many.get(group, {})
-            if many and not 2 <= len(children) <= MAX_CHILDREN_PER_PARENT:
-                raise InvariantError(
-                    f"pool {pool.pool_id} group {group}: {len(children)} junction children "
-                    f"listed under one parent (2..{MAX_CHILDREN_PER_PARENT})"
-                )
-            if many and parent in self.only.get(group, {}):
-                raise InvariantError(
-                    f"pool {pool.pool_id} group {group}: a junction parent is both single "
-                    "and listed"
-                )
-            for block in children:
-                count += 1
-                if (
-                    pool.hash_group[block] != group
-                    or self.parent_of[block] != parent
-                    or not self.payload_of[block]
-                ):
-                    raise InvariantError(
-                        f"pool {pool.pool_id} group {group}: junction child block {block} "
-                        f"is not cached in this group (hash group {pool.hash_group[block]}) "
-                        "or has no parent or payload"
-                    )
-        by_block = sum(parent is not None for parent in self.parent_of)
-        if not count == by_block == self.num_children:
-            raise InvariantError(
-                f"pool {pool.pool_id}: {count} junction children by parent, {by_block} by "
-                f"block, {self.num_children} counted"
-            )
 
 
 def token_bytes(tokens: Sequence[int], start: int, end: int) -> bytes:

@@ -56,153 +56,24 @@ tokens exactly (a prompt diverging inside the partial block misses it).
 
 from __future__ import annotations
 
-from bisect import bisect_right, insort
+from bisect import bisect_right
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Final
 
 from hybridkv.cache.hashing import chain_hash_at
+from hybridkv.cache.indexes import MIN_TURN_END_KEY_BYTES, TURN_END_TAG
+from hybridkv.cache.indexes import PartialIndex as PartialIndex
 from hybridkv.cache.junction import _common_prefix, token_bytes
-from hybridkv.errors import InvariantError
 from hybridkv.ids import BlockId
 
 if TYPE_CHECKING:
-    from hybridkv.cache.block_pool import BlockPool
     from hybridkv.cache.coordinator import Coordinator
     from hybridkv.cache.managers.base import GroupManager
 
 TURN_END = "turn_end"
-_TAG = b"hybridkv-turn-end|"
-# the shortest turn-end key: tag, a chain hash (sha256: 32 bytes) and one token. Block
-# keys are shorter (a digest, + 8 bytes when keyed ahead), so an evicted block whose key
-# is shorter needs no lookup here (every eviction asks, `PartialIndex.discard`)
-_MIN_KEY_BYTES: Final = len(_TAG) + 32 + 8
-
-
-class PartialIndex:
-    """The turn-end entries of one pool, by group and anchor (the chain hash at ``a``,
-    the root at 0). The keys themselves live in the pool's group index like any block
-    hash (so eviction and the index checks treat them alike); this table only lets a
-    lookup find the entries anchored at one block boundary. An entry's end is its
-    anchor's position plus the tokens its key holds (`find_turn_end`). Most anchors hold
-    one entry: ``only`` maps them to its key, and only anchors with more hold a list
-    (``many``, sorted by key, so by tokens: a lookup bisects it): no container per
-    entry, which would live as long as the entry and keep the garbage collector busy (a
-    hybrid trace keeps thousands)."""
-
-    def __init__(self) -> None:
-        self.only: dict[int, dict[bytes, bytes]] = {}  # group -> anchor -> its one key
-        self.many: dict[int, dict[bytes, list[bytes]]] = {}  # group -> anchor -> sorted keys
-        self.anchor_of: dict[int, dict[bytes, bytes]] = {}  # group -> key -> anchor
-        self.num_entries = 0
-
-    def __len__(self) -> int:
-        return self.num_entries
-
-    def add(self, group_id: int, anchor: bytes, key: bytes) -> None:
-        only = self.only.get(group_id)
-        if only is None:
-            only = self.only[group_id] = {}
-            self.many[group_id] = {}
-            self.anchor_of[group_id] = {}
-        keys = self.anchor_of[group_id]
-        if key in keys:
-            return
-        keys[key] = anchor
-        self.num_entries += 1
-        listed = self.many[group_id].get(anchor)
-        if listed is not None:
-            insort(listed, key)
-            return
-        other = only.get(anchor)
-        if other is None:
-            only[anchor] = key
-        else:
-            del only[anchor]
-            self.many[group_id][anchor] = [other, key] if other < key else [key, other]
-
-    def discard(self, group_id: int, key: bytes) -> None:
-        """Forget ``key`` if it is a turn-end entry (called for every evicted block)."""
-        if len(key) < _MIN_KEY_BYTES:
-            return  # a block key (no lookup: most evictions)
-        keys = self.anchor_of.get(group_id)
-        anchor = None if keys is None else keys.get(key)
-        if keys is None or anchor is None:
-            return
-        del keys[key]
-        self.num_entries -= 1
-        only = self.only[group_id]
-        if only.get(anchor) == key:
-            del only[anchor]
-            return
-        many = self.many[group_id]
-        listed = many[anchor]
-        listed.remove(key)
-        if len(listed) == 1:  # back to one entry
-            del many[anchor]
-            only[anchor] = listed[0]
-
-    def entries(self, group_id: int, anchor: bytes) -> list[bytes] | None:
-        """The keys of the entries anchored at ``anchor``, sorted (None: none)."""
-        only = self.only.get(group_id)
-        if only is None:
-            return None
-        key = only.get(anchor)
-        return [key] if key is not None else self.many[group_id].get(anchor)
-
-    def anchor(self, group_id: int, key: bytes) -> bytes | None:
-        """The anchor of turn-end entry ``key`` of ``group_id`` (None: not an entry)."""
-        keys = self.anchor_of.get(group_id)
-        return None if keys is None else keys.get(key)
-
-    def check(self, pool: BlockPool, token_groups: set[int]) -> None:
-        """Every entry is indexed by the pool under its key, listed once under its
-        anchor (lists sorted), ends past its anchor; entries of token-indexed groups are
-        free blocks."""
-        count = 0
-        for group, only in self.only.items():
-            listed = [(anchor, [key]) for anchor, key in only.items()]
-            for anchor, keys in self.many[group].items():
-                if len(keys) < 2 or anchor in only or keys != sorted(keys):
-                    raise InvariantError(
-                        f"pool {pool.pool_id} group {group}: {len(keys)} turn-end entries "
-                        "listed under one anchor (2+, sorted), or the anchor is also single"
-                    )
-                listed.append((anchor, keys))
-            for anchor, keys in listed:
-                for key in keys:
-                    count += 1
-                    self._check_entry(pool, token_groups, group, anchor, key)
-        by_key = sum(len(keys) for keys in self.anchor_of.values())
-        if not count == by_key == self.num_entries:
-            raise InvariantError(
-                f"pool {pool.pool_id}: {count} turn-end entries by anchor, {by_key} by key, "
-                f"{self.num_entries} counted"
-            )
-
-    def _check_entry(
-        self, pool: BlockPool, token_groups: set[int], group: int, anchor: bytes, key: bytes
-    ) -> None:
-        block = pool.index[group].get(key)
-        if block is None:
-            raise InvariantError(
-                f"pool {pool.pool_id} group {group}: a turn-end entry is not indexed"
-            )
-        end = pool.hash_end[block]
-        if (
-            self.anchor(group, key) != anchor
-            or not key.startswith(_TAG + anchor)
-            or len(key) < _MIN_KEY_BYTES
-        ):
-            raise InvariantError(
-                f"pool {pool.pool_id} group {group}: turn-end entry ending at {end} "
-                "has a stale anchor"
-            )
-        if group in token_groups and pool.ref_counts[block] != 0:
-            raise InvariantError(
-                f"pool {pool.pool_id} group {group}: partial block {block} (turn end "
-                f"{end}) is cached with {pool.ref_counts[block]} references; a hit "
-                "must take it over"
-            )
+# the index and its key sizes live with the pool (`cache.indexes`); still importable here
+_TAG: Final = TURN_END_TAG
+_MIN_KEY_BYTES: Final = MIN_TURN_END_KEY_BYTES
 
 
 def _key(
