@@ -33,6 +33,7 @@ from hybridkv.cache.block_pool import BlockPool
 from hybridkv.cache.delta import NO_CHANGE, GroupDelta, StepDelta
 from hybridkv.cache.events import CacheEvent
 from hybridkv.cache.hashing import BlockHasher
+from hybridkv.cache.indexes import ChildIndex, PartialIndex
 from hybridkv.cache.junction import junction_copies
 from hybridkv.cache.managers import MANAGER_TABLE, STATE_LAYOUTS, Counters, GroupManager
 from hybridkv.errors import CacheError
@@ -70,8 +71,8 @@ class Coordinator:
         self.hasher = BlockHasher(hash_algo, hash_unit_tokens(plan))
         self.caching = caching
         self.eagle = eagle
-        self.turn_end = False  # turn_end rule (`cache.turn_end`): set by `CacheManager`
-        self.copies = False  # junction copies (`cache.junction`): set by `CacheManager`
+        self.turn_end = False  # turn_end rule (`cache.turn_end`): `enable_turn_end`
+        self.copies = False  # junction copies (`cache.junction`): `enable_junction_copies`
         self.pools = [
             BlockPool(pool, events, eviction_policy=eviction_policy) for pool in plan.pools
         ]
@@ -104,6 +105,23 @@ class Coordinator:
                 manager.pool.free.windowed = True
         self._all_groups = range(len(self.managers))
         self._one_pool = len(self.pools) == 1
+
+    def enable_turn_end(self) -> None:
+        """Switch the turn_end rule (`cache.turn_end`) on for every pool and group."""
+        self.turn_end = True
+        for pool in self.pools:
+            pool.partial = PartialIndex()
+        for manager in self.managers:
+            manager.turn_end = True
+            if not manager.is_state:
+                manager.pool.partial_groups.add(manager.group_id)
+
+    def enable_junction_copies(self) -> None:
+        """Switch junction copies (`cache.junction`) on for every pool (needs turn_end:
+        the state at a mid-block junction is kept under a turn-end key)."""
+        self.copies = True
+        for pool in self.pools:
+            pool.children = ChildIndex(pool.num_blocks)
 
     def num_evictions(self) -> int:
         """Blocks evicted or taken over (turn-end partial blocks) so far in every pool: a

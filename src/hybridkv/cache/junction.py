@@ -48,7 +48,6 @@ from hybridkv.ids import BlockId
 
 if TYPE_CHECKING:
     from hybridkv.cache.block_pool import BlockPool
-    from hybridkv.cache.coordinator import Coordinator
     from hybridkv.cache.managers.base import GroupManager
 
 # `ChildIndex.memo` starts afresh past this many payloads (one prompt span met that
@@ -221,11 +220,3 @@ def junction_copies(
         if order is not None:
             out.append(CopyOrder(manager.group_id, *order))
     return tuple(out)
-
-
-def enable_junction_copies(coordinator: Coordinator) -> None:
-    """Switch junction copies on for every pool of ``coordinator`` (needs turn_end:
-    the state at a mid-block junction is kept under a turn-end key)."""
-    coordinator.copies = True
-    for pool in coordinator.pools:
-        pool.children = ChildIndex(pool.num_blocks)

@@ -29,11 +29,9 @@ from typing import SupportsIndex
 from hybridkv.cache.coordinator import Coordinator
 from hybridkv.cache.events import CacheEvent
 from hybridkv.cache.free_queue import DEFAULT_EVICTION_POLICY
-from hybridkv.cache.junction import enable_junction_copies
 from hybridkv.cache.managers import Counters
 from hybridkv.cache.request import RequestRecord
 from hybridkv.cache.step_paths import StepPaths
-from hybridkv.cache.turn_end import enable_turn_end
 from hybridkv.cache.validate import (
     FAST_MAX_COUNT,
     check_count,
@@ -141,7 +139,7 @@ class CacheManager(StepPaths):
         self._junctions: dict[str, int] = {}  # junction rule: attention match at lookup
         self._turn_end = "turn_end" in self.checkpoint_rules and self.caching
         if self._turn_end:
-            enable_turn_end(self.coordinator)
+            self.coordinator.enable_turn_end()
             # Mid-block hits by copy-on-write, with the junction rule, so only in plans
             # with a state group: there a block holds hundreds of tokens (a copy serves
             # up to block_size - 1 of them) and the junction's state needs the copy to
@@ -151,7 +149,7 @@ class CacheManager(StepPaths):
             # (chat at 5 GiB), within 0.04 elsewhere; ~20% of manager time
             # (bench/manager_step.py, full). See docs/prefix_policies/junction_copies.md.
             if self._junction:
-                enable_junction_copies(self.coordinator)
+                self.coordinator.enable_junction_copies()
         self._num_lookups = self._num_lookup_tokens = self._num_hit_tokens = 0
         self._num_preemptions = self._num_alloc_failures = 0
 

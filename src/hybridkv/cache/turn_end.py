@@ -67,7 +67,6 @@ from hybridkv.cache.junction import _common_prefix, token_bytes
 from hybridkv.ids import BlockId
 
 if TYPE_CHECKING:
-    from hybridkv.cache.coordinator import Coordinator
     from hybridkv.cache.managers.base import GroupManager
 
 TURN_END = "turn_end"
@@ -191,14 +190,3 @@ def store_turn_end(
         return False
     partial.add(manager.group_id, anchor_hash, key)
     return True
-
-
-def enable_turn_end(coordinator: Coordinator) -> None:
-    """Switch the turn_end rule on for every pool and group of ``coordinator``."""
-    coordinator.turn_end = True
-    for pool in coordinator.pools:
-        pool.partial = PartialIndex()
-    for manager in coordinator.managers:
-        manager.turn_end = True
-        if not manager.is_state:
-            manager.pool.partial_groups.add(manager.group_id)
