@@ -159,6 +159,10 @@ class LLM:
                 )
         max_model_len = resolve_max_model_len(max_model_len, spec.max_position_embeddings)
         self.max_model_len = max_model_len
+        if block_size is not None:
+            # the engine's attention reads whole blocks of any size: the 16-token unit the
+            # planner holds a given block size to is the GPU kernels', not this engine's
+            plan_options = {"block_align_tokens": 1, **plan_options}
         options = PlanOptions(
             kv_dtype=cache_dtype if kv_dtype is None else parse_kv_dtype(kv_dtype),
             conv_dtype=cache_dtype,
