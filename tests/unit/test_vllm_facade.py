@@ -583,3 +583,45 @@ def test_identical_prompt_in_one_schedule_waits_and_hits() -> None:
     assert kv.get_computed_blocks(b)[1] == 32
     assert kv.allocate_slots(b, 1, num_new_computed_tokens=32) is not None
     kv.check_invariants()
+
+
+def test_turn_end_after_accepted_drafts_hits_every_group() -> None:
+    """A turn whose last step accepted drafts: vLLM's worker then holds the state after
+    the step's first token whole in its running column (the state after the accepted
+    drafts is split over two columns), so every group keeps its turn end there, and the
+    next turn hits it (not the block boundary) and reads exactly its tokens."""
+    kv = _manager(HYBRID, 100, spec=3)
+    worker = FakeWorker(HYBRID, align=True, num_spec=3)
+    req = FakeRequest("a", list(range(1, 13)), 12, 3)
+    steps = [(8, 0, 0), (4, 0, 0), (4, 3, 2)]  # (scheduled tokens, drafts, accepted)
+    for i, (n, drafts, accepted) in enumerate(steps):
+        kv.settle({"a": req})
+        kv.new_step_starts()
+        if i == 0:
+            kv.get_computed_blocks(req)
+        assert kv.allocate_slots(req, n) is not None
+        worker.rows["a"] = [list(r) for r in kv.get_block_ids("a")]
+        c = req.num_computed_tokens
+        req.num_computed_tokens += n
+        req.all_token_ids += [90 + d for d in range(drafts)]
+        worker.run(req, n, drafts)
+        del req.all_token_ids[len(req.all_token_ids) - drafts :]
+        kv.mark_executed()
+        if c + n - drafts >= req.num_prompt_tokens:
+            worker.accepted(req, c, n, drafts, accepted)
+            req.num_computed_tokens -= drafts - accepted
+            req.all_token_ids += [90 + d for d in range(accepted)] + [77]
+    kv.settle({"a": req})
+    assert kv.cache.num_computed_tokens("a") == 15  # 12 + 1 + 2 accepted
+    kv.free(req)
+    worker.drop("a")
+    nxt = FakeRequest("b", [*req.all_token_ids, 5, 6, 7], len(req.all_token_ids) + 3, 1)
+    hit = kv.get_computed_blocks(nxt)[1]
+    assert hit == 13  # the running column's whole state: after the step's first token
+    kv.new_step_starts()
+    assert kv.allocate_slots(nxt, nxt.num_tokens - hit, num_new_computed_tokens=hit) is not None
+    worker.copy(kv.take_kv_cache_block_copies()[0])
+    worker.rows["b"] = [list(r) for r in kv.get_block_ids("b")]
+    nxt.num_computed_tokens = nxt.num_tokens
+    worker.run(nxt, nxt.num_tokens - hit)  # reads exactly tokens[:13] in every group
+    kv.check_invariants()

@@ -365,11 +365,15 @@ class Coordinator:
     ) -> None:
         """turn_end rule: every group caches what holds its data at ``c`` (the request's
         settled computed tokens) before `release_all` (see `cache.turn_end`)."""
+        # one end for every group: a hit needs all of them there
+        end = min(m.turn_end_tokens(states[g], c) for g, m in enumerate(self.managers))
+        if end <= 0:
+            return
         # one key per span, not one per group
         opened = len(self.managers) > 1 and self.turn_end and self._spans_on()
         try:
             for g, manager in enumerate(self.managers):
-                manager.keep_turn_end(states[g], c, hashes, root, tokens)
+                manager.keep_turn_end(states[g], end, hashes, root, tokens)
         finally:
             if opened:
                 self._spans_off()

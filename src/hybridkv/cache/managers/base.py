@@ -285,6 +285,13 @@ class GroupManager:
         (the caller releases them: a request's groups in one pool call, under lru)."""
         raise NotImplementedError
 
+    def turn_end_tokens(self, state: Any, c: int) -> int:
+        """How many of a request's ``c`` settled tokens this group can keep a turn end at
+        (`keep_turn_end`): ``c``, unless its data for the last tokens is split (vLLM's
+        worker columns after accepted drafts); 0: none. Every group keeps its turn end at
+        the least of these, so a later hit finds all groups there."""
+        return c
+
     def keep_turn_end(
         self, state: Any, c: int, hashes: Sequence[bytes], root: bytes, tokens: Sequence[int]
     ) -> None:

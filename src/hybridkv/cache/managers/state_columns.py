@@ -232,9 +232,10 @@ class ColumnStateManager(StateManager):
         state.whole_at = c + n
         if self.checkpoints:
             end = c + n + state.drafts
-            if accepted < state.drafts and end == (cur + 1) * B:
-                # the worker may have accepted more (a stop inside the step): its
-                # post-copy may have moved the boundary's state into column cur
+            stopped = c2 >= len(tokens)  # no token after c2: the request stopped in the step
+            if stopped and accepted < state.drafts and end == (cur + 1) * B:
+                # the worker may have accepted more than the tokens kept: its post-copy
+                # may have moved the boundary's state into column cur
                 state.whole_at = -1
             boundary = c2 // B * B
             if boundary >= c + n and boundary > 0:
@@ -286,6 +287,12 @@ class ColumnStateManager(StateManager):
         return (c, c, 0, 0)
 
     # ------------------------------------------------------------------ release
+    def turn_end_tokens(self, state: StateBlocks, c: int) -> int:
+        # the running column's whole state (after accepted drafts, the state after c is
+        # split over two columns); -1 (unknown) keeps no turn end
+        assert isinstance(state, ColumnBlocks)
+        return min(state.whole_at, c) if self.checkpoints else c
+
     def keep_turn_end(
         self,
         state: StateBlocks,
@@ -300,6 +307,7 @@ class ColumnStateManager(StateManager):
         if (
             not self.checkpoints
             or block is None
+            or end != c
             or end <= 0
             or end % self.block_size == 0
             or self.cacheable_end(end, len(tokens)) != end
