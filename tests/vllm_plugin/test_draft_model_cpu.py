@@ -153,6 +153,7 @@ def test_plugin_plans_the_draft_in_one_group_and_serves(stock: dict[str, Any]) -
     _report("stock (vLLM's manager, hybridkv's plan)", stock)
 
 
+@pytest.mark.slow  # an open defect: not worth an engine start in every CI run
 @pytest.mark.xfail(
     reason="open defect: on this pair hybridkv's manager (align checkpoints) and vLLM's give "
     "different greedy tokens from the first turn on (2026-12-04); the cause is not found "
