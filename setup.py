@@ -1,4 +1,4 @@
-"""Build hook for the opt-in compiled cache core (docs/manager_perf.md).
+"""Build hook for the opt-in compiled cache core (docs/performance.md).
 
 Pure Python is the default and the reference. ``HYBRIDKV_COMPILE=1`` compiles the
 modules of `hybridkv.cache` (`COMPILED_MODULES`) with mypyc into C extensions that sit
