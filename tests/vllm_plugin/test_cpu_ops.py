@@ -64,7 +64,7 @@ def test_registered_through_the_dispatcher(registered: Any) -> None:
     from vllm.platforms.cpu import CpuPlatform
     from vllm.triton_utils import dispatcher
 
-    from hybridkv.vllm import cpu_ops
+    from hybridkv.vllm import cpu_ops, cpu_seat
 
     for name in KERNEL_NAMES:
         kernel = getattr(registered, name)
@@ -73,7 +73,7 @@ def test_registered_through_the_dispatcher(registered: Any) -> None:
         assert dispatcher._registry[f"vllm.v1.worker.mamba_utils.{name}"][1] is kernel.func
     # vLLM's own override still there, and a second registration adds nothing
     assert isinstance(registered.batch_memcpy_kernel, dispatcher.KernelOverride)
-    assert cpu_ops.register_cpu_ops() == []
+    assert cpu_seat.register_cpu_ops() == []
     assert getattr(CpuPlatform.register_triton_kernel_overrides, "_hybridkv_cpu_ops", False)
 
 

@@ -173,7 +173,7 @@ def install() -> bool:
     from vllm.platforms.interface import Platform
 
     from hybridkv.vllm.configs import install_configs_seat
-    from hybridkv.vllm.cpu_ops import install_cpu_ops
+    from hybridkv.vllm.cpu_seat import install_cpu_ops
 
     newly = _install_builder()
     newly = install_cpu_ops() or newly
