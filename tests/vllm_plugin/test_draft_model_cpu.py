@@ -57,11 +57,11 @@ def _settings(pair: tuple[Path, Path], **extra: Any) -> dict[str, Any]:
     return {**SETTINGS, "model": str(main), "speculative_config": spec, **extra}
 
 
-def _chat(proc: Any, seed: int = 3) -> list[dict[str, Any]]:
+def _chat(proc: Any, first_turns: list[int], seed: int = 3) -> list[dict[str, Any]]:
     """Multi-turn chat (the cache kept between turns): per turn the outputs, the hits
     vLLM reports and each session's previous context length."""
     rng = random.Random(seed)
-    prompts = [[rng.randrange(1, VOCAB) for _ in range(n)] for n in FIRST_TURNS]
+    prompts = [[rng.randrange(1, VOCAB) for _ in range(n)] for n in first_turns]
     turns, previous = [], [0] * len(prompts)
     for turn in range(TURNS):
         out = proc.call(
@@ -83,13 +83,14 @@ def _side(
     ours: bool,
     env: dict[str, str] | None = None,
     plugin: bool = True,
+    first_turns: list[int] = FIRST_TURNS,
     **extra: Any,
 ) -> dict[str, Any]:
     settings = _settings(pair, **extra)
     if ours:
         settings.update(OURS)
     for proc in engine(python, settings, plugin=plugin, env=env):
-        turns = _chat(proc)
+        turns = _chat(proc, first_turns)
         counts = proc.call({"op": "spec"})  # type: ignore[attr-defined]
         sched = proc.call({"op": "sched"})  # type: ignore[attr-defined]
         return {"turns": turns, "spec": counts, "sched": sched, "log": proc.log_text}  # type: ignore[attr-defined]
@@ -101,9 +102,21 @@ def stock(seed_pair: tuple[Path, Path], vllm_python: str) -> dict[str, Any]:
     return _side(seed_pair, vllm_python, ours=False)
 
 
+# Sessions whose prompts fit the step's token budget with room: the two managers then
+# schedule the same chunks (with the 7 sessions above, hybridkv's chunk split also
+# schedules a prefill chunk that ends inside a block where vLLM's waits for the next
+# step, so the batches, and under bf16 the greedy tokens of a few sessions, differ)
+SAME_SCHEDULE_TURNS = [1000, 1300, 1700]
+
+
 @pytest.fixture(scope="module")
 def align(seed_pair: tuple[Path, Path], vllm_python: str) -> dict[str, Any]:
-    return _side(seed_pair, vllm_python, ours=True, env=ALIGN_ONLY)
+    return _side(seed_pair, vllm_python, ours=True, env=ALIGN_ONLY, first_turns=SAME_SCHEDULE_TURNS)
+
+
+@pytest.fixture(scope="module")
+def stock_same_schedule(seed_pair: tuple[Path, Path], vllm_python: str) -> dict[str, Any]:
+    return _side(seed_pair, vllm_python, ours=False, first_turns=SAME_SCHEDULE_TURNS)
 
 
 @pytest.fixture(scope="module")
@@ -153,22 +166,17 @@ def test_plugin_plans_the_draft_in_one_group_and_serves(stock: dict[str, Any]) -
     _report("stock (vLLM's manager, hybridkv's plan)", stock)
 
 
-@pytest.mark.slow  # an open defect: not worth an engine start in every CI run
-@pytest.mark.xfail(
-    reason="open defect: on this pair hybridkv's manager (align checkpoints) and vLLM's give "
-    "different greedy tokens from the first turn on (2026-12-04); the cause is not found "
-    "yet (batches that differ under bf16, or the draft group's rows)",
-    strict=False,
-)
 def test_managed_by_hybridkv_with_the_same_tokens_as_vllms_manager(
-    stock: dict[str, Any], align: dict[str, Any]
+    stock_same_schedule: dict[str, Any], align: dict[str, Any]
 ) -> None:
     """hybridkv manages the draft model (no fallback); with align checkpoints only every
     token equals vLLM's own manager's under the same scheduling."""
     _report("hybridkv, align only", align)
     assert "vLLM's scheduler runs on hybridkv's cache manager (3 groups" in align["log"]
     assert "vLLM's own KV-cache manager stays" not in align["log"]
+    stock = stock_same_schedule
     assert [t["outputs"] for t in align["turns"]] == [t["outputs"] for t in stock["turns"]]
+    assert [t["cached"] for t in align["turns"]] == [t["cached"] for t in stock["turns"]]
     _check_drained(align["sched"])
 
 
