@@ -319,6 +319,23 @@ def run_copies(
             )
 
 
+def _launch_copies(
+    copies: Sequence[BlockCopy],
+    block_table_ptrs_ptr: Any,
+    block_table_stride_req: int,
+    layouts: tuple[Any, ...],
+    conv_state_dim_first: bool,
+) -> None:
+    """The copy both kernels end with, from their raw launch arguments."""
+    run_copies(
+        copies,
+        read_layouts(*layouts),
+        [a & _U64_MASK for a in _ints(block_table_ptrs_ptr)],
+        int(block_table_stride_req),
+        bool(conv_state_dim_first),
+    )
+
+
 # The two kernels' launch signatures, parameter for parameter (names and order as vLLM's
 # kernels, so vLLM's dispatcher forwards by name or by position alike). COPY_BLOCK_SIZE
 # and TEMPORAL_TILES only tile the GPU work; a sequential copy ignores them.
@@ -357,21 +374,18 @@ def precopy_mamba_align_fused_kernel(
     )
     if not copies:
         return
-    run_copies(
-        copies,
-        read_layouts(
-            state_base_addrs_ptr,
-            state_block_strides_ptr,
-            state_elem_sizes_ptr,
-            state_inner_sizes_ptr,
-            state_conv_widths_ptr,
-            state_group_indices_ptr,
-            state_dim_row_count_ptr,
-            state_dim_row_stride_ptr,
-        ),
-        [a & _U64_MASK for a in _ints(block_table_ptrs_ptr)],
-        int(block_table_stride_req),
-        bool(CONV_STATE_DIM_FIRST),
+    layouts = (
+        state_base_addrs_ptr,
+        state_block_strides_ptr,
+        state_elem_sizes_ptr,
+        state_inner_sizes_ptr,
+        state_conv_widths_ptr,
+        state_group_indices_ptr,
+        state_dim_row_count_ptr,
+        state_dim_row_stride_ptr,
+    )
+    _launch_copies(
+        copies, block_table_ptrs_ptr, block_table_stride_req, layouts, CONV_STATE_DIM_FIRST
     )
 
 
@@ -422,21 +436,18 @@ def postprocess_mamba_fused_kernel(
         num_accepted_tokens_out_ptr[resets] = 1
     if not copies:
         return
-    run_copies(
-        copies,
-        read_layouts(
-            state_base_addrs_ptr,
-            state_block_strides_ptr,
-            state_elem_sizes_ptr,
-            state_inner_sizes_ptr,
-            state_conv_widths_ptr,
-            state_group_indices_ptr,
-            state_dim_row_count_ptr,
-            state_dim_row_stride_ptr,
-        ),
-        [a & _U64_MASK for a in _ints(block_table_ptrs_ptr)],
-        int(block_table_stride_req),
-        bool(CONV_STATE_DIM_FIRST),
+    layouts = (
+        state_base_addrs_ptr,
+        state_block_strides_ptr,
+        state_elem_sizes_ptr,
+        state_inner_sizes_ptr,
+        state_conv_widths_ptr,
+        state_group_indices_ptr,
+        state_dim_row_count_ptr,
+        state_dim_row_stride_ptr,
+    )
+    _launch_copies(
+        copies, block_table_ptrs_ptr, block_table_stride_req, layouts, CONV_STATE_DIM_FIRST
     )
 
 
