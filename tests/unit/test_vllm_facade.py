@@ -69,6 +69,10 @@ class FakeWorker:
     # cover them (vLLM's scheduler reserves ``num_lookahead_tokens`` in each)
     draft_groups: frozenset[int] = frozenset()
     lookahead: int = 0
+    # an MTP / EAGLE head's groups: a slot holds (token p, token p + 1), the head's KV at
+    # p being a function of both (vLLM's drafter runs on the next token's embedding); a
+    # position whose next token the step has not sampled yet holds (token p, None)
+    head_groups: frozenset[int] = frozenset()
     rows: dict[str, list[list[int]]] = field(default_factory=dict)
     cols: dict[str, dict[int, int]] = field(default_factory=dict)
     acc: dict[str, int] = field(default_factory=dict)
@@ -130,15 +134,35 @@ class FakeWorker:
                 self.acc[req.request_id] = acc
                 continue
             lo = max(0, c - g.span_tokens + 1) if g.kind == "sliding" else 0
+            head = g.group_id in self.head_groups
             for p in range(lo, c):
-                assert self.slots.get((row[p // B], p % B)) == tokens[p], (req.request_id, p)
+                want = (tokens[p], tokens[p + 1]) if head else tokens[p]
+                assert self.slots.get((row[p // B], p % B)) == want, (req.request_id, p)
+            real = len(tokens) - drafts  # the step's drafts sit past the request's tokens
             for p in range(c, c + n):
-                self.slots[(row[p // B], p % B)] = tokens[p] if p < len(tokens) else -1
+                token = tokens[p] if p < len(tokens) else -1
+                if head:
+                    self.slots[(row[p // B], p % B)] = (
+                        token,
+                        tokens[p + 1] if p + 1 < real else None,
+                    )
+                else:
+                    self.slots[(row[p // B], p % B)] = token
             if self.lookahead and g.kind == "full":
                 assert len(row) * B >= c + n + self.lookahead, (req.request_id, g.group_id)
             if g.group_id in self.draft_groups:
                 for p in range(c + n, c + n + self.lookahead):  # the drafter's own KV
                     self.slots[(row[p // B], p % B)] = -2
+
+    def sampled(self, req: FakeRequest, c: int, num_verified: int) -> None:
+        """The head's KV of the step's verified positions, now that the token after the
+        last of them is sampled (vLLM's drafter runs after sampling, in the same step)."""
+        tokens = req.all_token_ids
+        for gid in self.head_groups:
+            row = self.rows[req.request_id][gid]
+            B = next(g.block_size for g in self.groups if g.group_id == gid)
+            for p in range(c, min(c + num_verified, len(tokens) - 1)):
+                self.slots[(row[p // B], p % B)] = (tokens[p], tokens[p + 1])
 
     def accepted(self, req: FakeRequest, c: int, n: int, drafts: int, accepted: int) -> None:
         """After sampling a step from ``c`` (``n`` tokens incl. ``drafts``): the worker's
@@ -195,17 +219,25 @@ def _drive(
     caching: bool = True,
     shared: int = 0,
     draft_groups: frozenset[int] = frozenset(),
+    head_groups: frozenset[int] = frozenset(),
 ) -> VllmKVCacheManager:
     """A scheduler loop in vLLM's shape: FCFS admission with a token budget, chunked
     prefill split where hybridkv checkpoints, preemption of the newest on failure,
     multi-turn sessions (the next prompt extends the previous context). With
     ``draft_groups`` (a draft model's attention groups) every allocation carries vLLM's
-    lookahead of K tokens, as vLLM's scheduler passes it for draft models."""
+    lookahead of K tokens, as vLLM's scheduler passes it for draft models. ``head_groups``:
+    an MTP head's groups (its KV at p depends on token p + 1; the head drafts, so vLLM
+    passes the lookahead too)."""
     rng = random.Random(seed)
-    lookahead = spec if draft_groups else 0
+    lookahead = spec if draft_groups or head_groups else 0
     kv = _manager(groups, num_blocks, caching=caching, spec=spec, lookahead=lookahead)
     worker = FakeWorker(
-        groups, align=caching, num_spec=spec, draft_groups=draft_groups, lookahead=lookahead
+        groups,
+        align=caching,
+        num_spec=spec,
+        draft_groups=draft_groups | head_groups,
+        lookahead=lookahead,
+        head_groups=head_groups,
     )
     B = min((g.block_size for g in groups if g.kind == "state"), default=0)
     system = [rng.randrange(1, 50) for _ in range(shared)]  # a prompt every session shares
@@ -301,7 +333,8 @@ def _drive(
             kv.mark_executed()
             for req, n in scheduled:
                 if req.num_computed_tokens < req.num_tokens:
-                    continue  # a prefill chunk
+                    worker.sampled(req, req.num_computed_tokens - n, n)  # a prefill chunk
+                    continue
                 accepted = rng.randrange(0, req.spec + 1) if req.spec else 0
                 worker.accepted(req, req.num_computed_tokens - n, n, req.spec, accepted)
                 req.num_computed_tokens -= req.spec - accepted
@@ -310,6 +343,8 @@ def _drive(
                 # shrink with them
                 new = new[: req.max_new - req.produced]
                 req.all_token_ids.extend(new)
+                verified = n - req.spec + accepted
+                worker.sampled(req, req.num_computed_tokens - verified, verified)
                 req.produced += len(new)
                 if req.produced >= req.max_new:
                     running.remove(req)
@@ -436,6 +471,57 @@ def test_draft_model_under_pressure() -> None:
         spec=3,
         budget=40,
         draft_groups=frozenset({2}),
+    )
+
+
+# an MTP head: its layer joins the main attention group (vLLM's grouping), which vLLM
+# flags ``is_eagle_group``; hybridkv keys that group's blocks one token ahead
+MTP = [VllmGroup(0, "state", 8), VllmGroup(1, "full", 8, draft_head=True)]
+
+
+def test_mtp_head_reads_kv_of_its_next_tokens() -> None:
+    """Sessions share a 16-token system prompt (two blocks) and diverge right after it:
+    a block's head KV at its last slot was written with the next token of whoever
+    computed it, so a block is hit only where that token matches too; multi-turn hits
+    and turn ends still land (every read checked against (token p, token p + 1))."""
+    kv = _drive(
+        MTP, 300, sessions=4, turns=3, seed=31, spec=3, shared=16, head_groups=frozenset({1})
+    )
+    assert kv.cache.stats().num_hit_tokens > 0
+
+
+def test_mtp_head_keyed_like_the_main_model_reads_stale_kv() -> None:
+    """The check above can fail: the same group keyed by its own tokens only (vLLM 0.32
+    with ``disable_eagle_block_drop``) hands a session the head KV another session
+    wrote with a different next token."""
+    plain = [VllmGroup(0, "state", 8), VllmGroup(1, "full", 8)]
+    with pytest.raises(AssertionError, match=r"\('s\dt\d', \d+\)"):
+        _drive(
+            plain, 300, sessions=4, turns=3, seed=31, spec=3, shared=16, head_groups=frozenset({1})
+        )
+
+
+@settings(max_examples=15, deadline=None)
+@given(
+    seed=st.integers(0, 10_000),
+    num_blocks=st.integers(40, 120),
+    budget=st.integers(9, 64),
+    shared=st.sampled_from([0, 8, 13, 16]),
+    spec=st.integers(1, 3),
+)
+def test_random_lives_mtp_head(
+    seed: int, num_blocks: int, budget: int, shared: int, spec: int
+) -> None:
+    _drive(
+        MTP,
+        num_blocks,
+        sessions=3,
+        turns=2,
+        seed=seed,
+        budget=budget,
+        shared=shared,
+        spec=spec,
+        head_groups=frozenset({1}),
     )
 
 

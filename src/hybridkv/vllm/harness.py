@@ -11,7 +11,9 @@ code. Each stdin line is one command; each answer is one stdout line starting wi
 ``HKV `` and a JSON object (vLLM's own log goes to stderr):
 
 * ``{"op": "generate", "prompts": [[ids]], "max_tokens": N, "reset": true}`` -> token ids
-  out, ``num_cached_tokens`` per request, seconds (the whole ``LLM.generate`` call).
+  out, ``num_cached_tokens`` per request, seconds (the whole ``LLM.generate`` call);
+  in process and with speculative decoding also ``drafts``: per request, the draft
+  tokens of every step the scheduler gave it (what the drafter proposed, in order).
 * ``{"op": "chat", "sessions": S, "turns": T, "first_tokens": F, "user_tokens": U,
   "max_tokens": N, "seed": 0}`` -> multi-turn chat: every session's next prompt is its
   previous prompt + the reply + U new tokens; per turn, the prefix-hit tokens vLLM reports
@@ -122,21 +124,27 @@ def _chat(llm: Any, cmd: dict[str, Any], vocab: int) -> dict[str, Any]:
 
 class SchedTimer:
     """Process-thread CPU time of a scheduler's ``schedule`` and ``update_from_output``
-    (wrapped on the instance; the same for stock vLLM and hybridkv's scheduler)."""
+    (wrapped on the instance; the same for stock vLLM and hybridkv's scheduler), and the
+    draft tokens each schedule gave each request."""
 
     def __init__(self, scheduler: Any) -> None:
         self.scheduler = scheduler
         self.schedule_s = self.update_s = 0.0
         self.steps = 0
+        self.drafts: dict[str, list[list[int]]] = {}
         schedule, update = scheduler.schedule, scheduler.update_from_output
 
         def timed_schedule(*args: Any, **kwargs: Any) -> Any:
             t = time.thread_time()
             try:
-                return schedule(*args, **kwargs)
+                out = schedule(*args, **kwargs)
             finally:
                 self.schedule_s += time.thread_time() - t
                 self.steps += 1
+            spec = getattr(out, "scheduled_spec_decode_tokens", None) or {}
+            for req_id, tokens in spec.items():
+                self.drafts.setdefault(req_id, []).append([int(t) for t in tokens])
+            return out
 
         def timed_update(*args: Any, **kwargs: Any) -> Any:
             t = time.thread_time()
@@ -147,6 +155,11 @@ class SchedTimer:
 
         scheduler.schedule = timed_schedule
         scheduler.update_from_output = timed_update
+
+    def take_drafts(self, request_id: str) -> list[list[int]]:
+        """The drafts of one request (vLLM's engine may suffix its ids: ``ID-xxxx``)."""
+        keys = [k for k in self.drafts if k == request_id or k.startswith(request_id + "-")]
+        return [d for k in keys for d in self.drafts.pop(k)]
 
     def take(self) -> dict[str, Any]:
         s = self.scheduler
@@ -298,14 +311,15 @@ def main() -> None:  # vLLM spawns its engine: keep all work under main()
             llm.reset_prefix_cache()
         if cmd["op"] == "generate":
             outs, seconds = _generate(llm, cmd["prompts"], int(cmd["max_tokens"]))
-            _answer(
-                {
-                    "outputs": [list(o.outputs[0].token_ids) for o in outs],
-                    "cached": [o.num_cached_tokens or 0 for o in outs],
-                    "request_ids": [o.request_id for o in outs],
-                    "seconds": seconds,
-                }
-            )
+            answer = {
+                "outputs": [list(o.outputs[0].token_ids) for o in outs],
+                "cached": [o.num_cached_tokens or 0 for o in outs],
+                "request_ids": [o.request_id for o in outs],
+                "seconds": seconds,
+            }
+            if timer is not None and timer.drafts:
+                answer["drafts"] = [timer.take_drafts(o.request_id) for o in outs]
+            _answer(answer)
         elif cmd["op"] == "chat":
             _answer(_chat(llm, cmd, vocab))
         elif cmd["op"] == "spec":

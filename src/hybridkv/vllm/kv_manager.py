@@ -178,6 +178,7 @@ class VllmKVCacheManager:
             record_events=self.events is not None,
             state_layout=self.state_layout,
             drafter_lookahead_tokens=self.num_lookahead_tokens,
+            eagle=any(g.draft_head for g in self.groups),
         )
 
     # ------------------------------------------------------------------ steps

@@ -33,6 +33,9 @@ class VllmGroup:
     kind: str  # full | sliding | chunked | state
     block_size: int
     span_tokens: int = 0  # window (sliding) or chunk (chunked)
+    # holds an EAGLE / MTP head's layers: their KV at position p also depends on token
+    # p + 1, so hybridkv keys the group's blocks one token ahead
+    draft_head: bool = False
 
 
 def _class_names(spec: Any) -> set[str]:
@@ -53,22 +56,36 @@ def _leaf_spec(group_spec: Any) -> Any:
     return spec
 
 
-def vllm_groups(kv_cache_config: Any) -> list[VllmGroup]:
-    """hybridkv's view of ``kv_cache_config.kv_cache_groups``, in vLLM's order."""
+def vllm_groups(kv_cache_config: Any, *, draft_head: bool = False) -> list[VllmGroup]:
+    """hybridkv's view of ``kv_cache_config.kv_cache_groups``, in vLLM's order.
+
+    ``draft_head``: the engine drafts with an EAGLE / MTP head. vLLM flags the groups that
+    hold the head's layers (``is_eagle_group``; an MTP layer joins the main model's
+    attention group) and, where it could flag none, treats every group as one; hybridkv
+    keys the same attention groups one token ahead (state groups keep no head layers).
+    """
+    flagged = {
+        gid
+        for gid, group_spec in enumerate(kv_cache_config.kv_cache_groups)
+        if getattr(group_spec, "is_eagle_group", False)
+    }
     groups: list[VllmGroup] = []
     for gid, group_spec in enumerate(kv_cache_config.kv_cache_groups):
         spec = _leaf_spec(group_spec)
         names = _class_names(spec)
         block_size = int(spec.block_size)
+        head = draft_head and (gid in flagged or not flagged)
         if names & {"CrossAttentionSpec", "EncoderOnlyAttentionSpec", "SinkFullAttentionSpec"}:
             kind = ""
         elif "MambaSpec" in names:
             kind = "state"
         elif "SlidingWindowSpec" in names:
-            groups.append(VllmGroup(gid, "sliding", block_size, int(spec.sliding_window)))
+            window = int(spec.sliding_window)
+            groups.append(VllmGroup(gid, "sliding", block_size, window, draft_head=head))
             continue
         elif "ChunkedLocalAttentionSpec" in names:
-            groups.append(VllmGroup(gid, "chunked", block_size, int(spec.attention_chunk_size)))
+            chunk = int(spec.attention_chunk_size)
+            groups.append(VllmGroup(gid, "chunked", block_size, chunk, draft_head=head))
             continue
         elif "FullAttentionSpec" in names:  # MLA specs derive from it
             kind = "full"
@@ -80,7 +97,7 @@ def vllm_groups(kv_cache_config: Any) -> list[VllmGroup]:
                 f"{list(group_spec.layer_names)[:3]}...) has no hybridkv manager; run without "
                 "--scheduler-cls hybridkv.vllm.Scheduler"
             )
-        groups.append(VllmGroup(gid, kind, block_size))
+        groups.append(VllmGroup(gid, kind, block_size, draft_head=head and kind != "state"))
     if not groups:
         raise UnsupportedVllmSetup("vLLM's KV-cache config has no groups")
     return groups
@@ -101,7 +118,10 @@ def plan_for_vllm(
             "(block 0 is the null block)"
         )
     return nominal_plan(
-        [GroupShape(g.kind, g.block_size, g.span_tokens) for g in groups],
+        [
+            GroupShape(g.kind, g.block_size, g.span_tokens, "draft" if g.draft_head else "main")
+            for g in groups
+        ],
         num_blocks=num_blocks,
         num_spec_tokens=num_spec_tokens,
         state_mode=state_mode,

@@ -9,15 +9,19 @@ change: ``schedule`` commits the steps whose output arrived, ``update_from_outpu
 marks the step as run, and the align-mode chunk split ends prefill chunks where
 hybridkv checkpoints (vLLM's workers write a state only where a step ends).
 
-Speculative decoding with drafters that keep no KV (n-gram, suffix, ``custom_class``)
-and with a separate draft model runs on hybridkv's manager, state layers included: their
-rows carry the worker's draft columns (`hybridkv.cache.managers.state_columns`); a draft
-model's layers are attention groups of their own, and vLLM's lookahead (K slots for the
-drafter's KV) is reserved in every attention group and in no state group. Left to vLLM's
-own KV-cache manager, with one warning naming the reason: KV connectors (P/D
-disaggregation, offloading), pipeline parallelism, decode context parallelism, EAGLE /
-MTP drafters (their blocks are keyed one token ahead, which is not mapped yet),
-and layer kinds without a hybridkv manager (cross-attention...). When hybridkv manages, async
+Speculative decoding with drafters that keep no KV (n-gram, suffix, ``custom_class``),
+with a separate draft model and with MTP heads runs on hybridkv's manager, state layers
+included: their rows carry the worker's draft columns
+(`hybridkv.cache.managers.state_columns`); a draft model's layers are attention groups of
+their own; an MTP layer sits in the main model's attention group, whose KV at position p
+then depends on token p + 1, so that group's blocks are keyed one token ahead (a block is
+hit only where the token after it matches too, where vLLM 0.32 drops the last matched
+block of every hit instead). vLLM's lookahead (K slots for the drafter's KV) is reserved
+in every attention group and in no state group. Left to vLLM's own KV-cache manager, with
+one warning naming the reason: KV connectors (P/D disaggregation, offloading), pipeline
+parallelism, decode context parallelism, EAGLE heads and multi-module MTP (not run on a
+hybrid here; multi-module MTP keys K tokens ahead), and layer kinds without a hybridkv
+manager (cross-attention...). When hybridkv manages, async
 scheduling is turned off with a logged reason: hybridkv commits a step once its output
 is known, and async scheduling runs the next schedule before that.
 """
@@ -44,7 +48,10 @@ DRAFTERS_WITHOUT_KV = ("ngram", "ngram_gpu", "suffix", "custom_class")
 # main model's (its KV at p depends on tokens <= p); every allocation carries vLLM's
 # lookahead (K) for them, which hybridkv reserves in every attention group
 DRAFTERS_WITH_KV = ("draft_model",)
-MANAGED_DRAFTERS = DRAFTERS_WITHOUT_KV + DRAFTERS_WITH_KV
+# MTP heads (vLLM normalises qwen3_next_mtp, qwen3_5_mtp... to "mtp"): the head's layer
+# joins the main attention group, keyed one token ahead; one module only
+DRAFT_HEADS = ("mtp",)
+MANAGED_DRAFTERS = DRAFTERS_WITHOUT_KV + DRAFTERS_WITH_KV + DRAFT_HEADS
 
 
 def _prefix_cache_stats_cls() -> Any:
@@ -65,7 +72,9 @@ class Scheduler(VllmScheduler):
         self.hybridkv_active = False
         try:
             _check_supported(self, vllm_config)
-            groups = vllm_groups(kv_cache_config)
+            spec = vllm_config.speculative_config
+            head = spec is not None and getattr(spec, "method", None) in DRAFT_HEADS
+            groups = vllm_groups(kv_cache_config, draft_head=head)
             _check_draft_columns(groups, self.num_spec_tokens, self.cache_config)
         except UnsupportedVllmSetup as err:
             # as the plugin does with plans: what hybridkv cannot translate stays vLLM's
@@ -181,6 +190,12 @@ def _check_supported(scheduler: Any, vllm_config: Any) -> None:
             reasons.append(
                 f"speculative method {method!r} (its drafter's KV groups are not translated "
                 f"yet; {', '.join(MANAGED_DRAFTERS)} are)"
+            )
+        ahead = int(getattr(vllm_config, "num_prefill_lookahead_tokens", 1) or 0)
+        if method in DRAFT_HEADS and ahead > 1:
+            reasons.append(
+                f"multi-module MTP (its drafter reads {ahead} tokens ahead; hybridkv keys "
+                "one token ahead)"
             )
         mode = getattr(vllm_config.cache_config, "mamba_cache_mode", "none") or "none"
         if _has_state(scheduler) and mode not in ("align", "none"):

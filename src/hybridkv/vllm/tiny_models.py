@@ -18,6 +18,13 @@ page size fits every layer. The draft's spec differs from the main attention's, 
 grouping gives it its own bucket and, with 4 layers against the main model's 2 attention
 layers, splits it over 2 groups (vLLM's draft proposer then refuses to start), as it
 splits the 36-layer Qwen3-4B draft of the full-size pair.
+
+``qwen3_next_mtp``: ``qwen3_next`` with one multi-token-prediction module as Qwen3-Next
+checkpoints carry it (``mtp.*`` weights: a full-attention decoder layer with its MoE, the
+``fc`` that joins the embedding of token p+1 with the hidden state at p, three norms;
+``num_nextn_predict_layers`` 1), which vLLM loads as the ``qwen3_next_mtp`` drafter. Its
+weights are random like the rest, so drafts are rarely accepted: it exercises the
+mechanics (a head whose KV at p depends on token p+1, in the main attention group).
 """
 
 from __future__ import annotations
@@ -114,6 +121,39 @@ def write_tiny_qwen3_next_seed(folder: str | Path, seed: int = 0) -> Path:
     return Path(folder)
 
 
+def write_tiny_qwen3_next_mtp(folder: str | Path, seed: int = 0) -> Path:
+    """Write ``qwen3_next`` with one random MTP module (``mtp.*``) to ``folder``."""
+    import json
+    import tempfile
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    folder = write_tiny_qwen3_next(folder, seed)
+    weights_file = Path(folder) / "model.safetensors"
+    weights = load_file(str(weights_file))
+    # the MTP layer takes a full-attention layer's weights from a second random model,
+    # saved the same way, so its names and layout are the checkpoint's own
+    with tempfile.TemporaryDirectory() as other:
+        donor = load_file(str(Path(write_tiny_qwen3_next(other, seed + 1)) / "model.safetensors"))
+    attention_layer = QWEN3_NEXT["layer_types"].index("full_attention")
+    prefix = f"model.layers.{attention_layer}."
+    mtp = {"mtp.layers.0." + k[len(prefix) :]: v for k, v in donor.items() if k.startswith(prefix)}
+    norm = weights["model.norm.weight"]
+    for name in ("norm", "pre_fc_norm_hidden", "pre_fc_norm_embedding"):
+        mtp[f"mtp.{name}.weight"] = norm.clone()
+    hidden = QWEN3_NEXT["hidden_size"]
+    generator = torch.Generator().manual_seed(seed + 2)
+    fc = torch.randn(hidden, 2 * hidden, generator=generator) * 0.02
+    mtp["mtp.fc.weight"] = fc.to(norm.dtype)
+    save_file({**weights, **mtp}, str(weights_file), metadata={"format": "pt"})
+    config_file = Path(folder) / "config.json"
+    config = json.loads(config_file.read_text())
+    config["num_nextn_predict_layers"] = 1
+    config_file.write_text(json.dumps(config, indent=2))
+    return Path(folder)
+
+
 def write_tiny_qwen3_draft(folder: str | Path, seed: int = 1) -> Path:
     """Write the seed miniature's dense Qwen3 draft (same vocabulary as the main model)."""
     import torch
@@ -184,6 +224,7 @@ if __name__ == "__main__":
         "gemma3": write_tiny_gemma3,
         "qwen3_next_seed": write_tiny_qwen3_next_seed,
         "qwen3_draft": write_tiny_qwen3_draft,
+        "qwen3_next_mtp": write_tiny_qwen3_next_mtp,
     }
     kind = sys.argv[2] if len(sys.argv) > 2 else "qwen3_next"
     print(writers[kind](sys.argv[1]))
