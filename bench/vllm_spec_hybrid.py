@@ -16,10 +16,16 @@ may hit that token too, when a draft equal to it was accepted), drafted and acce
 tokens, output tokens per second of ``generate``, scheduler CPU per step. Reps
 alternate between the sides; medians and ranges over reps.
 
-Drafters: ``ngram`` (vLLM's n-gram drafter, K=3: the random-weight model never repeats
-itself, so it proposes nothing; the worker's draft columns are in use all the same) and
-``oracle`` (a ``custom_class`` drafter proposing a reference run's greedy tokens, 3 per
-step: drafts get accepted where the verify step's numerics agree).
+Drafters, K=3: ``ngram`` (vLLM's n-gram drafter: the random-weight model never repeats
+itself, so it proposes nothing; the worker's draft columns are in use all the same),
+``oracle`` (a ``custom_class`` drafter proposing a reference run's greedy tokens: drafts
+get accepted where the verify step's numerics agree), ``mtp`` (the tiny hybrid with one
+random MTP module, ``qwen3_next_mtp``: its layer in the main attention group, keyed one
+token ahead by hybridkv, vLLM dropping a block per hit) and ``draft_model`` (the first
+seed's pair in miniature: the hybrid with one KV head + a 4-layer dense Qwen3 draft,
+``fp8_e4m3`` KV, hybridkv's 1,120-token block; stock vLLM without the plugin refuses to
+start it). Random MTP and draft weights: their drafts are rarely accepted. The requests
+that fit at ``max_model_len`` are vLLM's own log line (the same plan on both sides).
 
 Run from the repository root: ``python bench/vllm_spec_hybrid.py`` (needs
 ``scripts/install_vllm_cpu.sh``).
@@ -52,6 +58,8 @@ DRAFTERS: dict[str, dict[str, Any]] = {
         "model": "tests.vllm_plugin.scripted_proposer.ScriptedProposer",
         "num_speculative_tokens": 3,
     },
+    "mtp": {"method": "qwen3_next_mtp", "num_speculative_tokens": 3},
+    "draft_model": {"method": "draft_model", "num_speculative_tokens": 3},
 }
 SIDES = {"stock": {}, "hybridkv": {"scheduler_cls": "hybridkv.vllm.Scheduler"}}
 
@@ -112,13 +120,27 @@ def _oracle_file(python: str, base: dict[str, Any]) -> Path:
     return path
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
-    from hybridkv.vllm.engine_process import EngineProcess
-    from hybridkv.vllm.tiny_models import write_tiny_qwen3_next
+def _settings(drafter: str, base: dict[str, Any]) -> dict[str, Any]:
+    """The engine settings for one drafter (each writes the checkpoints it runs)."""
+    from hybridkv.vllm import tiny_models
 
-    model = str(write_tiny_qwen3_next(Path(tempfile.mkdtemp(prefix="hkv-spec-"))))
+    folder = Path(tempfile.mkdtemp(prefix="hkv-spec-"))
+    spec = dict(DRAFTERS[drafter])
+    if drafter == "mtp":
+        model = tiny_models.write_tiny_qwen3_next_mtp(folder / "main")
+    elif drafter == "draft_model":
+        model = tiny_models.write_tiny_qwen3_next_seed(folder / "main")
+        spec["model"] = str(tiny_models.write_tiny_qwen3_draft(folder / "draft"))
+        base = {**base, "kv_cache_dtype": "fp8_e4m3"}
+    else:
+        model = tiny_models.write_tiny_qwen3_next(folder / "main")
+    return {**base, "model": str(model), "speculative_config": spec}
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from hybridkv.vllm.engine_process import EngineProcess, parse_kv_log
+
     base = {
-        "model": model,
         "max_model_len": 2048,
         "max_num_seqs": 16,
         "in_process": True,
@@ -127,11 +149,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
     result: dict[str, Any] = {}
     for drafter in args.drafters:
+        settings = _settings(drafter, base)
         env = {}
         if drafter == "oracle":
-            oracle = _oracle_file(args.vllm_python, base)
+            reference = {k: v for k, v in settings.items() if k != "speculative_config"}
+            oracle = _oracle_file(args.vllm_python, reference)
             env = {"HYBRIDKV_TEST_DRAFT_ORACLE": str(oracle), "HYBRIDKV_TEST_DRAFT_SCRIPT": "3"}
-        settings = {**base, "speculative_config": DRAFTERS[drafter]}
         procs = {
             name: EngineProcess(args.vllm_python, {**settings, **extra}, plugin=True, env=env)
             for name, extra in SIDES.items()
@@ -151,6 +174,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         1e6 * (sched["schedule_s"] + sched["update_s"]) / max(1, sched["steps"])
                     )
                     rep["steps"] = sched["steps"]
+                    rep["max_concurrency"] = parse_kv_log(proc.log_text).max_concurrency
+                    rep["managed_by_hybridkv"] = bool(sched.get("hybridkv_active"))
                     reps[name].append(rep)
         finally:
             for proc in procs.values():
@@ -172,6 +197,8 @@ def report(result: dict[str, Any]) -> None:
     for drafter, reps in result.items():
         stock, ours = reps["stock"], reps["hybridkv"]
         table = Table(title=f"{drafter} drafter, K=3: {len(stock)} alternating reps")
+        if not all(r["managed_by_hybridkv"] for r in ours):
+            console.print(f"[red]{drafter}: hybridkv's scheduler fell back to vLLM's manager")
         for col in ("", "stock (vLLM's manager)", "hybridkv", "hybridkv / stock"):
             table.add_column(col, justify="right")
         for t in range(1, TURNS):
@@ -192,6 +219,12 @@ def report(result: dict[str, Any]) -> None:
             o = [r[key] for r in ours]
             ratios = [b / a for a, b in zip(s, o, strict=True)]
             table.add_row(label, _mid(s, fmt), _mid(o, fmt), _mid(ratios, "{:.2f}x"))
+        table.add_row(
+            "requests at max_model_len (vLLM's log)",
+            f"{stock[0]['max_concurrency']:.2f}",
+            f"{ours[0]['max_concurrency']:.2f}",
+            "",
+        )
         for r_name, rows in (("stock", stock), ("hybridkv", ours)):
             drafted = sum(r["drafted"] for r in rows)
             accepted = sum(r["accepted"] for r in rows)

@@ -623,6 +623,15 @@ def test_group_translation_and_refusals() -> None:
         VllmGroup(1, "sliding", 16, 512),
         VllmGroup(2, "state", 256),
     ]
+    # an MTP head: vLLM flags the group its layer joined (is_eagle_group); hybridkv keys
+    # that group one token ahead, and every attention group where vLLM flagged none
+    specs = (MambaSpec(block_size=16), FullAttentionSpec(block_size=16))
+    flagged = Config(*specs)
+    flagged.kv_cache_groups[1].is_eagle_group = True  # type: ignore[attr-defined]
+    assert [g.draft_head for g in vllm_groups(flagged, draft_head=True)] == [False, True]
+    assert [g.draft_head for g in vllm_groups(flagged)] == [False, False]
+    unflagged = Config(*specs, FullAttentionSpec(block_size=16))
+    assert [g.draft_head for g in vllm_groups(unflagged, draft_head=True)] == [False, True, True]
     with pytest.raises(UnsupportedVllmSetup, match="CrossAttentionSpec"):
         vllm_groups(Config(CrossAttentionSpec(block_size=16)))
     with pytest.raises(UnsupportedVllmSetup, match="needs >= 2"):
