@@ -23,7 +23,7 @@ code. Each stdin line is one command; each answer is one stdout line starting wi
   shared system prompt; a shorter first prompt takes its head), and ``first_tokens``
   may be a list (one first-prompt length per session, system tokens included).
 * ``{"op": "sched"}`` -> the scheduler's class, its CPU seconds in ``schedule()`` and
-  ``update_from_output()`` and the number of steps since the last ``sched``, and its
+  ``update_from_output()``, the number of steps and preemptions since the last ``sched``, and its
   KV-cache state (blocks in use, running / waiting requests; hybridkv's scheduler also
   runs its invariant checks). Needs ``"in_process": true`` in the settings (vLLM's
   engine core in this process, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``).
@@ -155,6 +155,15 @@ class SchedTimer:
 
         scheduler.schedule = timed_schedule
         scheduler.update_from_output = timed_update
+        self.preemptions = 0
+        preempt = getattr(scheduler, "_preempt_request", None)
+        if preempt is not None:
+
+            def counted_preempt(*args: Any, **kwargs: Any) -> Any:
+                self.preemptions += 1
+                return preempt(*args, **kwargs)
+
+            scheduler._preempt_request = counted_preempt
 
     def take_drafts(self, request_id: str) -> list[list[int]]:
         """The drafts of one request (vLLM's engine may suffix its ids: ``ID-xxxx``)."""
@@ -171,6 +180,7 @@ class SchedTimer:
             "usage": s.kv_cache_manager.usage,
             "running": len(s.running),
             "waiting": len(s.waiting),
+            "preemptions": self.preemptions,
         }
         out["hybridkv_active"] = bool(getattr(s, "hybridkv_active", False))
         if out["hybridkv_active"]:
@@ -181,7 +191,7 @@ class SchedTimer:
             out["hybridkv_requests"] = cache.stats().num_requests
             out["hit_tokens"] = cache.stats().num_hit_tokens
         self.schedule_s = self.update_s = 0.0
-        self.steps = 0
+        self.steps = self.preemptions = 0
         return out
 
 
