@@ -30,7 +30,7 @@ from exactness_harness import hf_greedy, save_tiny
 from llm_support import BUILDERS, shared_prefix_prompts
 
 from hybridkv.engine import LLM
-from hybridkv.engine.tensors import simulate_fp8_kv
+from hybridkv.engine.forward.tensors import simulate_fp8_kv
 
 FP8 = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
@@ -57,7 +57,7 @@ def main() -> None:
         for name in args.models.split(","):
             folder = Path(tmp) / name
             if name == "demo":  # the trained demo main (bfloat16 weights, run in float32)
-                from hybridkv.demo import DEMO_MAIN, demo_prompts
+                from hybridkv.cli.demo import DEMO_MAIN, demo_prompts
 
                 folder = DEMO_MAIN
                 hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)

@@ -12,15 +12,15 @@ caps prompt + output tokens: `add_request` refuses a longer prompt (status ``ref
 with a reason, for a server's HTTP 400; `generate` raises `EngineError`), and a request
 stops with ``finish_reason == "length"`` at the limit.
 
-Speculative decoding (`hybridkv.engine.speculative`): ``draft=FOLDER`` (a draft model
+Speculative decoding (`hybridkv.engine.speculative.drafting`): ``draft=FOLDER`` (a draft model
 planned with its own groups), ``spec_method="mtp"`` (the checkpoint's own MTP head),
 ``spec_method="eagle", draft=FOLDER`` (an EAGLE head, `hybridkv.engine.models.eagle`),
 ``spec_method="ngram" | "suffix"`` or any `Proposer` (``proposer=``);
 ``num_spec_tokens=K`` drafts at most per step; with a head, ``spec_topk=k`` or
-``spec_tree=[[0], [1], [0, 0]]`` drafts a token tree of N nodes (`engine.tree`). Heads
-are fed the main model's hidden states (`hybridkv.engine.proposers.head`). ``kv_dtype``
+``spec_tree=[[0], [1], [0, 0]]`` drafts a token tree of N nodes (`engine.speculative.tree`). Heads
+are fed the main model's hidden states (`hybridkv.engine.speculative.proposers.head`). ``kv_dtype``
 (default: ``dtype``) may be ``fp8_e4m3`` / ``fp8_e5m2``: fp8 KV pages
-(`hybridkv.engine.kv_quant`). Then
+(`hybridkv.engine.ops.kv_quant`). Then
     step():  schedule (reserve L drafts) -> draft model passes -> main verifies 1 + L
              tokens -> verify (greedy / speculative sampling) -> commit(a, a + 1 tokens)
 
@@ -34,12 +34,12 @@ and every batch tensor; the Python side (scheduler, cache manager) stays on the 
 
 ``torch_compile=True`` (off by default) compiles the elementwise chains of bf16 / fp16
 prefill steps on the CPU (norms, the Gated DeltaNet output norm, the chunked delta
-rule's per-chunk algebra; `engine.compiled`), for the whole process. The first such
+rule's per-chunk algebra; `engine.ops.compiled`), for the whole process. The first such
 step of each new shape compiles (seconds to a minute): warm up before timing. float32
 never takes those paths.
 
 ``keep_freed_pages=True`` (the default, CPU only) has glibc's malloc keep freed memory
-for reuse, for the whole process (`engine.scratch.keep_freed_pages`): a bf16 prefill step
+for reuse, for the whole process (`engine.ops.scratch.keep_freed_pages`): a bf16 prefill step
 otherwise touches tens of thousands of fresh pages. vLLM's CPU platform preloads tcmalloc
 into its processes for the same reason. The cost: the process keeps its peak working set.
 """
@@ -55,8 +55,9 @@ import torch
 
 from hybridkv.cache import CacheManager
 from hybridkv.cache.free_queue import DEFAULT_EVICTION_POLICY
-from hybridkv.engine import compiled, scratch
-from hybridkv.engine.block_tables import DeviceBlockTables
+from hybridkv.engine.forward.block_tables import DeviceBlockTables
+from hybridkv.engine.forward.runner import ModelRunner
+from hybridkv.engine.forward.tensors import build_cache_tensors, torch_dtype
 from hybridkv.engine.llm_options import (
     DEFAULT_MAX_MODEL_LEN,
     DEFAULT_MEMORY_BYTES,
@@ -67,23 +68,22 @@ from hybridkv.engine.llm_options import (
     resolve_spec,
     resolve_ssm_dtype,
 )
-from hybridkv.engine.loader import eos_token_ids
 from hybridkv.engine.models import LayerDesc, load_model, load_mtp
-from hybridkv.engine.proposers import Proposer
-from hybridkv.engine.proposers.head import DraftHead, HeadDrafter
-from hybridkv.engine.proposers.tree import TreeHeadDrafter
+from hybridkv.engine.models.loader import eos_token_ids
+from hybridkv.engine.ops import compiled, scratch
 from hybridkv.engine.results import EngineStats, GenerationResult, RequestStats, build_result
-from hybridkv.engine.runner import ModelRunner
-from hybridkv.engine.sampler import SamplingParams
-from hybridkv.engine.speculative import (
+from hybridkv.engine.sampling.sampler import SamplingParams
+from hybridkv.engine.speculative.drafting import (
     PROPOSER_METHODS,
     Drafter,
     DraftModelDrafter,
     SpecCounters,
     make_proposer,
 )
+from hybridkv.engine.speculative.proposers import Proposer
+from hybridkv.engine.speculative.proposers.head import DraftHead, HeadDrafter
+from hybridkv.engine.speculative.proposers.tree import TreeHeadDrafter
 from hybridkv.engine.stepper import Stepper
-from hybridkv.engine.tensors import build_cache_tensors, torch_dtype
 from hybridkv.errors import EngineError
 from hybridkv.models.registry import load_model_spec
 from hybridkv.plan.planner import HEAD_METHODS
@@ -271,7 +271,7 @@ class LLM:
     @property
     def tokenizer(self) -> Any:
         if not self._tokenizer_loaded:
-            from hybridkv.engine.tokenizer import load_tokenizer
+            from hybridkv.engine.models.tokenizer import load_tokenizer
 
             self._tokenizer = load_tokenizer(self.model_path)
             self._tokenizer_loaded = True

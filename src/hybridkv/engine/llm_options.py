@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from hybridkv.engine.models import LayerDesc
-from hybridkv.engine.proposers import Proposer
+from hybridkv.engine.speculative.proposers import Proposer
 from hybridkv.errors import EngineError, SpecError
 from hybridkv.plan.planner import HEAD_METHODS
 from hybridkv.plan.types import check_num_spec_tokens

@@ -4,7 +4,7 @@
 engine's own scheduler (`hybridkv.sched`, trace replay in `hybridkv.sim.scheduler`) and the real
 `hybridkv.cache.CacheManager`, with a linear step-time clock (`hybridkv.sim.cost`),
 and returns a `SimResult` (`hybridkv.sim.metrics`). Workloads come from
-`hybridkv.sim.workloads`; the CLI commands live in `hybridkv.sim.cli`.
+`hybridkv.sim.workloads`; the CLI commands live in `hybridkv.cli.sim`.
 """
 
 from hybridkv.sim.cost import StepCost
