@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from hybridkv.engine.ops import compiled
 from hybridkv.engine.ops.context import ForwardBatch
+from hybridkv.engine.ops.tree_batch import TreeLayout, root_paths
 from hybridkv.engine.ops.varlen import Padded, padded_for, split_by_length
 from hybridkv.errors import EngineError
 
@@ -108,8 +109,6 @@ def state_parts(batch: ForwardBatch, group: str) -> list[StatePart]:
 
 def _build_parts(batch: ForwardBatch, group: str) -> list[StatePart]:
     if batch.tree is not None:  # token trees: one row per root-to-leaf path
-        from hybridkv.engine.ops.tree_batch import tree_state_parts
-
         return tree_state_parts(batch, group)
     slots = batch.slots(group)
     slot_ids = [int(x) for x in slots.slot_ids.tolist()]
@@ -335,3 +334,97 @@ def capture_steps(part: StatePart) -> tuple[list[int], torch.Tensor]:
     where = {k: i for i, k in enumerate(distinct)}
     index = torch.tensor([where[k] for k in part.point_k_host], dtype=torch.long)
     return distinct, index.to(part.point_k.device)
+
+
+def tree_state_parts(batch: ForwardBatch, group: str) -> list[StatePart]:
+    """`state_parts` for a step with trees: each tree request becomes one
+    row per root-to-leaf path (`tree_batch` module docstring); plain requests keep their row."""
+    tree: TreeLayout = batch.tree
+    slots = batch.slots(group)
+    slot_ids = [int(x) for x in slots.slot_ids.tolist()]
+    has_initial = [bool(x) for x in slots.has_initial_state.tolist()]
+    starts, lengths, computed = batch.host_starts, batch.host_lengths, batch.host_computed
+    # rows: (request, stream indices, owned flags); points: (row, k, slot)
+    short: tuple[list[tuple[int, list[int], list[bool]]], list[tuple[int, int, int]]] = ([], [])
+    long: tuple[list[tuple[int, list[int], list[bool]]], list[tuple[int, int, int]]] = ([], [])
+    for r in range(batch.num_reqs):
+        n, s = lengths[r], starts[r]
+        if n == 0:
+            continue
+        if has_initial[r] and computed[r] == 0:
+            raise EngineError(
+                f"request {r} claims an initial state in group {group!r} but has 0 computed tokens"
+            )
+        parents = tree.parents[r]
+        paths = [list(range(n))] if parents is None else root_paths(parents)
+        rows, points = short if max(map(len, paths)) <= SHORT_MAX_TOKENS else long
+        if parents is not None and rows is long:
+            raise EngineError(
+                f"request {r}: a tree path of {max(map(len, paths))} tokens; tree paths "
+                f"must fit {SHORT_MAX_TOKENS} tokens (the state kernels' short rows)"
+            )
+        where: dict[int, tuple[int, int]] = {}  # token -> (row, index in the path)
+        for path in paths:
+            owned = [t not in where for t in path]
+            for i, t in enumerate(path):
+                where.setdefault(t, (len(rows), i))
+            rows.append((r, [s + t for t in path], owned))
+        for k, slot in slots.points(r, n):
+            row, i = where[k - 1] if k > 0 else (where[paths[0][0]][0], -1)
+            points.append((row, i + 1, int(slot)))
+    device = batch.input_ids.device
+    out = []
+    for rows, points in (short, long):
+        if not rows:
+            continue
+        out.append(_tree_part(rows, points, slot_ids, has_initial, batch.num_tokens, device))
+    return out
+
+
+def _tree_part(
+    rows: list[tuple[int, list[int], list[bool]]],
+    points: list[tuple[int, int, int]],
+    slot_ids: list[int],
+    has_initial: list[bool],
+    num_tokens: int,
+    device: torch.device,
+) -> StatePart:
+    width = max(len(tokens) for _, tokens, _ in rows)
+    gather: list[int] = []
+    scatter: list[int] = []
+    owners: list[int] = []
+    for row, (_, tokens, owned) in enumerate(rows):
+        gather.extend(tokens + [num_tokens] * (width - len(tokens)))
+        for i, (t, mine) in enumerate(zip(tokens, owned, strict=True)):
+            if mine:
+                scatter.append(row * width + i)
+                owners.append(t)
+    lengths = [len(tokens) for _, tokens, _ in rows]
+    lengths_t = torch.tensor(lengths, dtype=torch.long)
+
+    def dev(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long).to(device)
+
+    layout = Padded(
+        reqs=tuple(r for r, _, _ in rows),
+        lengths=tuple(lengths),
+        max_len=width,
+        lengths_t=lengths_t.to(device),
+        gather=dev(gather),
+        scatter=dev(scatter),
+        tokens=dev(owners),
+        valid=(torch.arange(width)[None, :] < lengths_t[:, None]).to(device),
+        identity=False,
+    )
+    reqs = [r for r, _, _ in rows]
+    return StatePart(
+        layout=layout,
+        read_slots=dev([slot_ids[r] if has_initial[r] else 0 for r in reqs]),
+        has_initial=torch.tensor([has_initial[r] for r in reqs]).to(device),
+        point_rows=dev([p[0] for p in points]),
+        point_k=dev([p[1] for p in points]),
+        point_slots=dev([p[2] for p in points]),
+        point_k_host=tuple(p[1] for p in points),
+        point_rows_host=tuple(p[0] for p in points),
+        all_initial=all(has_initial[r] for r in reqs),
+    )

@@ -26,10 +26,10 @@ import torch
 
 from hybridkv.engine.forward.runner import ModelRunner, StepInput
 from hybridkv.engine.models.common import HiddenStates
-from hybridkv.engine.scheduler import ScheduledChunk
 from hybridkv.engine.speculative.proposers import NgramProposer, Proposer, SuffixProposer
 from hybridkv.engine.speculative.verify import token_probs
 from hybridkv.errors import EngineError
+from hybridkv.sched import ScheduledChunk
 
 PROPOSER_METHODS = ("ngram", "suffix")
 

@@ -36,10 +36,10 @@ from hybridkv.engine.forward.runner import ModelRunner, StepInput
 from hybridkv.engine.forward.tensors import group_key
 from hybridkv.engine.models.common import HiddenStates
 from hybridkv.engine.ops.context import KVCache, StateCache
-from hybridkv.engine.scheduler import ScheduledChunk
 from hybridkv.engine.speculative.drafting import Drafts
 from hybridkv.engine.speculative.verify import Verdict
 from hybridkv.errors import EngineError
+from hybridkv.sched import ScheduledChunk
 
 
 @dataclass(frozen=True)

@@ -37,9 +37,9 @@ import torch
 from hybridkv.engine.forward.runner import ModelRunner, StepInput
 from hybridkv.engine.models.common import HiddenStates, LayerDesc
 from hybridkv.engine.ops.context import ForwardBatch, LayerCache
-from hybridkv.engine.scheduler import ScheduledChunk
 from hybridkv.engine.speculative.drafting import Drafts, pick_draft
 from hybridkv.errors import EngineError
+from hybridkv.sched import ScheduledChunk
 
 
 class DraftHead(Protocol):

@@ -29,11 +29,11 @@ import torch
 
 from hybridkv.engine.forward.runner import StepInput
 from hybridkv.engine.models.common import HiddenStates
-from hybridkv.engine.scheduler import ScheduledChunk
 from hybridkv.engine.speculative.drafting import Drafts
 from hybridkv.engine.speculative.proposers.head import HeadDrafter
 from hybridkv.errors import EngineError
 from hybridkv.plan.tree import TokenTree
+from hybridkv.sched import ScheduledChunk
 
 
 class TreeHeadDrafter:
