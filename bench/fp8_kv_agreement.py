@@ -57,7 +57,7 @@ def main() -> None:
         for name in args.models.split(","):
             folder = Path(tmp) / name
             if name == "demo":  # the trained demo main (bfloat16 weights, run in float32)
-                from hybridkv.cli.demo import DEMO_MAIN, demo_prompts
+                from hybridkv.demo import DEMO_MAIN, demo_prompts
 
                 folder = DEMO_MAIN
                 hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)

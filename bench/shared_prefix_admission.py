@@ -24,7 +24,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from hybridkv.cli.demo import DEMO_MAIN
+from hybridkv.demo import DEMO_MAIN
 from hybridkv.engine import LLM
 from hybridkv.sched import SchedulerOutput, StepReport
 

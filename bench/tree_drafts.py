@@ -26,13 +26,7 @@ from typing import Any
 
 import torch
 
-from hybridkv.cli.demo import (
-    DEMO_MAIN,
-    DEMO_MAX_MODEL_LEN,
-    DEMO_MEMORY_BYTES,
-    DEMO_MTP,
-    demo_prompts,
-)
+from hybridkv.demo import DEMO_MAIN, DEMO_MAX_MODEL_LEN, DEMO_MEMORY_BYTES, DEMO_MTP, demo_prompts
 from hybridkv.engine import LLM
 from hybridkv.engine.speculative import tree as tree_mod
 from hybridkv.plan.tree import TokenTree

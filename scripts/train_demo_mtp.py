@@ -137,7 +137,7 @@ def loss_of(torch: Any, head: Head, ids: Any, hidden: Any) -> tuple[Any, Any]:
 
 def engine_acceptance(main_dir: Path, mtp_dir: Path, k: int, new_tokens: int) -> dict[str, Any]:
     """``hybridkv demo``'s prompts through the engine with the saved head, K drafts."""
-    from hybridkv.cli.demo import demo_prompts
+    from hybridkv.demo import demo_prompts
     from hybridkv.engine import LLM
 
     llm = LLM(main_dir, spec_method="mtp", draft=mtp_dir, num_spec_tokens=k, max_model_len=1024)

@@ -134,7 +134,7 @@ def test_llm_keeps_freed_pages_on_the_cpu_unless_told_not_to():
     ``keep_freed_pages=False`` it neither applies nor reports them."""
     import platform
 
-    from hybridkv.cli.demo import DEMO_MAIN
+    from hybridkv.demo import DEMO_MAIN
     from hybridkv.engine import LLM
 
     options = {"memory_bytes": 8 << 20, "max_model_len": 256}

@@ -114,7 +114,7 @@ def test_cuda_greedy_matches_transformers_on_cuda(name, tmp_path):
 
 
 def test_cuda_speculative_demo_pair_equals_plain_run():
-    from hybridkv.cli.demo import DEMO_DRAFT, DEMO_MAIN, demo_prompts
+    from hybridkv.demo import DEMO_DRAFT, DEMO_MAIN, demo_prompts
     from hybridkv.engine import LLM
 
     prompts = demo_prompts(4)
@@ -140,7 +140,7 @@ def test_cuda_mtp_head_with_fp8_kv_equals_plain_fp8_run():
     speculative run gives the plain fp8 run's tokens (a near tie may flip between the
     1-token and the verify pass; the gap is judged on transformers' fp32 logits, a
     proxy for the fp8 ones)."""
-    from hybridkv.cli.demo import DEMO_MAIN, DEMO_MTP, demo_prompts
+    from hybridkv.demo import DEMO_MAIN, DEMO_MTP, demo_prompts
     from hybridkv.engine import LLM
 
     prompts = demo_prompts(4)

@@ -23,7 +23,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("fastapi")
 
-from hybridkv.cli.demo import HEADER  # noqa: E402
+from hybridkv.demo import HEADER  # noqa: E402
 from hybridkv.serve.schemas import ChatCompletionResponse, CompletionResponse  # noqa: E402
 
 pytestmark = pytest.mark.engine

@@ -119,7 +119,7 @@ def demo_main():
 def test_prompt_logprobs_across_chunks_and_a_preemption_equal_transformers(demo_main):
     import transformers
 
-    from hybridkv.cli.demo import HEADER
+    from hybridkv.demo import HEADER
 
     llm = demo_main
     prompt = llm.encode(HEADER[:150])

@@ -15,7 +15,7 @@ pytest.importorskip("fastapi")
 
 from serve_support import metrics, wait_idle  # noqa: E402
 
-from hybridkv.cli.demo import HEADER, demo_prompts  # noqa: E402
+from hybridkv.demo import HEADER, demo_prompts  # noqa: E402
 from hybridkv.errors import EngineError  # noqa: E402
 from hybridkv.serve.chat import render_demo_chat  # noqa: E402
 

@@ -1,8 +1,10 @@
 """The command line is one package on top (docs/structures.md): `hybridkv.cli` holds every
-command, its options and the demo; no module outside it imports it (the console script
-and ``python -m hybridkv`` are its entry points), so the library never pulls in typer,
-rich or the demo. Read from the sources with `ast`, so imports under
-``if TYPE_CHECKING:`` and inside functions count too."""
+command and its options; no module outside it imports it (the console script and
+``python -m hybridkv`` are its entry points), so the library never pulls in typer or
+rich. `hybridkv.demo` (the demo checkpoints' paths and prompts, public for users and
+tests) is imported by nothing else in the package either, and imports nothing of
+hybridkv. Read from the sources with `ast`, so imports under ``if TYPE_CHECKING:`` and
+inside functions count too."""
 
 from __future__ import annotations
 
@@ -23,52 +25,69 @@ ENTRY_POINTS = {"hybridkv.__main__"}  # `python -m hybridkv`
 COMMANDS = {"plan", "models", "bench", "trace-gen", "simulate", "generate", "demo", "serve"}
 
 
-def _is_cli(name: str) -> bool:
-    return name == "hybridkv.cli" or name.startswith("hybridkv.cli.")
+ONLY_FOR_THE_CLI = ("hybridkv.cli", "hybridkv.demo")
+
+
+def _under(name: str, roots: tuple[str, ...]) -> bool:
+    return any(name == root or name.startswith(root + ".") for root in roots)
+
+
+def _modules(src: Path) -> list[tuple[str, Path]]:
+    """(module name, source) for every module under ``src`` (the ``hybridkv`` folder)."""
+    out = []
+    for path in sorted(src.rglob("*.py")):
+        parts = ["hybridkv", *path.relative_to(src).with_suffix("").parts]
+        out.append((".".join(parts[:-1] if parts[-1] == "__init__" else parts), path))
+    return out
 
 
 def cli_imports_outside_the_cli(src: Path) -> list[str]:
-    """``module imports name`` for every import of `hybridkv.cli` (or a submodule) by a
-    module under ``src`` (the ``hybridkv`` folder) outside the CLI package and its entry
+    """``module imports name`` for every import of `hybridkv.cli` (or a submodule) or of
+    `hybridkv.demo` by a module under ``src`` outside the CLI package and its entry
     points, sorted."""
     found = []
-    for path in sorted(src.rglob("*.py")):
-        parts = ["hybridkv", *path.relative_to(src).with_suffix("").parts]
-        module = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-        if _is_cli(module) or module in ENTRY_POINTS:
+    for module, path in _modules(src):
+        if _under(module, ONLY_FOR_THE_CLI) or module in ENTRY_POINTS:
             continue
         package = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
         for candidates in imported_names(path, package):
             # candidates[-1] is the module imported from; candidates[0] the full name
             # (`from hybridkv import cli` imports from `hybridkv`, and names the CLI)
-            if _is_cli(candidates[-1]) or _is_cli(candidates[0]):
+            if _under(candidates[-1], ONLY_FOR_THE_CLI) or _under(candidates[0], ONLY_FOR_THE_CLI):
                 found.append(f"{module} imports {candidates[0]}")
     return sorted(found)
 
 
-def test_nothing_outside_the_cli_imports_it() -> None:
+def test_nothing_outside_the_cli_imports_it_or_the_demo() -> None:
     assert cli_imports_outside_the_cli(SRC) == []
 
 
-def test_the_demo_lives_in_the_cli() -> None:
-    assert (SRC / "cli" / "demo.py").is_file()
-    assert not (SRC / "demo.py").exists(), "the demo belongs to hybridkv.cli"
+def test_the_demo_module_is_a_leaf() -> None:
+    """`hybridkv.demo` holds paths and prompts: it imports nothing of hybridkv, so no
+    import can reach up through it."""
+    path = SRC / "demo.py"
+    names = [c[-1] for c in imported_names(path, "hybridkv")]
+    assert [n for n in names if _under(n, ("hybridkv",))] == []
+    assert (SRC / "cli" / "demo.py").is_file()  # the command
 
 
 def test_the_checker_sees_a_lazy_import(tmp_path: Path) -> None:
-    """An import inside a function, a relative one and ``from hybridkv import cli`` count."""
+    """An import inside a function, a relative one, ``from hybridkv import cli`` and the
+    demo count."""
     root = tmp_path / "hybridkv"
     (root / "serve").mkdir(parents=True)
     (root / "serve" / "probe.py").write_text(
-        "def f():\n    from hybridkv.cli.demo import DEMO_MAIN\n    return DEMO_MAIN\n"
+        "def f():\n    from hybridkv.cli.engine import load_llm\n    return load_llm\n"
         "from ..cli import options\n"
         "from hybridkv import cli\n"
+        "import hybridkv.demo\n"
     )
     found = cli_imports_outside_the_cli(root)
     assert found == [
         "hybridkv.serve.probe imports hybridkv.cli",
-        "hybridkv.serve.probe imports hybridkv.cli.demo.DEMO_MAIN",
+        "hybridkv.serve.probe imports hybridkv.cli.engine.load_llm",
         "hybridkv.serve.probe imports hybridkv.cli.options",
+        "hybridkv.serve.probe imports hybridkv.demo",
     ]
 
 

@@ -73,7 +73,7 @@ def test_demo_with_the_mtp_head_is_exact_and_accepts():
     # cached too), and with the demo's 80-token shared blocks and one state checkpoint
     # per prefill step the 239-token prompts leave none to serve.
 
-    from hybridkv.cli.demo import DEMO_MAIN, demo_prompts
+    from hybridkv.demo import DEMO_MAIN, demo_prompts
     from hybridkv.engine import LLM
 
     plain = LLM(DEMO_MAIN, max_model_len=1024).generate(demo_prompts(3), 24)
@@ -100,7 +100,7 @@ def test_demo_tree_drafts_from_the_mtp_head_are_exact():
     assert any(path[-1] == 1 for path in tree)  # a second choice somewhere: not a chain
     assert report["spec"]["mean_accepted_length"] > 1.3
 
-    from hybridkv.cli.demo import DEMO_MAIN, demo_prompts
+    from hybridkv.demo import DEMO_MAIN, demo_prompts
     from hybridkv.engine import LLM
 
     plain = LLM(DEMO_MAIN, max_model_len=1024).generate(demo_prompts(3), 24)

@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from hybridkv.cli.demo import DEMO_MAIN
+from hybridkv.demo import DEMO_MAIN
 from hybridkv.engine import LLM, EngineConfig, GenerationResult, SamplingParams
 from hybridkv.engine.config import (
     ENGINE_SCHEDULER_DEFAULTS,

@@ -16,7 +16,7 @@ import pytest
 torch = pytest.importorskip("torch")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
-from hybridkv.cli.demo import DEMO_DRAFT  # noqa: E402
+from hybridkv.demo import DEMO_DRAFT  # noqa: E402
 from hybridkv.engine.models import load_model  # noqa: E402
 from hybridkv.errors import EngineError  # noqa: E402
 

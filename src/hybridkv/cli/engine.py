@@ -63,7 +63,7 @@ def load_llm(
     """The `LLM` of `generate` / `serve` flags: MODEL and ``--draft`` may name the demo
     models, ``--draft`` or ``--spec-method`` without ``--num-spec`` drafts 4 per step,
     ``threads`` as `hybridkv.engine.threads.apply_threads` chooses (None: by model size)."""
-    from hybridkv.cli.demo import resolve_model
+    from hybridkv.demo import resolve_model
     from hybridkv.engine.llm import DEFAULT_MEMORY_BYTES, LLM
     from hybridkv.engine.threads import apply_threads
 

@@ -328,7 +328,7 @@ class PlanArgs:
         return PlanOptions().memory_bytes
 
     def resolve(self) -> tuple[ModelSpec, ModelSpec | None, PlanOptions]:
-        from hybridkv.cli.demo import DEMO_CHECKPOINTS
+        from hybridkv.demo import DEMO_CHECKPOINTS
         from hybridkv.models import load_model_spec
 
         method, draft_name, k = self._speculative()

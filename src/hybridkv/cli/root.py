@@ -215,7 +215,7 @@ DEMO_ROWS = {"demo": "main", "demo-draft": "draft"}
 def model_rows() -> list[dict[str, Any]]:
     """Every preset, then the demo checkpoints (source: their folder, which holds the
     config, weights and Hugging Face tokenizer files)."""
-    from hybridkv.cli.demo import DEMO_CHECKPOINTS
+    from hybridkv.demo import DEMO_CHECKPOINTS
     from hybridkv.models import list_presets, load_model_spec
     from hybridkv.models.registry import TABLE
 
