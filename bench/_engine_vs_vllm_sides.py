@@ -17,7 +17,7 @@ from typing import IO, Any, TypeVar
 import torch
 
 from hybridkv.engine import LLM
-from hybridkv.engine.scratch import KEEP_FREED_PAGES_ENV
+from hybridkv.engine.ops.scratch import KEEP_FREED_PAGES_ENV
 from hybridkv.errors import HybridKVError
 from hybridkv.vllm.engine_process import quit_process
 

@@ -35,8 +35,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from engine_vs_hf import NEW_TOKENS, PROMPT_TOKENS, build_model, make_prompts
 from hybridkv.engine import LLM
-from hybridkv.engine import block_tables as bt
-from hybridkv.engine.runner import ModelRunner
+from hybridkv.engine.forward import block_tables as bt
+from hybridkv.engine.forward.runner import ModelRunner
 
 
 class Timer:

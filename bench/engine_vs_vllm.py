@@ -22,7 +22,7 @@ reset before every run. The engine side builds a fresh `LLM` per run (untimed, s
 hits a previous run's prefix cache) and warms it with a few untimed requests (one short,
 two pairs of 200 tokens: every weight packed, the MoE's short- and long-step forms run).
 Like vLLM, the engine compiles by default: ``LLM(torch_compile=True)``
-(`hybridkv.engine.compiled`: the bf16 prefill steps' norms and chunked delta rule
+(`hybridkv.engine.ops.compiled`: the bf16 prefill steps' norms and chunked delta rule
 algebra), compiled once per process during the first untimed runs; ``--engine-eager``
 turns it off, ``--eager`` turns vLLM's off. These are not `LLM()`'s defaults (eager, one
 thread for a checkpoint this small): the run prints the settings its numbers hold under
@@ -144,7 +144,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--engine-eager",
         action="store_true",
         help="the engine without torch.compile (default: LLM(torch_compile=True), which "
-        "compiles its bf16 prefill elementwise chains, hybridkv.engine.compiled)",
+        "compiles its bf16 prefill elementwise chains, hybridkv.engine.ops.compiled)",
     )
     parser.add_argument(
         "--vllm-bind",

@@ -30,7 +30,7 @@ from exactness_harness import hf_greedy, save_tiny
 from llm_support import BUILDERS, shared_prefix_prompts
 
 from hybridkv.engine import LLM
-from hybridkv.engine.tensors import simulate_fp8_kv
+from hybridkv.engine.forward.tensors import simulate_fp8_kv
 
 FP8 = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 

@@ -16,7 +16,7 @@ import time
 from rich.console import Console
 from rich.table import Table
 
-from hybridkv.cli_options import parse_bytes
+from hybridkv.cli.options import parse_bytes
 from hybridkv.models import load_model_spec
 from hybridkv.plan import PlanOptions, plan
 from hybridkv.spec import DType

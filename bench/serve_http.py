@@ -24,8 +24,8 @@ import time
 import httpx
 import torch
 
+from hybridkv.cli.engine import load_llm
 from hybridkv.demo import demo_prompts
-from hybridkv.engine.cli import load_llm
 from hybridkv.serve.metrics import parse
 from hybridkv.serve.server import BackgroundServer
 

@@ -28,7 +28,7 @@ import torch
 
 from hybridkv.demo import DEMO_MAIN, DEMO_MAX_MODEL_LEN, DEMO_MEMORY_BYTES, DEMO_MTP, demo_prompts
 from hybridkv.engine import LLM
-from hybridkv.engine import tree as tree_mod
+from hybridkv.engine.speculative import tree as tree_mod
 from hybridkv.plan.tree import TokenTree
 
 HAND_TREES: dict[int, list[list[list[int]]]] = {

@@ -44,9 +44,7 @@ timeout 75 "$PY" -m pytest tests/gpu -m gpu -q -rs -p no:cacheprovider --confcut
 pytest_status=$?
 [ "$pytest_status" -ne 0 ] && status=$pytest_status
 
-# (`python -m hybridkv.cli` would not see the engine commands: they register on the
-# imported module, not on __main__)
-timeout 30 "$PY" -c 'from hybridkv.cli import main; main()' demo --json --device cuda --num-requests 4 \
+timeout 30 "$PY" -m hybridkv demo --json --device cuda --num-requests 4 \
     --max-new-tokens 32 > /tmp/hybridkv_demo_cuda.json
 demo_status=$?
 if [ "$demo_status" -eq 0 ]; then

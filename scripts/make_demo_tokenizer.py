@@ -1,14 +1,14 @@
 """Write the demo models' tokenizer files (``tokenizer.json`` + ``tokenizer_config.json``).
 
 Usage: ``python scripts/make_demo_tokenizer.py [--out DIR ...]``; by default it writes into
-``src/hybridkv/engine/demo_models/{main,draft,mtp}``. The output is deterministic; rerun it
+``src/hybridkv/engine/models/demo_models/{main,draft,mtp}``. The output is deterministic; rerun it
 after changing the layout below and commit the files.
 
 The demo checkpoints were trained on raw UTF-8 bytes (``scripts/train_demo_models.py``):
 ids 0..255 are the bytes themselves, 256 / 257 / 258 are BOS / EOS / PAD, and 259..271 are
 unused (the embedding has 272 rows). The files describe exactly that with the ``tokenizers``
 library, so that ``transformers.AutoTokenizer``, ``tokenizers.Tokenizer`` and the engine's
-own ``hybridkv.engine.tokenizer.ByteTokenizer`` (which reads these files) agree id for id:
+own ``hybridkv.engine.models.tokenizer.ByteTokenizer`` (which reads these files) agree id for id:
 
 - model: BPE over the 256 byte symbols of the byte-level alphabet (GPT-2's printable
   stand-ins for bytes), no merges, so every byte is one token whose id is its value;
@@ -33,7 +33,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 
-from hybridkv.engine.tokenizer import (  # noqa: E402
+from hybridkv.engine.models.tokenizer import (  # noqa: E402
     BYTE_SYMBOLS,
     CHAT_TEMPLATE,
     NUM_BYTES,
@@ -42,7 +42,8 @@ from hybridkv.engine.tokenizer import (  # noqa: E402
 )
 
 DEFAULT_OUT = [
-    REPO / "src" / "hybridkv" / "engine" / "demo_models" / n for n in ("main", "draft", "mtp")
+    REPO / "src" / "hybridkv" / "engine" / "models" / "demo_models" / n
+    for n in ("main", "draft", "mtp")
 ]
 
 

@@ -17,14 +17,14 @@ generator. ``metadata.json`` records the Python version, each file's sha256 (and
 digest over them), the settings, the losses, the held-out greedy agreement of draft vs
 main, and a simulated greedy speculative decoding run with K=4 (mean accepted length).
 
-Output (``--out``, default ``src/hybridkv/engine/demo_models``)::
+Output (``--out``, default ``src/hybridkv/engine/models/demo_models``)::
 
     main/config.json, main/model.safetensors     (bfloat16)
     draft/config.json, draft/model.safetensors   (bfloat16)
     metadata.json
 
 Both ``config.json`` files carry ``"hybridkv_tokenizer": "bytes"`` (see
-``hybridkv.engine.tokenizer.ByteTokenizer``). The Gated DeltaNet layers run on
+``hybridkv.engine.models.tokenizer.ByteTokenizer``). The Gated DeltaNet layers run on
 transformers' pure-torch fallback when ``flash-linear-attention`` is not installed,
 so the script runs on CPU as well as CUDA.
 
@@ -53,13 +53,13 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 
-from hybridkv.engine.tokenizer import (  # noqa: E402
+from hybridkv.engine.models.tokenizer import (  # noqa: E402
     BYTE_TOKENIZER_TAG,
     CONFIG_KEY,
     ByteTokenizer,
 )
 
-DEFAULT_OUT = REPO / "src" / "hybridkv" / "engine" / "demo_models"
+DEFAULT_OUT = REPO / "src" / "hybridkv" / "engine" / "models" / "demo_models"
 
 # The corpus: every top-level ``*.py`` module of the standard library plus the packages
 # below (their ``*.py`` files, tests excluded), all sorted by path relative to the stdlib

@@ -10,7 +10,7 @@ token at p + 2, on the same corpus as ``train_demo_models.py`` (the Python stdli
 sources, same held-out modules), windows drawn by a seeded generator; the main
 model's hidden states are computed once per window.
 
-Output (``--out``, default ``src/hybridkv/engine/demo_models/mtp``)::
+Output (``--out``, default ``src/hybridkv/engine/models/demo_models/mtp``)::
 
     config.json         the main's config + "mtp_num_hidden_layers": 1
     model.safetensors   mtp.* tensors only (bfloat16)
@@ -39,7 +39,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 
 import train_demo_models as corpus  # noqa: E402  (same corpus, same held-out split)
 
-DEMO = REPO / "src" / "hybridkv" / "engine" / "demo_models"
+DEMO = REPO / "src" / "hybridkv" / "engine" / "models" / "demo_models"
 INIT_LAYER = 2  # a full-attention layer of the demo main
 
 

@@ -14,9 +14,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from hybridkv.engine.attention import attention_index, paged_attention  # noqa: E402
-from hybridkv.engine.context import KVCache  # noqa: E402
-from hybridkv.engine.kv_quant import KVQuant  # noqa: E402
+from hybridkv.engine.ops.attention import attention_index, paged_attention  # noqa: E402
+from hybridkv.engine.ops.context import KVCache  # noqa: E402
+from hybridkv.engine.ops.kv_quant import KVQuant  # noqa: E402
 from tests.exactness.test_batched_kernels import attention_case  # noqa: E402
 
 

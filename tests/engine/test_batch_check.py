@@ -8,7 +8,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from hybridkv.engine.context import make_batch  # noqa: E402
+from hybridkv.engine.ops.context import make_batch  # noqa: E402
 from hybridkv.errors import EngineError  # noqa: E402
 
 

@@ -10,9 +10,9 @@ torch = pytest.importorskip("torch")
 
 import torch.nn.functional as F  # noqa: E402
 
-from hybridkv.engine import state_batched  # noqa: E402
-from hybridkv.engine.context import StateCache  # noqa: E402
-from hybridkv.engine.state_batched import state_parts  # noqa: E402
+from hybridkv.engine.ops import state_batched  # noqa: E402
+from hybridkv.engine.ops.context import StateCache  # noqa: E402
+from hybridkv.engine.ops.state_batched import state_parts  # noqa: E402
 from tests.engine.test_decode_fast_paths import slots_case  # noqa: E402
 
 
@@ -142,8 +142,8 @@ def test_qwen3_next_fused_projection_equals_the_two_products(tmp_path, rows):
     q | k | v, z, b, a), value for value; float32 keeps the two products."""
     from safetensors.torch import save_file
 
-    from hybridkv.engine.loader import Checkpoint
     from hybridkv.engine.models.gdn_projection import GDNShape, qwen3_next_projector
+    from hybridkv.engine.models.loader import Checkpoint
 
     s = GDNShape(
         hidden_size=64, num_k_heads=2, num_v_heads=4, head_k_dim=8, head_v_dim=6, conv_kernel=4
@@ -179,7 +179,7 @@ def test_attention_qkv_as_one_product_in_bf16_only(rows):
     value for value (packed, from the second call); float32 and biased layers keep
     three products."""
     from hybridkv.engine.models.attention_block import Attention, AttentionShape
-    from hybridkv.engine.packed_linear import linear
+    from hybridkv.engine.ops.packed_linear import linear
 
     gen = torch.Generator().manual_seed(rows)
     shape = AttentionShape(hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, gated=True)

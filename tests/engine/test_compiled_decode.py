@@ -1,4 +1,4 @@
-"""The opt-in compiled decode cores (`hybridkv.engine.compiled_decode`): when they apply,
+"""The opt-in compiled decode cores (`hybridkv.engine.ops.compiled_decode`): when they apply,
 their row buckets, and (slow: they compile) the Gated DeltaNet core against a float64
 composition of the eager path's own pieces, padded buckets included, and inside the
 engine on a tiny Qwen3-Next."""
@@ -11,9 +11,9 @@ torch = pytest.importorskip("torch")
 
 import torch.nn.functional as F  # noqa: E402
 
-from hybridkv.engine import compiled, compiled_decode, delta_rule  # noqa: E402
-from hybridkv.engine.context import StateCache, StateSlots, make_batch  # noqa: E402
-from hybridkv.engine.state_batched import causal_conv_grid, state_parts  # noqa: E402
+from hybridkv.engine.ops import compiled, compiled_decode, delta_rule  # noqa: E402
+from hybridkv.engine.ops.context import StateCache, StateSlots, make_batch  # noqa: E402
+from hybridkv.engine.ops.state_batched import causal_conv_grid, state_parts  # noqa: E402
 from hybridkv.errors import EngineError  # noqa: E402
 
 

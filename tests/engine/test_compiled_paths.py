@@ -1,4 +1,4 @@
-"""The opt-in compiled paths (`hybridkv.engine.compiled`): off by default, taken only by
+"""The opt-in compiled paths (`hybridkv.engine.ops.compiled`): off by default, taken only by
 reduced-precision CPU steps of at least `MIN_TOKENS` rows, and (slow: they compile)
 equal to the eager forms within float32 / bf16 rounding."""
 
@@ -8,8 +8,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from hybridkv.engine import compiled, delta_rule  # noqa: E402
 from hybridkv.engine.models.common import _rms_norm_scaled, rms_norm  # noqa: E402
+from hybridkv.engine.ops import compiled, delta_rule  # noqa: E402
 
 
 @pytest.fixture
@@ -85,7 +85,7 @@ def test_fused_chunked_rule_matches_eager():
 def test_fused_prefill_prep_matches_eager():
     """The compiled conv + silu and the one-pass q / k preparation against the eager
     forms (bf16 inputs, float32 outputs within bf16 input rounding)."""
-    from hybridkv.engine.state_batched import causal_conv_grid
+    from hybridkv.engine.ops.state_batched import causal_conv_grid
 
     gen = torch.Generator().manual_seed(5)
     for rows, length in ((2, 70), (3, 100)):

@@ -16,11 +16,11 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from hybridkv.engine import delta_rule, kv_quant, state_batched  # noqa: E402
-from hybridkv.engine.context import StateCache, StateSlots, make_batch  # noqa: E402
-from hybridkv.engine.scratch import Scratch  # noqa: E402
-from hybridkv.engine.state_batched import SlotRun, state_parts  # noqa: E402
-from hybridkv.engine.state_ops import gated_delta_rule_capture  # noqa: E402
+from hybridkv.engine.ops import delta_rule, kv_quant, state_batched  # noqa: E402
+from hybridkv.engine.ops.context import StateCache, StateSlots, make_batch  # noqa: E402
+from hybridkv.engine.ops.scratch import Scratch  # noqa: E402
+from hybridkv.engine.ops.state_batched import SlotRun, state_parts  # noqa: E402
+from hybridkv.engine.ops.state_ops import gated_delta_rule_capture  # noqa: E402
 from tests.exactness.test_batched_kernels import gdn_layer  # noqa: E402
 
 
@@ -213,7 +213,7 @@ def test_slot_runs_split_greedily_and_give_up_past_the_limit():
 
 @pytest.mark.parametrize("seed", [0, 1])
 def test_decode_kernel_with_scratch_buffer_is_bit_identical(seed):
-    """The products written into a reused buffer strided as the state (`engine.scratch`)
+    """The products written into a reused buffer strided as the state (`engine.ops.scratch`)
     give exactly the fresh-tensor results: outputs and updated states, `torch.equal`."""
     gen = torch.Generator().manual_seed(seed)
     rows, heads, dk, dv = 6, 8, 64, 64

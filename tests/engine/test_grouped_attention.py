@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hybridkv.engine.attention import SHORT_MAX_TOKENS, _grouped_pays, _grouped_sdpa
+from hybridkv.engine.ops.attention import SHORT_MAX_TOKENS, _grouped_pays, _grouped_sdpa
 
 
 def _inputs(rows: int, length: int, dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, ...]:

@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hybridkv.engine import packed_linear
-from hybridkv.engine.packed_linear import linear
+from hybridkv.engine.ops import packed_linear
+from hybridkv.engine.ops.packed_linear import linear
 
 
 @pytest.mark.parametrize("rows", [1, 3, 32, 257])

@@ -13,8 +13,8 @@ import pytest
 torch = pytest.importorskip("torch")
 F = torch.nn.functional
 
-from hybridkv.engine import delta_rule  # noqa: E402
 from hybridkv.engine.models.common import GatedMLP  # noqa: E402
+from hybridkv.engine.ops import delta_rule  # noqa: E402
 from tests.exactness.test_batched_kernels import gdn_layer  # noqa: E402
 
 
@@ -81,7 +81,7 @@ def test_conv_taps_match_depthwise_conv1d(length, rows, bias):
     library's depthwise conv on the channels-first history: the history bit for bit, the
     outputs to float32 rounding (the taps are summed in the same order, but the library
     kernel may fuse differently)."""
-    from hybridkv.engine.state_batched import causal_conv_grid
+    from hybridkv.engine.ops.state_batched import causal_conv_grid
 
     gen = torch.Generator().manual_seed(length)
     channels, kernel = 24, 4

@@ -1,4 +1,4 @@
-"""Round 10's prefill layouts (`engine.compiled`, `engine.delta_rule`): each change of
+"""Round 10's prefill layouts (`engine.ops.compiled`, `engine.ops.delta_rule`): each change of
 layout gives values `torch.equal` to the form it replaced. Slow: they compile."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import pytest
 torch = pytest.importorskip("torch")
 F = torch.nn.functional
 
-from hybridkv.engine import compiled  # noqa: E402
+from hybridkv.engine.ops import compiled  # noqa: E402
 
 
 @pytest.fixture
@@ -53,7 +53,7 @@ def test_chunked_output_is_stored_tokens_major(switched_on, fused):
     """`delta_rule_chunked` returns ``o [R, L, H, dv]`` contiguous (the caller's reshape
     to the token stream is a view), with the values of the chunk outputs it copies in:
     each chunk's ``O`` recomputed from the captured-state formula agrees exactly."""
-    from hybridkv.engine import delta_rule
+    from hybridkv.engine.ops import delta_rule
 
     gen = torch.Generator().manual_seed(5)
     rows, length, heads, dk, dv = 2, 150, 2, 16, 8
@@ -91,7 +91,7 @@ def test_keep_freed_pages_on_glibc():
     (the settings stay for the rest of the test process: memory is kept, nothing else)."""
     import platform
 
-    from hybridkv.engine import scratch
+    from hybridkv.engine.ops import scratch
 
     done = scratch.keep_freed_pages()
     if platform.system() == "Linux" and platform.libc_ver()[0] == "glibc":
@@ -111,7 +111,7 @@ def test_blocked_solve_matches_the_one_call_solve(size):
     equal at float32 rounding (not bit for bit; only reduced-precision models take it,
     and their outputs are rounded to bf16 after), on systems shaped like the chunked
     rule's, with strong decays (tiny and subnormal coefficients) included."""
-    from hybridkv.engine import delta_rule
+    from hybridkv.engine.ops import delta_rule
 
     gen = torch.Generator().manual_seed(size)
     batch = 6

@@ -19,7 +19,9 @@ from pathlib import Path
 
 import torch
 
-from hybridkv.engine.context import (
+from hybridkv.engine.models import CausalLM
+from hybridkv.engine.models.common import SLIDING_ATTENTION, STATE
+from hybridkv.engine.ops.context import (
     BlockTable,
     ForwardBatch,
     KVCache,
@@ -28,8 +30,6 @@ from hybridkv.engine.context import (
     StateSlots,
     make_batch,
 )
-from hybridkv.engine.models import CausalLM
-from hybridkv.engine.models.common import SLIDING_ATTENTION, STATE
 
 NULL_BLOCK = 0
 

@@ -13,16 +13,16 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from hybridkv.engine import delta_rule  # noqa: E402
-from hybridkv.engine.attention import paged_attention  # noqa: E402
-from hybridkv.engine.attention_reference import paged_attention_reference  # noqa: E402
-from hybridkv.engine.context import BlockTable, KVCache, StateCache, StateSlots, make_batch  # noqa: E402
 from hybridkv.engine.models.gated_deltanet import GatedDeltaNet  # noqa: E402
 from hybridkv.engine.models.gdn_projection import GDNShape  # noqa: E402
 from hybridkv.engine.models.mamba1 import Mamba1  # noqa: E402
 from hybridkv.engine.models.mamba2 import Mamba2, Mamba2Shape  # noqa: E402
 from hybridkv.engine.models.short_conv import ShortConv  # noqa: E402
-from hybridkv.engine.state_ops import gated_delta_rule_capture  # noqa: E402
+from hybridkv.engine.ops import delta_rule  # noqa: E402
+from hybridkv.engine.ops.attention import paged_attention  # noqa: E402
+from hybridkv.engine.ops.attention_reference import paged_attention_reference  # noqa: E402
+from hybridkv.engine.ops.context import BlockTable, KVCache, StateCache, StateSlots, make_batch  # noqa: E402
+from hybridkv.engine.ops.state_ops import gated_delta_rule_capture  # noqa: E402
 
 NULL = 0
 

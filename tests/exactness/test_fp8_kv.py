@@ -17,8 +17,8 @@ pytest.importorskip("transformers")
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 from hybridkv.engine import LLM  # noqa: E402
-from hybridkv.engine.context import KVCache  # noqa: E402
-from hybridkv.engine.tensors import simulate_fp8_kv  # noqa: E402
+from hybridkv.engine.forward.tensors import simulate_fp8_kv  # noqa: E402
+from hybridkv.engine.ops.context import KVCache  # noqa: E402
 from hybridkv.errors import EngineError  # noqa: E402
 
 FP8 = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}

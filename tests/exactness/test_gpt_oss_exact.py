@@ -18,7 +18,7 @@ CASE = "gpt_oss"
 
 
 def test_gpt_oss_layers_match_the_planner(llm_case):
-    from hybridkv.engine.loader import read_config
+    from hybridkv.engine.models.loader import read_config
     from hybridkv.models.registry import from_hf_config
 
     case = llm_case(CASE)

@@ -18,7 +18,7 @@ CASE = "lfm2"
 
 
 def test_lfm2_layers_match_the_planner(llm_case):
-    from hybridkv.engine.loader import read_config
+    from hybridkv.engine.models.loader import read_config
     from hybridkv.models.registry import decoder_layer_indices, from_hf_config
 
     case = llm_case(CASE)

@@ -91,7 +91,7 @@ def test_llm_many_preemptions_give_the_same_tokens(llm_case, name):
 def test_llm_cancel_releases_blocks_and_others_continue(llm_case):
     case = llm_case("qwen3_5")
     llm = LLM(case.folder, chunk_size=4)
-    from hybridkv.engine.sampler import SamplingParams
+    from hybridkv.engine.sampling.sampler import SamplingParams
 
     reqs = [llm.add_request(p, SamplingParams(NUM_NEW), i) for i, p in enumerate(case.prompts)]
     for _ in range(5):

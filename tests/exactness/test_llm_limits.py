@@ -11,7 +11,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from hybridkv.engine import LLM  # noqa: E402
-from hybridkv.engine.sampler import SamplingParams  # noqa: E402
+from hybridkv.engine.sampling.sampler import SamplingParams  # noqa: E402
 from hybridkv.errors import EngineError  # noqa: E402
 from hybridkv.sched import Status  # noqa: E402
 

@@ -15,9 +15,9 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from hybridkv.engine.context import StateCache, StateSlots, make_batch  # noqa: E402
-from hybridkv.engine.runner import state_write_points  # noqa: E402
-from hybridkv.engine.tensors import build_cache_tensors  # noqa: E402
+from hybridkv.engine.forward.runner import state_write_points  # noqa: E402
+from hybridkv.engine.forward.tensors import build_cache_tensors  # noqa: E402
+from hybridkv.engine.ops.context import StateCache, StateSlots, make_batch  # noqa: E402
 from hybridkv.errors import EngineError  # noqa: E402
 from hybridkv.models.registry import load_model_spec  # noqa: E402
 from hybridkv.plan.planner import plan  # noqa: E402

@@ -18,7 +18,7 @@ from llm_support import shared_prefix_prompts  # noqa: E402
 from mtp_support import ReferenceMTP, build_mtp_checkpoint  # noqa: E402
 
 from hybridkv.engine import LLM  # noqa: E402
-from hybridkv.engine.loader import Checkpoint  # noqa: E402
+from hybridkv.engine.models.loader import Checkpoint  # noqa: E402
 from hybridkv.errors import EngineError  # noqa: E402
 
 K = 3
@@ -131,7 +131,7 @@ def test_mtp_sampling_is_seeded(mtp_case):
 
 
 def test_mtp_tensors_are_ignored_with_a_reason_unless_asked_for(mtp_case):
-    from hybridkv.engine.loader import read_config
+    from hybridkv.engine.models.loader import read_config
     from hybridkv.engine.models.qwen3_5 import load_qwen3_5
 
     folder, _hf, _ref = mtp_case("qwen3_5", False)
@@ -199,7 +199,7 @@ def test_mtp_through_hybridkv_generate(mtp_case):
 
     from typer.testing import CliRunner
 
-    import hybridkv.engine.cli  # noqa: F401  (registers generate)
+    import hybridkv.cli.engine  # noqa: F401  (registers generate)
     from hybridkv.cli import app
 
     folder, hf, _ref = mtp_case("qwen3_next", True)

@@ -7,15 +7,13 @@ The engine checks its delta-fed block tables against the manager's rows every st
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 
 torch = pytest.importorskip("torch")
 
 from hybridkv.engine import LLM  # noqa: E402
 from hybridkv.sched import SchedulerOutput, StepReport  # noqa: E402
-from hybridkv.sim import SchedulerConfig, TraceRequest, simulate  # noqa: E402
+from hybridkv.sim import TraceRequest, simulate  # noqa: E402
 
 NUM_NEW = 24
 
@@ -65,18 +63,14 @@ def run_engine(llm: LLM, prompts):
 
 
 def replay(llm: LLM, trace):
-    policy = llm.scheduler.config
-    config = SchedulerConfig(
-        **{
-            f.name: getattr(policy, f.name)
-            for f in dataclasses.fields(policy)
-            if f.name != "batch_commits"
-        },
-        check_every=1,
-    )
+    """The trace under the engine's own scheduler config (one `SchedulerConfig` type)."""
     steps: list[tuple] = []
     result = simulate(
-        trace, llm.plan, config=config, on_step=lambda out, _: steps.append(signature(out))
+        trace,
+        llm.plan,
+        config=llm.scheduler.config,
+        check_every=1,
+        on_step=lambda out, _: steps.append(signature(out)),
     )
     return steps, result
 

@@ -23,7 +23,7 @@ from llm_support import COMMON  # noqa: E402
 from mtp_support import _config  # noqa: E402
 from typer.testing import CliRunner  # noqa: E402
 
-import hybridkv.engine.cli  # noqa: E402,F401  (registers generate)
+import hybridkv.cli.engine  # noqa: E402,F401  (registers generate)
 from hybridkv.cli import app  # noqa: E402
 from hybridkv.engine import LLM  # noqa: E402
 

@@ -18,7 +18,7 @@ from llm_support import BUILDERS, NUM_NEW  # noqa: E402
 
 from hybridkv.cache.events import BLOCK_STORED  # noqa: E402
 from hybridkv.engine import LLM  # noqa: E402
-from hybridkv.engine.sampler import SamplingParams  # noqa: E402
+from hybridkv.engine.sampling.sampler import SamplingParams  # noqa: E402
 
 MODELS = sorted(BUILDERS)
 K = 4

@@ -6,7 +6,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from hybridkv.engine.state_ops import causal_conv1d  # noqa: E402
+from hybridkv.engine.ops.state_ops import causal_conv1d  # noqa: E402
 
 
 def test_conv_state_with_extra_rows_gives_same_output_and_longer_history():

@@ -18,8 +18,8 @@ from mtp_support import ReferenceMTP, build_mtp_checkpoint  # noqa: E402
 from tree_support import TREE, ScriptedTreeDrafter, node_logits_oracle  # noqa: E402
 
 from hybridkv.engine import LLM  # noqa: E402
-from hybridkv.engine import tree as tree_mod  # noqa: E402
-from hybridkv.engine.proposers.tree import TreeHeadDrafter  # noqa: E402
+from hybridkv.engine.speculative import tree as tree_mod  # noqa: E402
+from hybridkv.engine.speculative.proposers.tree import TreeHeadDrafter  # noqa: E402
 from hybridkv.errors import PlanError  # noqa: E402
 
 NUM_NEW = 32
@@ -229,7 +229,7 @@ def test_tree_through_hybridkv_generate(mtp_folder, config):
 
     from typer.testing import CliRunner
 
-    import hybridkv.engine.cli  # noqa: F401  (registers generate)
+    import hybridkv.cli.engine  # noqa: F401  (registers generate)
     from hybridkv.cli import app
 
     folder, hf = mtp_folder
@@ -250,7 +250,7 @@ def test_generate_refuses_a_tree_of_ngram(mtp_folder):
 
     from typer.testing import CliRunner
 
-    import hybridkv.engine.cli  # noqa: F401
+    import hybridkv.cli.engine  # noqa: F401
     from hybridkv.cli import app
 
     folder, _hf = mtp_folder

@@ -9,7 +9,7 @@ import random
 
 import torch
 
-from hybridkv.engine.speculative import Drafts
+from hybridkv.engine.speculative.drafting import Drafts
 from hybridkv.plan.tree import TokenTree
 
 TREE = TokenTree.from_paths([[0], [1], [2], [0, 0], [1, 0], [1, 1], [0, 0, 0], [1, 0, 0]])

@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
-import hybridkv.sim.cli  # noqa: F401  (registers simulate / trace-gen)
+import hybridkv.cli.sim  # noqa: F401  (registers simulate / trace-gen)
 from hybridkv.cli import app
 from hybridkv.errors import HybridKVError
 from hybridkv.models import from_hf_config

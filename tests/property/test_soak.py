@@ -8,8 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hybridkv.cache.toy import ToyGroup, toy_plan
+from hybridkv.sched import config_from_plan
 from hybridkv.sim import SchedulerConfig, generate_workload, simulate, workload_options
-from hybridkv.sim.simulator import scheduler_config
 
 MIX = [ToyGroup("sliding", 4, 16), ToyGroup("full", 4), ToyGroup("state", 8)]
 
@@ -31,14 +31,8 @@ def _soak(num_requests: int, *, seed: int, check_every: int):
             rate_per_s=400.0,
         ),
     )
-    config = scheduler_config(
-        plan,
-        max_num_seqs=6,
-        max_num_batched_tokens=256,
-        check_every=check_every,
-        record_usage=False,
-    )
-    return simulate(trace, plan, config=config)
+    config = config_from_plan(plan, max_num_seqs=6, max_num_batched_tokens=256)
+    return simulate(trace, plan, config=config, check_every=check_every, record_usage=False)
 
 
 def _assert_clean(result, min_steps: int) -> None:
@@ -95,8 +89,7 @@ def test_random_plans_and_traces_finish_clean(seed, num_blocks, layout, k, mix, 
         max_num_seqs=4,
         max_num_batched_tokens=budget,
         max_spec_tokens=k,
-        check_every=1,
         chunk_align_tokens=plan.hit_granularity_tokens,
     )
-    result = simulate(trace, plan, config=config)
+    result = simulate(trace, plan, config=config, check_every=1)
     assert result.num_finished == 12 and result.leaked_blocks == 0

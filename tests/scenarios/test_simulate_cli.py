@@ -7,7 +7,7 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-import hybridkv.sim.cli  # noqa: F401  (registers the commands on the app)
+import hybridkv.cli.sim  # noqa: F401  (registers the commands on the app)
 from hybridkv.cli import app
 
 runner = CliRunner()

@@ -18,7 +18,7 @@ from hybridkv.sched import Request, Scheduler, SchedulerConfig, SchedulerOutput,
 
 torch = pytest.importorskip("torch")
 
-from hybridkv.engine.block_tables import DeviceBlockTables  # noqa: E402
+from hybridkv.engine.forward.block_tables import DeviceBlockTables  # noqa: E402
 
 K = 3
 GROUPS = [ToyGroup("full", 4), ToyGroup("sliding", 4, 6), ToyGroup("state", 8)]

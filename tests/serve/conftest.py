@@ -16,7 +16,7 @@ DEMO_ARGS = {"draft": "demo-draft", "num_spec": 4}
 def server():
     torch = pytest.importorskip("torch")
     pytest.importorskip("fastapi")
-    from hybridkv.engine.cli import load_llm
+    from hybridkv.cli.engine import load_llm
     from hybridkv.serve.server import BackgroundServer
 
     torch.set_num_threads(1)  # a tiny model: more threads only fight over small CI machines
@@ -27,7 +27,7 @@ def server():
 @pytest.fixture(scope="module")
 def offline(server):
     """The server's engine configuration, used offline."""
-    from hybridkv.engine.cli import load_llm
+    from hybridkv.cli.engine import load_llm
 
     return load_llm("demo", **DEMO_ARGS)
 

@@ -8,8 +8,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from hybridkv.cli.engine import load_llm  # noqa: E402
 from hybridkv.demo import HEADER  # noqa: E402
-from hybridkv.engine.cli import load_llm  # noqa: E402
 from hybridkv.errors import EngineError  # noqa: E402
 
 pytestmark = pytest.mark.engine

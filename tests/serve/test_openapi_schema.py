@@ -31,7 +31,7 @@ MAX_MODEL_LEN = 48
 @pytest.fixture(scope="module")
 def small_server():
     torch = pytest.importorskip("torch")
-    from hybridkv.engine.cli import load_llm
+    from hybridkv.cli.engine import load_llm
     from hybridkv.serve.server import BackgroundServer
 
     torch.set_num_threads(1)

@@ -11,9 +11,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from hybridkv.engine.logits_process import process_rows  # noqa: E402
-from hybridkv.engine.logprobs import token_logprobs  # noqa: E402
-from hybridkv.engine.sampler import SamplingParams  # noqa: E402
+from hybridkv.engine.sampling.logits_process import process_rows  # noqa: E402
+from hybridkv.engine.sampling.logprobs import token_logprobs  # noqa: E402
+from hybridkv.engine.sampling.sampler import SamplingParams  # noqa: E402
 from hybridkv.errors import EngineError  # noqa: E402
 
 VOCAB = 12
@@ -109,7 +109,7 @@ def test_token_logprobs_rank_and_top_k():
 @pytest.fixture(scope="module")
 def demo_main():
     pytest.importorskip("transformers")
-    from hybridkv.engine.cli import load_llm
+    from hybridkv.cli.engine import load_llm
 
     torch.set_num_threads(1)
     # 16-token chunks: the prompt's logprobs come from several prefill steps

@@ -18,7 +18,7 @@ import pytest
 from typer.testing import CliRunner
 
 import hybridkv
-import hybridkv.serve.cli as serve_cli
+import hybridkv.cli.serve as serve_cli
 from hybridkv.cli import app
 
 

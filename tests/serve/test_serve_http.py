@@ -583,7 +583,7 @@ def test_a_mixed_crowd_with_disconnects_leaves_the_engine_clean(server, client):
 def test_max_model_len_flag_sets_the_served_limit():
     """`--max-model-len` (through the CLI's loader) is the limit /v1/models reports and
     the length checks enforce, with the numbers in the message."""
-    from hybridkv.engine.cli import load_llm
+    from hybridkv.cli.engine import load_llm
     from hybridkv.serve.server import BackgroundServer
 
     llm = load_llm("demo", max_model_len=256)

@@ -49,7 +49,7 @@ def stream_text(url: str, prompt: str) -> str:
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_seed_config_served_equals_offline(name: str) -> None:
-    from hybridkv.engine.cli import load_llm
+    from hybridkv.cli.engine import load_llm
     from hybridkv.serve.server import BackgroundServer
 
     torch.set_num_threads(1)

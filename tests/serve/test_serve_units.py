@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hybridkv.engine.tokenizer import ByteTokenizer
+from hybridkv.engine.models.tokenizer import ByteTokenizer
 from hybridkv.errors import RequestError
 from hybridkv.serve.chat import chat_renderer, render_demo_chat
 from hybridkv.serve.metrics import Histogram, MetricsSnapshot, parse, render
@@ -259,7 +259,7 @@ def test_token_strings_are_distinct_text_for_every_byte_id():
 
 def test_echo_response_pairs_prompt_and_output_logprobs():
     """Whole and streamed bodies of a 2-prompt x n=2 echo request with logprobs."""
-    from hybridkv.engine.logprobs import TokenLogprob
+    from hybridkv.engine.sampling.logprobs import TokenLogprob
     from hybridkv.serve.engine_loop import Output
     from hybridkv.serve.logprobs import TokenTexts
     from hybridkv.serve.responses import ResponseFormat

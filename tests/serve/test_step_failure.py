@@ -11,7 +11,7 @@ def test_server_serves_after_a_failed_step() -> None:
     torch = pytest.importorskip("torch")
     httpx = pytest.importorskip("httpx")
     pytest.importorskip("fastapi")
-    from hybridkv.engine.cli import load_llm
+    from hybridkv.cli.engine import load_llm
     from hybridkv.serve.server import BackgroundServer
 
     torch.set_num_threads(1)
@@ -41,8 +41,8 @@ def test_server_serves_after_a_failed_step() -> None:
 
 def test_abandon_needs_the_pending_step() -> None:
     pytest.importorskip("torch")
-    from hybridkv.engine.cli import load_llm
-    from hybridkv.engine.sampler import SamplingParams
+    from hybridkv.cli.engine import load_llm
+    from hybridkv.engine.sampling.sampler import SamplingParams
     from hybridkv.errors import SchedulerError
 
     llm = load_llm("demo")

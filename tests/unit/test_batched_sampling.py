@@ -6,8 +6,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from hybridkv.engine.sampler import greedy_ids, sample  # noqa: E402
-from hybridkv.engine.verify import accept_greedy, verify_greedy  # noqa: E402
+from hybridkv.engine.sampling.sampler import greedy_ids, sample  # noqa: E402
+from hybridkv.engine.speculative.verify import accept_greedy, verify_greedy  # noqa: E402
 
 
 @pytest.mark.parametrize("seed", range(5))

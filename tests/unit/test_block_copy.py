@@ -1,4 +1,4 @@
-"""`engine.block_copy.run_copies`: K/V slots [0, n) of every layer of the order's group
+"""`engine.forward.block_copy.run_copies`: K/V slots [0, n) of every layer of the order's group
 (main and draft views), bit for bit (fp8 pages included), nothing else touched."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from hybridkv.cache.junction import CopyOrder  # noqa: E402
-from hybridkv.engine.block_copy import run_copies  # noqa: E402
-from hybridkv.engine.context import KVCache  # noqa: E402
-from hybridkv.engine.tensors import CacheTensors, group_key  # noqa: E402
+from hybridkv.engine.forward.block_copy import run_copies  # noqa: E402
+from hybridkv.engine.forward.tensors import CacheTensors, group_key  # noqa: E402
+from hybridkv.engine.ops.context import KVCache  # noqa: E402
 from hybridkv.errors import EngineError  # noqa: E402
 
 

@@ -11,7 +11,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from hybridkv.cache.delta import GroupDelta, StepDelta  # noqa: E402
-from hybridkv.engine.block_tables import (  # noqa: E402
+from hybridkv.engine.forward.block_tables import (  # noqa: E402
     NULL_BLOCK,
     DeviceBlockTables,
     PersistentBlockTable,

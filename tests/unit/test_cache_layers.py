@@ -5,8 +5,9 @@ and the imports form no cycle. Read from the sources with `ast`, so imports unde
 
 from __future__ import annotations
 
-import ast
 from pathlib import Path
+
+from tests.import_graph import PackageSources, find_cycle, upward_imports
 
 import hybridkv.cache
 
@@ -41,54 +42,22 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
 RANK = {module: rank for rank, (_, modules) in enumerate(LAYERS) for module in modules}
 
 
-def _module_name(path: Path) -> str:
-    parts = list(path.relative_to(CACHE_DIR).with_suffix("").parts)
-    if parts[-1] == "__init__" and len(parts) > 1:
-        parts.pop()
-    return ".".join(parts)
+SOURCES = PackageSources(PACKAGE, CACHE_DIR)
 
 
 def _sources() -> dict[str, Path]:
-    return {_module_name(p): p for p in sorted(CACHE_DIR.rglob("*.py"))}
-
-
-def _cache_module(name: str) -> str | None:
-    """The cache module an absolute module name names (None: outside the cache)."""
-    if name == PACKAGE:
-        return "__init__"
-    return name[len(PACKAGE) + 1 :] if name.startswith(PACKAGE + ".") else None
+    return SOURCES.paths
 
 
 def _imports(module: str, path: Path, modules: set[str]) -> set[str]:
     """The cache modules ``module`` (its source at ``path``) imports, anywhere in it."""
-    qualified = PACKAGE if module == "__init__" else f"{PACKAGE}.{module}"
-    package = qualified if path.name == "__init__.py" else qualified.rsplit(".", 1)[0]
-    names: list[str] = []
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if isinstance(node, ast.Import):
-            names += [alias.name for alias in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                anchor = package.rsplit(".", node.level - 1)[0]
-                base = f"{anchor}.{base}" if base else anchor
-            for alias in node.names:  # `from pkg import sub` names the submodule
-                sub = _cache_module(f"{base}.{alias.name}")
-                names.append(f"{base}.{alias.name}" if sub in modules else base)
-    out: set[str] = set()
-    for name in names:
-        target = _cache_module(name)
-        if target is None or target == module:
-            continue
-        assert target in modules, f"{module} imports {name}, not a module of the cache"
-        out.add(target)
+    out = SOURCES.imports(module, path)
+    assert out <= modules, f"{module} imports {sorted(out - modules)}, not modules of the cache"
     return out
 
 
 def _graph() -> dict[str, set[str]]:
-    sources = _sources()
-    modules = set(sources)
-    return {module: _imports(module, path, modules) for module, path in sources.items()}
+    return SOURCES.graph()
 
 
 def test_every_cache_module_has_a_layer() -> None:
@@ -98,31 +67,13 @@ def test_every_cache_module_has_a_layer() -> None:
 
 
 def test_cache_imports_point_down() -> None:
-    upward = [
-        f"{module} ({LAYERS[RANK[module]][0]}) imports {target} ({LAYERS[RANK[target]][0]})"
-        for module, targets in sorted(_graph().items())
-        for target in sorted(targets)
-        if RANK[target] > RANK[module]
-    ]
+    upward = upward_imports(_graph(), RANK.__getitem__, lambda module: LAYERS[RANK[module]][0])
     assert upward == [], "imports from a lower layer to a higher one:\n" + "\n".join(upward)
 
 
 def test_cache_imports_have_no_cycle() -> None:
-    graph = _graph()
-    done: set[str] = set()
-
-    def visit(module: str, path: list[str]) -> None:
-        if module in path:
-            cycle = [*path[path.index(module) :], module]
-            raise AssertionError("import cycle: " + " -> ".join(cycle))
-        if module in done:
-            return
-        for target in sorted(graph[module]):
-            visit(target, [*path, module])
-        done.add(module)
-
-    for module in sorted(graph):
-        visit(module, [])
+    cycle = find_cycle(_graph())
+    assert not cycle, "import cycle: " + " -> ".join(cycle)
 
 
 def test_the_checker_sees_type_checking_imports(tmp_path: Path) -> None:

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-import hybridkv.sim.cli  # noqa: F401  (registers simulate / trace-gen)
+import hybridkv.cli.sim  # noqa: F401  (registers simulate / trace-gen)
 from hybridkv.cli import app
 from hybridkv.plan.report import _layer_span
 from hybridkv.progress import bar_enabled, progress_bar
@@ -164,7 +164,7 @@ def test_plot_extra_in_pyproject_brings_matplotlib() -> None:
 
 
 def test_demo_report_marks_where_each_completion_starts(capsys: pytest.CaptureFixture) -> None:
-    from hybridkv.demo import DemoOptions, print_report, run_demo
+    from hybridkv.cli.demo import DemoOptions, print_report, run_demo
 
     llm, report = run_demo(DemoOptions(num_requests=2, max_new_tokens=8, threads=1), False)
     print_report(llm, report)

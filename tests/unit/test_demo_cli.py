@@ -9,7 +9,7 @@ import pytest
 torch = pytest.importorskip("torch")
 from typer.testing import CliRunner  # noqa: E402
 
-import hybridkv.engine.cli  # noqa: E402,F401  (registers the commands)
+import hybridkv.cli.engine  # noqa: E402,F401  (registers the commands)
 from hybridkv.cli import app  # noqa: E402
 
 
@@ -116,7 +116,7 @@ def test_demo_refuses_a_tree_from_the_draft_model():
 def test_demo_text_is_framed_for_a_newcomer_and_json_is_not():
     """The human-readable demo says first what it shows (and that tiny models write poor
     text) and last where to go next; `--json` stays pure JSON."""
-    from hybridkv.demo import framing
+    from hybridkv.cli.demo import framing
 
     args = ["demo", "--num-requests", "2", "--max-new-tokens", "4", "--threads", "1"]
     result = CliRunner().invoke(app, args, terminal_width=100, env={"COLUMNS": "100"})

@@ -1,4 +1,4 @@
-"""The built-in demo models (``hybridkv/engine/demo_models``) and the byte tokenizer.
+"""The built-in demo models (``hybridkv/engine/models/demo_models``) and the byte tokenizer.
 
 The checkpoints are produced by ``scripts/train_demo_models.py``: a byte-level Qwen3.5
 hybrid main model (Gated DeltaNet + gated full attention) and a dense Qwen3 draft.
@@ -11,9 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from hybridkv.engine.tokenizer import ByteTokenizer, load_tokenizer
+from hybridkv.engine.models.tokenizer import ByteTokenizer, load_tokenizer
 
-DEMO = Path(__file__).resolve().parents[2] / "src" / "hybridkv" / "engine" / "demo_models"
+DEMO = (
+    Path(__file__).resolve().parents[2] / "src" / "hybridkv" / "engine" / "models" / "demo_models"
+)
 SIZE_LIMIT = 6_500_000  # bytes, both checkpoints together
 
 

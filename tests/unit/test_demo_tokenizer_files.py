@@ -20,7 +20,7 @@ import tokenizers
 from transformers import AutoTokenizer
 
 from hybridkv.demo import DEMO_DRAFT, DEMO_MAIN, DEMO_MTP
-from hybridkv.engine.tokenizer import ByteTokenizer, load_tokenizer
+from hybridkv.engine.models.tokenizer import ByteTokenizer, load_tokenizer
 from hybridkv.errors import EngineError
 from hybridkv.serve.chat import render_demo_chat
 

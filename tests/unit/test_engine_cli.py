@@ -10,7 +10,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 from typer.testing import CliRunner  # noqa: E402
 
-import hybridkv.engine.cli  # noqa: E402,F401  (registers the command)
+import hybridkv.cli.engine  # noqa: E402,F401  (registers the command)
 from hybridkv.cli import app  # noqa: E402
 
 
@@ -110,8 +110,8 @@ def test_generate_and_serve_take_the_benchmarks_engine_settings(tiny_qwen3, comp
     """bench/engine_vs_vllm.py measures `LLM(torch_compile=True)` with a thread per core,
     which `generate` and `serve` could not run; both flags now reach the engine, and
     `generate --json` says which settings its tokens ran under."""
-    import hybridkv.serve.cli  # noqa: F401  (registers serve)
-    from hybridkv.engine import compiled
+    import hybridkv.cli.serve  # noqa: F401  (registers serve)
+    from hybridkv.engine.ops import compiled
 
     was_compiled, was_threads = compiled.enabled(), torch.get_num_threads()
     args = ["generate", str(tiny_qwen3), "--prompt-ids", "1,2,3", "--max-new-tokens", "2"]

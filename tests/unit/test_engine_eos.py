@@ -10,7 +10,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from hybridkv.engine.llm import resolve_device  # noqa: E402
-from hybridkv.engine.loader import eos_token_ids  # noqa: E402
+from hybridkv.engine.models.loader import eos_token_ids  # noqa: E402
 from hybridkv.errors import EngineError, SchedulerError  # noqa: E402
 from hybridkv.sched import Request  # noqa: E402
 

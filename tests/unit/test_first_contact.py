@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-import hybridkv.sim.cli  # noqa: F401  (registers simulate / trace-gen)
-from hybridkv.cli import app, find_benchmark
-from hybridkv.cli_options import MAX_SPEC_TOKENS, parse_bytes
+import hybridkv.cli.sim  # noqa: F401  (registers simulate / trace-gen)
+from hybridkv.cli.options import MAX_SPEC_TOKENS, parse_bytes
+from hybridkv.cli.root import app, find_benchmark
 from hybridkv.errors import PlanError
 from hybridkv.models import list_presets
 

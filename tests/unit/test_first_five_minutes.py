@@ -20,9 +20,9 @@ import pytest
 from rich.console import Console
 from typer.testing import CliRunner
 
-import hybridkv.sim.cli  # noqa: F401  (registers simulate / trace-gen)
-from hybridkv.cli import _register_optional_commands, app, model_rows, short_source
-from hybridkv.cli_options import parse_bytes
+import hybridkv.cli.sim  # noqa: F401  (registers simulate / trace-gen)
+from hybridkv.cli.options import parse_bytes
+from hybridkv.cli.root import _register_optional_commands, app, model_rows, short_source
 from hybridkv.errors import PlanError
 from hybridkv.models import load_model_spec
 from hybridkv.plan import plan

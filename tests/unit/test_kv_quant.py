@@ -7,8 +7,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from hybridkv.engine import kv_quant  # noqa: E402
-from hybridkv.engine.kv_quant import KVQuant  # noqa: E402
+from hybridkv.engine.ops import kv_quant  # noqa: E402
+from hybridkv.engine.ops.kv_quant import KVQuant  # noqa: E402
 from hybridkv.errors import EngineError  # noqa: E402
 
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)

@@ -97,7 +97,7 @@ def test_small_models_run_on_one_thread_unless_asked(tmp_path: Path) -> None:
 def test_generate_takes_threads() -> None:
     from typer.testing import CliRunner
 
-    import hybridkv.engine.cli  # noqa: F401  (registers generate)
+    import hybridkv.cli.engine  # noqa: F401  (registers generate)
     from hybridkv.cli import app
 
     runner = CliRunner()

@@ -6,8 +6,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from hybridkv.engine.proposers import NgramProposer, SuffixProposer  # noqa: E402
-from hybridkv.engine.verify import verify_greedy, verify_sampling  # noqa: E402
+from hybridkv.engine.speculative.proposers import NgramProposer, SuffixProposer  # noqa: E402
+from hybridkv.engine.speculative.verify import verify_greedy, verify_sampling  # noqa: E402
 
 
 def test_ngram_copies_what_followed_the_latest_match() -> None:

@@ -15,7 +15,7 @@ import typer
 from typer.main import get_command
 from typer.testing import CliRunner
 
-from hybridkv.cli import _register_optional_commands, app
+from hybridkv.cli.root import _register_optional_commands, app
 
 REPO = Path(__file__).resolve().parents[2]
 README = (REPO / "README.md").read_text()

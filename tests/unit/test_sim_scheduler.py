@@ -7,15 +7,18 @@ import dataclasses
 
 import pytest
 
+from hybridkv import sched
 from hybridkv.cache.toy import ToyGroup, toy_plan
+from hybridkv.sched import SchedulerOutput, config_from_plan
 from hybridkv.sim import (
+    ReplayOptions,
     SimulationError,
     TraceRequest,
     generate_workload,
     simulate,
     workload_options,
 )
-from hybridkv.sim.simulator import build_manager, scheduler_config
+from hybridkv.sim.simulator import build_manager
 
 GROUP_MIXES = {
     "full": [ToyGroup("full", 4)],
@@ -153,13 +156,13 @@ def test_request_too_large_for_the_pool_is_a_typed_error() -> None:
 
 def test_chunks_respect_the_token_budget_and_align_for_checkpoints() -> None:
     plan = toy_plan([ToyGroup("full", 4), ToyGroup("state", 16)], num_blocks=400)
-    config = scheduler_config(plan, max_num_batched_tokens=40, check_every=1)
+    config = config_from_plan(plan, max_num_batched_tokens=40)
     assert config.chunk_align_tokens == plan.hit_granularity_tokens == 16
     trace = [
         TraceRequest(id="a", arrival_s=0.0, prompt=tuple(range(1, 101)), output=(1,)),
         TraceRequest(id="b", arrival_s=9.0, prompt=tuple(range(1, 101)), output=(2,)),
     ]
-    result = simulate(trace, plan, config=config)
+    result = simulate(trace, plan, config=config, check_every=1)
     # a: chunks 0-32, 32-64, 64-96, 96-100 -> checkpoints at 32, 64, 96; b hits 96
     assert result.prefix_hit_tokens == 96
     assert result.leaked_blocks == 0
@@ -172,3 +175,29 @@ def test_max_steps_stops_early_and_reports_unknown_leaks() -> None:
     result = simulate(_trace(num_requests=30), plan, max_steps=5)
     assert result.steps == 5 and result.num_finished < 30
     assert result.leaked_blocks == -1
+
+
+def test_one_scheduler_config_for_engine_and_simulator() -> None:
+    """The simulator runs the scheduler's own config type; its run switches are apart."""
+    import hybridkv.sim
+
+    assert hybridkv.sim.SchedulerConfig is sched.SchedulerConfig
+    plan = toy_plan([ToyGroup("full", 4)], num_blocks=40)
+    trace = [TraceRequest(id="a", arrival_s=0.0, prompt=tuple(range(1, 20)), output=(1, 2))]
+    config = config_from_plan(plan, max_num_batched_tokens=8, chunk_size=5)
+    seen: list[int] = []
+
+    def record(output: SchedulerOutput, _: object) -> None:
+        seen.append(output.num_scheduled_tokens)
+
+    simulate(trace, plan, config=config, on_step=record)
+    assert max(seen) == 5  # the config's chunk_size, not the plan's budget
+
+
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [(dict(check_every=-1), "check_every=-1: needs >= 0"), (dict(max_steps=0), "max_steps=0")],
+)
+def test_replay_options_refuse_bad_numbers(options: dict[str, int], match: str) -> None:
+    with pytest.raises(SimulationError, match=match):
+        ReplayOptions(**options)

@@ -10,11 +10,11 @@ import pytest
 torch = pytest.importorskip("torch")
 from typer.testing import CliRunner  # noqa: E402
 
-import hybridkv.engine.cli  # noqa: E402,F401  (registers the commands)
+import hybridkv.cli.engine  # noqa: E402,F401  (registers the commands)
 from hybridkv.cli import app  # noqa: E402
 from hybridkv.demo import DEMO_DRAFT, DEMO_MAIN  # noqa: E402
-from hybridkv.engine.runner import draft_pass_points, state_write_points  # noqa: E402
-from hybridkv.engine.speculative import SpecCounters, make_proposer  # noqa: E402
+from hybridkv.engine.forward.runner import draft_pass_points, state_write_points  # noqa: E402
+from hybridkv.engine.speculative.drafting import SpecCounters, make_proposer  # noqa: E402
 from hybridkv.errors import EngineError  # noqa: E402
 
 

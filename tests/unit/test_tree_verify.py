@@ -8,8 +8,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from hybridkv.engine.tree import accept_tree, path_first_rows, step_parents  # noqa: E402
-from hybridkv.engine.tree_batch import TreeLayout, ancestors, root_paths  # noqa: E402
+from hybridkv.engine.ops.tree_batch import TreeLayout, ancestors, root_paths  # noqa: E402
+from hybridkv.engine.speculative.tree import accept_tree, path_first_rows, step_parents  # noqa: E402
 from hybridkv.errors import EngineError  # noqa: E402
 
 # nodes: 0=(0,) 1=(1,) 2=(0,0) 3=(1,0) 4=(0,0,0)

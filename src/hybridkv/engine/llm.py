@@ -2,25 +2,28 @@
 tensors out as planned, and generate with continuous batching, chunked prefill, prefix
 caching and preemption, all through the real `CacheManager`.
 
-    LLM(folder) -> load_model_spec + plan(...) -> CacheManager(plan) + build_cache_tensors
+    LLM(folder, config) -> load_model_spec + plan(...) -> CacheManager(plan) + build_cache_tensors
     generate(prompts) -> add requests -> step()* -> GenerationResult per prompt
     step():  propose drafts -> Scheduler.schedule -> ModelRunner.execute -> verify ->
              Scheduler.update (cut, commit, emit)   (`hybridkv.sched`, `engine.stepper`)
+
+What it is built with is one `EngineConfig` (`engine.config`), given as ``config=`` or
+as keywords that build it; the names below are its fields.
 
 ``max_model_len`` (default: the checkpoint's ``max_position_embeddings``, at most 4096)
 caps prompt + output tokens: `add_request` refuses a longer prompt (status ``refused``
 with a reason, for a server's HTTP 400; `generate` raises `EngineError`), and a request
 stops with ``finish_reason == "length"`` at the limit.
 
-Speculative decoding (`hybridkv.engine.speculative`): ``draft=FOLDER`` (a draft model
+Speculative decoding (`hybridkv.engine.speculative.drafting`): ``draft=FOLDER`` (a draft model
 planned with its own groups), ``spec_method="mtp"`` (the checkpoint's own MTP head),
 ``spec_method="eagle", draft=FOLDER`` (an EAGLE head, `hybridkv.engine.models.eagle`),
 ``spec_method="ngram" | "suffix"`` or any `Proposer` (``proposer=``);
 ``num_spec_tokens=K`` drafts at most per step; with a head, ``spec_topk=k`` or
-``spec_tree=[[0], [1], [0, 0]]`` drafts a token tree of N nodes (`engine.tree`). Heads
-are fed the main model's hidden states (`hybridkv.engine.proposers.head`). ``kv_dtype``
+``spec_tree=[[0], [1], [0, 0]]`` drafts a token tree of N nodes (`engine.speculative.tree`). Heads
+are fed the main model's hidden states (`hybridkv.engine.speculative.proposers.head`). ``kv_dtype``
 (default: ``dtype``) may be ``fp8_e4m3`` / ``fp8_e5m2``: fp8 KV pages
-(`hybridkv.engine.kv_quant`). Then
+(`hybridkv.engine.ops.kv_quant`). Then
     step():  schedule (reserve L drafts) -> draft model passes -> main verifies 1 + L
              tokens -> verify (greedy / speculative sampling) -> commit(a, a + 1 tokens)
 
@@ -34,32 +37,31 @@ and every batch tensor; the Python side (scheduler, cache manager) stays on the 
 
 ``torch_compile=True`` (off by default) compiles the elementwise chains of bf16 / fp16
 prefill steps on the CPU (norms, the Gated DeltaNet output norm, the chunked delta
-rule's per-chunk algebra; `engine.compiled`), for the whole process. The first such
+rule's per-chunk algebra; `engine.ops.compiled`), for the whole process. The first such
 step of each new shape compiles (seconds to a minute): warm up before timing. float32
 never takes those paths.
 
 ``keep_freed_pages=True`` (the default, CPU only) has glibc's malloc keep freed memory
-for reuse, for the whole process (`engine.scratch.keep_freed_pages`): a bf16 prefill step
+for reuse, for the whole process (`engine.ops.scratch.keep_freed_pages`): a bf16 prefill step
 otherwise touches tens of thousands of fresh pages. vLLM's CPU platform preloads tcmalloc
 into its processes for the same reason. The cost: the process keeps its peak working set.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from hybridkv.cache import CacheManager
-from hybridkv.cache.free_queue import DEFAULT_EVICTION_POLICY
-from hybridkv.engine import compiled, scratch
-from hybridkv.engine.block_tables import DeviceBlockTables
+from hybridkv.engine.config import DEFAULT_MEMORY_BYTES, EngineConfig, EngineKeywords
+from hybridkv.engine.forward.block_tables import DeviceBlockTables
+from hybridkv.engine.forward.runner import ModelRunner
+from hybridkv.engine.forward.tensors import build_cache_tensors, torch_dtype
 from hybridkv.engine.llm_options import (
     DEFAULT_MAX_MODEL_LEN,
-    DEFAULT_MEMORY_BYTES,
     parse_kv_dtype,
     per_prompt_salts,
     resolve_device,
@@ -67,83 +69,79 @@ from hybridkv.engine.llm_options import (
     resolve_spec,
     resolve_ssm_dtype,
 )
-from hybridkv.engine.loader import eos_token_ids
 from hybridkv.engine.models import LayerDesc, load_model, load_mtp
-from hybridkv.engine.proposers import Proposer
-from hybridkv.engine.proposers.head import DraftHead, HeadDrafter
-from hybridkv.engine.proposers.tree import TreeHeadDrafter
+from hybridkv.engine.models.loader import eos_token_ids
+from hybridkv.engine.ops import compiled, scratch
 from hybridkv.engine.results import EngineStats, GenerationResult, RequestStats, build_result
-from hybridkv.engine.runner import ModelRunner
-from hybridkv.engine.sampler import SamplingParams
-from hybridkv.engine.speculative import (
+from hybridkv.engine.sampling.sampler import SamplingParams
+from hybridkv.engine.speculative.drafting import (
     PROPOSER_METHODS,
     Drafter,
     DraftModelDrafter,
     SpecCounters,
     make_proposer,
 )
+from hybridkv.engine.speculative.proposers import Proposer
+from hybridkv.engine.speculative.proposers.head import DraftHead, HeadDrafter
+from hybridkv.engine.speculative.proposers.tree import TreeHeadDrafter
 from hybridkv.engine.stepper import Stepper
-from hybridkv.engine.tensors import build_cache_tensors, torch_dtype
 from hybridkv.errors import EngineError
 from hybridkv.models.registry import load_model_spec
 from hybridkv.plan.planner import HEAD_METHODS
 from hybridkv.plan.planner import plan as make_plan
 from hybridkv.plan.tree import check_tree_drafts
 from hybridkv.plan.types import CachePlan, PlanOptions
-from hybridkv.sched import Request, Scheduler, Status, config_from_plan
+from hybridkv.sched import Request, Scheduler, Status, chunk_align_for
 from hybridkv.spec.dtypes import DType, parse_dtype
 from hybridkv.spec.model import ModelSpec
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 
 class LLM:
     def __init__(
         self,
         model_path: str | Path,
-        *,
-        dtype: str = "float32",
-        kv_dtype: str | None = None,
-        device: str | torch.device = "cpu",
-        memory_bytes: int = DEFAULT_MEMORY_BYTES,
-        block_size: int | None = None,
-        layout: str = "auto",
-        prefix_caching: bool = True,
-        max_num_seqs: int = 16,
-        max_num_batched_tokens: int = 512,
-        chunk_size: int | None = None,
-        max_model_len: int | None = None,
-        draft: str | Path | None = None,
-        spec_method: str | None = None,
-        num_spec_tokens: int = 0,
-        proposer: Proposer | None = None,
-        spec_topk: int = 1,
-        spec_tree: Sequence[Sequence[int]] | None = None,
-        cache_aware: bool = True,
-        eviction_policy: str = DEFAULT_EVICTION_POLICY,
-        checkpoint_rules: Sequence[str] | None = None,
-        torch_compile: bool = False,
-        keep_freed_pages: bool = True,
-        **plan_options: Any,
+        config: EngineConfig | None = None,
+        **keywords: Unpack[EngineKeywords],
     ) -> None:
-        if torch_compile:  # process-wide, bf16 / fp16 prefill-sized steps only
+        """``LLM(folder, config=EngineConfig(...))``, or ``LLM(folder, **keywords)``
+        (`EngineConfig.from_keywords`); not both."""
+        if config is None:
+            config = EngineConfig.from_keywords(**keywords)
+        elif keywords:
+            raise EngineError(
+                f"LLM got config= and the keywords {sorted(keywords)}: pass one of them "
+                "(dataclasses.replace(config, ...) changes a config)"
+            )
+        self.config = config
+        if config.torch_compile:  # process-wide, bf16 / fp16 prefill-sized steps only
             compiled.enable()
         self.model_path = Path(model_path)
-        self.device = resolve_device(device)
+        self.device = resolve_device(config.device)
         # process-wide malloc settings; False where glibc is absent or refused
         self.keeps_freed_pages = (
-            keep_freed_pages and self.device.type == "cpu" and scratch.keep_freed_pages()
+            config.keep_freed_pages and self.device.type == "cpu" and scratch.keep_freed_pages()
         )
-        cache_dtype = parse_dtype(dtype)
+        cache_dtype = parse_dtype(config.dtype)
         self.torch_dtype = torch_dtype(cache_dtype)
         self.model = load_model(self.model_path, self.torch_dtype, self.device)
         self.eos_token_ids = eos_token_ids(self.model_path)
         spec = load_model_spec(self.model_path)
         # Trees (`plan.tree`): N nodes verified per step, planned as N speculative tokens.
-        method = spec_method or ("draft" if draft is not None else None)
+        draft = config.draft
+        method = config.spec_method or ("draft" if draft is not None else None)
         self.tree = check_tree_drafts(
-            spec_topk, spec_tree, num_spec_tokens=num_spec_tokens, method=method
+            config.spec_topk,
+            config.spec_tree,
+            num_spec_tokens=config.num_spec_tokens,
+            method=method,
         )
-        num_spec_tokens = num_spec_tokens if self.tree is None else self.tree.num_nodes
-        spec_method, num_spec_tokens = resolve_spec(draft, spec_method, num_spec_tokens, proposer)
+        num_spec_tokens = config.num_spec_tokens if self.tree is None else self.tree.num_nodes
+        spec_method, num_spec_tokens = resolve_spec(
+            draft, config.spec_method, num_spec_tokens, config.proposer
+        )
         self.draft_model = None
         self.head: DraftHead | None = None
         draft_spec = None
@@ -157,22 +155,25 @@ class LLM:
                     f"draft vocabulary {self.draft_model.vocab_size} != main vocabulary "
                     f"{self.model.vocab_size}; a draft model must share the tokenizer"
                 )
-        max_model_len = resolve_max_model_len(max_model_len, spec.max_position_embeddings)
+        limits = config.scheduler
+        max_model_len = resolve_max_model_len(limits.max_model_len, spec.max_position_embeddings)
         self.max_model_len = max_model_len
-        if block_size is not None:
+        plan_options = dict(config.plan_options)
+        if config.block_size is not None:
             # the engine's attention reads whole blocks of any size: the 16-token unit the
             # planner holds a given block size to is the GPU kernels', not this engine's
             plan_options = {"block_align_tokens": 1, **plan_options}
+        kv_dtype = config.kv_dtype
         options = PlanOptions(
             kv_dtype=cache_dtype if kv_dtype is None else parse_kv_dtype(kv_dtype),
             conv_dtype=cache_dtype,
             ssm_dtype=self._ssm_dtype(cache_dtype),
-            memory_bytes=memory_bytes,
-            block_size=block_size,
-            layout=layout,
-            prefix_caching=prefix_caching,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
+            memory_bytes=config.memory_bytes,
+            block_size=config.block_size,
+            layout=config.layout,
+            prefix_caching=config.prefix_caching,
+            max_num_seqs=limits.max_num_seqs,
+            max_num_batched_tokens=limits.max_num_batched_tokens,
             max_model_len=max_model_len,
             spec_method=spec_method,
             num_spec_tokens=num_spec_tokens,
@@ -183,10 +184,10 @@ class LLM:
         # key their blocks one token ahead (`GroupManager.key`).
         self.manager = CacheManager(
             self.plan,
-            enable_prefix_caching=prefix_caching,
+            enable_prefix_caching=config.prefix_caching,
             eagle=self.head is not None,
-            eviction_policy=eviction_policy,
-            checkpoint_rules=checkpoint_rules,
+            eviction_policy=config.eviction_policy,
+            checkpoint_rules=config.checkpoint_rules,
         )
         self.tensors = build_cache_tensors(
             self.plan,
@@ -215,6 +216,7 @@ class LLM:
                     self.draft_model, self.plan, self.manager, self.tensors, "draft", tables=tables
                 )
             )
+        proposer = config.proposer
         if proposer is None and spec_method in PROPOSER_METHODS:
             proposer = make_proposer(spec_method)
         self.proposer: Proposer | None = proposer
@@ -222,12 +224,12 @@ class LLM:
             self.plan,
             self.manager,
             self.runner,
-            config=config_from_plan(
-                self.plan,
-                chunk_size=chunk_size,
+            # the caller's limits, with what the engine derives (config module doc)
+            config=dataclasses.replace(
+                limits,
                 max_model_len=max_model_len,
                 max_spec_tokens=num_spec_tokens if spec_method is not None else 0,
-                cache_aware=cache_aware,
+                chunk_align_tokens=chunk_align_for(self.plan),
             ),
             spec_method=spec_method,
             num_spec_tokens=num_spec_tokens,
@@ -271,7 +273,7 @@ class LLM:
     @property
     def tokenizer(self) -> Any:
         if not self._tokenizer_loaded:
-            from hybridkv.engine.tokenizer import load_tokenizer
+            from hybridkv.engine.models.tokenizer import load_tokenizer
 
             self._tokenizer = load_tokenizer(self.model_path)
             self._tokenizer_loaded = True

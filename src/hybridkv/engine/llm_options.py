@@ -11,13 +11,12 @@ from pathlib import Path
 import torch
 
 from hybridkv.engine.models import LayerDesc
-from hybridkv.engine.proposers import Proposer
+from hybridkv.engine.speculative.proposers import Proposer
 from hybridkv.errors import EngineError, SpecError
 from hybridkv.plan.planner import HEAD_METHODS
 from hybridkv.plan.types import check_num_spec_tokens
 from hybridkv.spec.dtypes import DType, parse_dtype
 
-DEFAULT_MEMORY_BYTES = 64 << 20  # tiny CPU models: plenty, and allocated eagerly
 DEFAULT_MAX_MODEL_LEN = 4096
 
 

@@ -8,8 +8,8 @@ from typing import TYPE_CHECKING, Any
 from hybridkv.sched import Request, Status
 
 if TYPE_CHECKING:
-    from hybridkv.engine.logprobs import TokenLogprob
-    from hybridkv.engine.speculative import SpecCounters
+    from hybridkv.engine.sampling.logprobs import TokenLogprob
+    from hybridkv.engine.speculative.drafting import SpecCounters
 
 
 @dataclass(frozen=True)
@@ -37,7 +37,7 @@ class GenerationResult:
     transformers' output does); "length" means ``max_new_tokens`` were generated and
     None that the request was cancelled first. ``logprobs`` (one per output token) and
     ``prompt_logprobs`` (one per prompt token, None for the first) are set when the
-    sampling params asked for them (`hybridkv.engine.logprobs`)."""
+    sampling params asked for them (`hybridkv.engine.sampling.logprobs`)."""
 
     request_id: str
     prompt_token_ids: list[int]

@@ -10,7 +10,7 @@ main model, verify. The scheduler decides the step and settles it (cut, commit, 
     main       ModelRunner.execute -> logits [1 + L, vocab] per sampling request
     verify     greedy / speculative sampling -> a accepted drafts + 1 token (`StepResult`);
                a token tree: greedy along the tree, the accepted path moved into the
-               chain's slots before the commit (`engine.tree.TreeSettler`)
+               chain's slots before the commit (`engine.speculative.tree.TreeSettler`)
     observe    a hidden-state head (MTP, EAGLE) writes its KV at the positions the step
                computed, from the main pass's hidden states (`proposers.head`); before
                the update commits, so no block is cached without the head's KV
@@ -38,18 +38,18 @@ from collections.abc import Callable, Sequence
 import torch
 
 from hybridkv.cache import CacheManager
-from hybridkv.engine.block_copy import run_copies, step_copies
-from hybridkv.engine.logits_process import process_rows
-from hybridkv.engine.logprobs import LogprobRecorder
+from hybridkv.engine.forward.block_copy import run_copies, step_copies
+from hybridkv.engine.forward.runner import ModelRunner, StepInput
 from hybridkv.engine.models.common import HiddenStates
-from hybridkv.engine.proposers import Proposer
-from hybridkv.engine.proposers.head import Observation
-from hybridkv.engine.proposers.tree import TreeHeadDrafter
-from hybridkv.engine.runner import ModelRunner, StepInput
-from hybridkv.engine.sampler import SamplingParams, greedy_ids, make_generator, sample
-from hybridkv.engine.speculative import Drafter, Drafts, SpecCounters
-from hybridkv.engine.tree import TreeSettler, step_parents
-from hybridkv.engine.verify import Verdict, accept_greedy, verify_sampling
+from hybridkv.engine.sampling.logits_process import process_rows
+from hybridkv.engine.sampling.logprobs import LogprobRecorder
+from hybridkv.engine.sampling.sampler import SamplingParams, greedy_ids, make_generator, sample
+from hybridkv.engine.speculative.drafting import Drafter, Drafts, SpecCounters
+from hybridkv.engine.speculative.proposers import Proposer
+from hybridkv.engine.speculative.proposers.head import Observation
+from hybridkv.engine.speculative.proposers.tree import TreeHeadDrafter
+from hybridkv.engine.speculative.tree import TreeSettler, step_parents
+from hybridkv.engine.speculative.verify import Verdict, accept_greedy, verify_sampling
 from hybridkv.errors import EngineError
 from hybridkv.plan.types import CachePlan
 from hybridkv.sched import (
@@ -99,7 +99,7 @@ class Stepper:
         self.logprobs = LogprobRecorder()  # requests that asked for logprobs only
         self.num_steps = self.num_tokens = self.num_output = 0
         self.hits = {"attention": 0, "state": 0}
-        self.num_copied = 0  # junction copy slots run (`engine.block_copy`)
+        self.num_copied = 0  # junction copy slots run (`engine.forward.block_copy`)
         self.hooks: list[StepHook] = []  # called after every step (traces, servers)
         self.tables = runner.tables  # shared with the drafter's runner
         # debug: compare every scheduled row with the manager's after applying deltas
@@ -162,7 +162,7 @@ class Stepper:
         """Draft (draft model), run the main model over every chunk, verify."""
         chunks = output.chunks
         self.tables.apply_step(output.released, output.deltas)
-        # junction copies before any layer reads the new blocks (`engine.block_copy`)
+        # junction copies before any layer reads the new blocks (`engine.forward.block_copy`)
         self.num_copied += run_copies(self.runner.tensors, step_copies(output.deltas))
         if self.check_tables:
             self.tables.check_against(self.manager, [c.request.req_id for c in chunks])
@@ -274,7 +274,7 @@ class Stepper:
         (``argmax``: its rows' argmax ids, for greedy requests)."""
         params = self.params[req.req_id]
         temperature = params.temperature
-        if params.penalized or params.filtered:  # `engine.logits_process`
+        if params.penalized or params.filtered:  # `engine.sampling.logits_process`
             draft_ids = [] if drafts is None else drafts.token_ids
             stops = req.stop_token_ids
             logits = process_rows(logits, params, req.prompt, req.output, draft_ids, stops)

@@ -1,7 +1,7 @@
 """Tree drafts: the shape of a token tree, and which configurations run one.
 
 A *token tree* of N draft nodes is verified in one main-model pass (the engine side is
-`hybridkv.engine.tree`). Each node is named by its path of child ranks from the root:
+`hybridkv.engine.speculative.tree`). Each node is named by its path of child ranks from the root:
 ``(0,)`` is the drafter's most likely next token, ``(1,)`` its second choice,
 ``(0, 1)`` the second choice after ``(0,)``, and so on. Example, N = 4::
 

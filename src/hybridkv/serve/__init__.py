@@ -12,7 +12,7 @@
     app          FastAPI routes
     listen       the listening socket (bound first: a busy port fails at once)
     server       uvicorn in the foreground or on a background thread
-    cli          the `hybridkv serve` command
+    (the `hybridkv serve` command itself is `hybridkv.cli.serve`)
 
 Importing this package imports nothing heavy; `server` and `app` need the ``serve``
 extra (fastapi, uvicorn) and torch.

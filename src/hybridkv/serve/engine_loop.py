@@ -40,8 +40,8 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from hybridkv.engine.llm import LLM
-from hybridkv.engine.logprobs import TokenLogprob
-from hybridkv.engine.sampler import SamplingParams
+from hybridkv.engine.sampling.logprobs import TokenLogprob
+from hybridkv.engine.sampling.sampler import SamplingParams
 from hybridkv.errors import HybridKVError, InvariantError, RequestError
 from hybridkv.serve.metrics import Histogram, MetricsSnapshot
 from hybridkv.serve.prepare import Generation

@@ -1,4 +1,4 @@
-"""Engine logprobs (`engine.logprobs.TokenLogprob`) in OpenAI's two response shapes.
+"""Engine logprobs (`engine.sampling.logprobs.TokenLogprob`) in OpenAI's two response shapes.
 
 completions (``logprobs: k``), one entry per token of the choice's text (with ``echo``,
 the prompt's tokens first; the first prompt token has no logprob: null)::
@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 from hybridkv.errors import InvariantError
 
 if TYPE_CHECKING:
-    from hybridkv.engine.logprobs import TokenLogprob
+    from hybridkv.engine.sampling.logprobs import TokenLogprob
 
 INCOMPLETE_CHAR = "\ufffd"
 

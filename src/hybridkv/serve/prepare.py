@@ -8,7 +8,7 @@ choices, sampling parameters, stop strings, and the length check against
     no max_tokens on a chat body -> M = L - P (generate until EOS or the limit).
 
 Choices: ``k = i * n + j`` is sample ``j`` of prompt ``i`` (OpenAI's and vLLM's order);
-sample ``j`` draws from the random stream ``(seed, j)`` (`engine.sampler.make_generator`),
+sample ``j`` draws from the random stream ``(seed, j)`` (`engine.sampling.sampler.make_generator`),
 so each prompt's n samples differ and a seed repeats them.
 
 ``max_tokens: 0`` with ``echo`` (a loglikelihood request) runs the engine for one token
@@ -57,7 +57,7 @@ class ModelInfo:
 @dataclass(frozen=True)
 class Generation:
     """One HTTP request as the engine loop runs it: ``len(prompts) * n`` choices.
-    ``sampling``: keyword arguments of `engine.sampler.SamplingParams` besides
+    ``sampling``: keyword arguments of `engine.sampling.sampler.SamplingParams` besides
     ``max_new_tokens``, ``seed`` and the logprob counts."""
 
     prompts: tuple[tuple[int, ...], ...]

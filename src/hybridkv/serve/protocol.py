@@ -37,7 +37,7 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's default; send 0 for greedy (token-exact) output
 # Below this a temperature is greedy (vLLM's _SAMPLING_EPS): logits / T would overflow.
 MIN_SAMPLING_TEMPERATURE = 1e-5
-MIN_REPETITION_PENALTY = 0.01  # = engine.sampler's (this module does not import torch)
+MIN_REPETITION_PENALTY = 0.01  # = engine.sampling.sampler's (this module does not import torch)
 MAX_REPETITION_PENALTY = 100.0
 MAX_LOGPROBS = 20  # top logprobs per token (vLLM's default max_logprobs; OpenAI's chat cap)
 MAX_CHOICES = 128  # prompts x n per request: one request must not flood the engine

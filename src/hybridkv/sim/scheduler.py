@@ -38,44 +38,23 @@ from hybridkv.sim.trace import TraceRequest
 
 
 @dataclass(frozen=True, kw_only=True)
-class SchedulerConfig:
-    """Batching limits and run options of a simulation.
+class ReplayOptions:
+    """How a replay runs, apart from the scheduler's limits (`hybridkv.sched.SchedulerConfig`,
+    the one the engine runs with). ``check_every`` N runs `check_invariants()` every N steps
+    (0: only at the end); ``max_steps`` stops the replay after that many steps (None: when
+    every request finished); ``record_usage`` samples the cache usage after every step."""
 
-    The limits are the scheduler's (`hybridkv.sched.SchedulerConfig`, see `policy`);
-    ``max_spec_tokens`` caps the drafts of a step (the plan's K; ``None`` takes the
-    trace's numbers as they are). ``check_every`` runs `check_invariants()` every N
-    steps (0: only at the end). ``batched`` commits a step with one `commit_batch` call
-    when the manager has it (same decisions, one call).
-    """
-
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
-    max_spec_tokens: int | None = None
     check_every: int = 0
-    batched: bool = True
     max_steps: int | None = None
     record_usage: bool = True
-    chunk_align_tokens: int = 0
-    chunk_size: int | None = None
-    max_model_len: int | None = None
-    cache_aware: bool = True
-    reorder_window: int = 32
-    reorder_refresh_steps: int = 8
 
-    def policy(self) -> sched.SchedulerConfig:
-        """The scheduler's config (the limits above)."""
-        return sched.SchedulerConfig(
-            max_num_seqs=self.max_num_seqs,
-            max_num_batched_tokens=self.max_num_batched_tokens,
-            chunk_size=self.chunk_size,
-            chunk_align_tokens=self.chunk_align_tokens,
-            max_model_len=self.max_model_len,
-            max_spec_tokens=self.max_spec_tokens,
-            cache_aware=self.cache_aware,
-            reorder_window=self.reorder_window,
-            reorder_refresh_steps=self.reorder_refresh_steps,
-            batch_commits=self.batched,
-        )
+    def __post_init__(self) -> None:
+        if self.check_every < 0:
+            raise SimulationError(
+                f"check_every={self.check_every}: needs >= 0 (0 checks only at the end)"
+            )
+        if self.max_steps is not None and self.max_steps < 1:
+            raise SimulationError(f"max_steps={self.max_steps}: needs >= 1, or None for no limit")
 
 
 class TimedManager:
@@ -147,18 +126,20 @@ class TraceReplay:
         self,
         manager: Any,
         requests: Sequence[TraceRequest],
-        config: SchedulerConfig,
+        config: sched.SchedulerConfig,
         cost: StepCost,
         metrics: MetricsRecorder,
         on_step: Callable[[sched.SchedulerOutput, sched.StepReport], None] | None = None,
+        options: ReplayOptions | None = None,
     ) -> None:
         self.manager = manager
         self.config = config
+        self.options = ReplayOptions() if options is None else options
         self.cost = cost
         self.metrics = metrics
         self.on_step = on_step
         self.pending = deque(sorted(requests, key=lambda r: r.arrival_s))
-        self.scheduler = sched.Scheduler(TimedManager(manager, metrics), config.policy())
+        self.scheduler = sched.Scheduler(TimedManager(manager, metrics), config)
         self.executor = TraceExecutor({r.id: r for r in requests})
         self.requests: dict[str, sched.Request] = {}
         self.clock_s = 0.0
@@ -239,9 +220,9 @@ class TraceReplay:
         m.steps = self.num_steps
         usage = float(self.manager.usage())
         m.peak_usage = max(m.peak_usage, usage)
-        if self.config.record_usage:
+        if self.options.record_usage:
             m.usage_samples.append((self.clock_s, usage))
-        every = self.config.check_every
+        every = self.options.check_every
         if every and self.num_steps % every == 0:
             self.check_invariants()
 
@@ -251,7 +232,7 @@ class TraceReplay:
         self.metrics.invariant_checks += 1
 
     def run(self) -> None:
-        limit = self.config.max_steps
+        limit = self.options.max_steps
         while not self.done():
             if limit is not None and self.num_steps >= limit:
                 break
@@ -260,8 +241,8 @@ class TraceReplay:
 
 Scheduler = TraceReplay  # the name this module's driver had before `hybridkv.sched`
 __all__ = [
+    "ReplayOptions",
     "Scheduler",
-    "SchedulerConfig",
     "SimulationError",
     "TimedManager",
     "TraceExecutor",

@@ -15,10 +15,10 @@ from time import perf_counter
 from typing import Any
 
 from hybridkv.plan.types import CachePlan
-from hybridkv.sched import SchedulerOutput, StepReport, chunk_align_for
+from hybridkv.sched import SchedulerConfig, SchedulerOutput, StepReport, config_from_plan
 from hybridkv.sim.cost import StepCost
 from hybridkv.sim.metrics import MetricsRecorder, SimResult, finalize
-from hybridkv.sim.scheduler import SchedulerConfig, TraceReplay
+from hybridkv.sim.scheduler import ReplayOptions, TraceReplay
 from hybridkv.sim.trace import TraceRequest, read_trace
 
 EAGLE_METHODS = ("eagle", "mtp")  # drafters that read their own KV at the hit position
@@ -54,21 +54,6 @@ def leaked_blocks(manager: Any, plan: CachePlan) -> int:
     )
 
 
-def scheduler_config(plan: CachePlan, **overrides: Any) -> SchedulerConfig:
-    """Limits from the plan's options, read as the engine reads them
-    (`hybridkv.sched.config_from_plan`): max_num_seqs, the token budget, K drafts, and
-    chunk alignment to the hit granularity when state groups checkpoint (``align``)."""
-    opts = plan.options
-    base = SchedulerConfig(
-        max_num_seqs=opts.max_num_seqs,
-        max_num_batched_tokens=opts.max_num_batched_tokens,
-        # Without a speculative method the plan reserves no draft slots or states.
-        max_spec_tokens=opts.num_spec_tokens if opts.spec_method else 0,
-        chunk_align_tokens=chunk_align_for(plan),
-    )
-    return dataclasses.replace(base, **overrides)
-
-
 def simulate(
     trace: Sequence[TraceRequest] | str | Path,
     plan: CachePlan,
@@ -77,6 +62,7 @@ def simulate(
     batched: bool = True,
     cost: StepCost | None = None,
     max_steps: int | None = None,
+    record_usage: bool = True,
     enable_prefix_caching: bool | None = None,
     config: SchedulerConfig | None = None,
     manager: Any = None,
@@ -87,9 +73,13 @@ def simulate(
     """Replay ``trace`` (requests or a JSONL path) under ``plan``; returns the metrics.
 
     ``check_every=N`` calls the manager's `check_invariants()` every N steps (always
-    once at the end). ``batched`` drives the running requests through
-    `allocate_batch` / `commit_batch`. ``config`` overrides the scheduler limits that
-    otherwise come from ``plan.options``; ``manager`` lets a caller pass its own;
+    once at the end); ``max_steps`` stops the replay early; ``record_usage`` samples
+    the cache usage after every step. ``config`` is the
+    scheduler's (`hybridkv.sched.SchedulerConfig`, the engine's own type: pass
+    ``llm.scheduler.config`` to replay under an engine's limits); None reads it from
+    ``plan.options`` as the engine does (`config_from_plan`), with ``batched`` as its
+    ``batch_commits`` (the running requests go through `allocate_batch` /
+    `commit_batch`). ``manager`` lets a caller pass its own;
     ``on_step(output, report)`` sees every step's decisions (to compare with an engine);
     ``eviction_policy`` and ``checkpoint_rules`` configure the manager built otherwise.
     Raises `TraceError` for a bad trace file and `SimulationError` when a request
@@ -97,9 +87,8 @@ def simulate(
     """
     requests = read_trace(trace) if isinstance(trace, str | Path) else list(trace)
     if config is None:
-        config = scheduler_config(
-            plan, check_every=check_every, batched=batched, max_steps=max_steps
-        )
+        config = config_from_plan(plan, batch_commits=batched)
+    options = ReplayOptions(check_every=check_every, max_steps=max_steps, record_usage=record_usage)
     if manager is None:
         manager = build_manager(
             plan,
@@ -108,7 +97,9 @@ def simulate(
             checkpoint_rules=checkpoint_rules,
         )
     recorder = MetricsRecorder()
-    scheduler = TraceReplay(manager, requests, config, cost or StepCost(), recorder, on_step)
+    scheduler = TraceReplay(
+        manager, requests, config, cost or StepCost(), recorder, on_step, options
+    )
     start = perf_counter()
     scheduler.run()
     wall_s = perf_counter() - start

@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from hybridkv.engine.loader import Checkpoint, read_config
 from hybridkv.engine.models.common import CausalLM, LayerDesc
+from hybridkv.engine.models.loader import Checkpoint, read_config
 from hybridkv.errors import EngineError
 
 if TYPE_CHECKING:

@@ -14,8 +14,6 @@ from typing import Any, Protocol
 
 import torch
 
-from hybridkv.engine.context import ForwardBatch, LayerCache
-from hybridkv.engine.loader import Checkpoint, cfg_get, cfg_require
 from hybridkv.engine.models.common import (
     Block,
     CausalLM,
@@ -25,6 +23,8 @@ from hybridkv.engine.models.common import (
     bind_norm,
     load_lm_head,
 )
+from hybridkv.engine.models.loader import Checkpoint, cfg_get, cfg_require
+from hybridkv.engine.ops.context import ForwardBatch, LayerCache
 
 Norm = Callable[[torch.Tensor], torch.Tensor]
 NormLoader = Callable[[str], Norm]  # checkpoint name of a [hidden] weight -> bound norm

@@ -15,10 +15,6 @@ from typing import Any
 
 import torch
 
-from hybridkv.engine.attention import paged_attention
-from hybridkv.engine.compiled import REDUCED_DTYPES
-from hybridkv.engine.context import ForwardBatch, KVCache, LayerCache
-from hybridkv.engine.loader import Checkpoint, cfg_get, cfg_require
 from hybridkv.engine.models.common import (
     FULL_ATTENTION,
     SLIDING_ATTENTION,
@@ -27,9 +23,13 @@ from hybridkv.engine.models.common import (
     bind_norm,
     inv_sqrt,
 )
+from hybridkv.engine.models.loader import Checkpoint, cfg_get, cfg_require
 from hybridkv.engine.models.rope import Rope
-from hybridkv.engine.packed_linear import linear
-from hybridkv.engine.tree_batch import rope_positions
+from hybridkv.engine.ops.attention import paged_attention
+from hybridkv.engine.ops.compiled import REDUCED_DTYPES
+from hybridkv.engine.ops.context import ForwardBatch, KVCache, LayerCache
+from hybridkv.engine.ops.packed_linear import linear
+from hybridkv.engine.ops.tree_batch import rope_positions
 from hybridkv.errors import EngineError
 
 

@@ -15,10 +15,10 @@ from typing import Any, Protocol, cast
 import torch
 import torch.nn.functional as F
 
-from hybridkv.engine import compiled
-from hybridkv.engine.context import ForwardBatch, LayerCache
-from hybridkv.engine.loader import Checkpoint
-from hybridkv.engine.packed_linear import linear
+from hybridkv.engine.models.loader import Checkpoint
+from hybridkv.engine.ops import compiled
+from hybridkv.engine.ops.context import ForwardBatch, LayerCache
+from hybridkv.engine.ops.packed_linear import linear
 from hybridkv.errors import EngineError
 
 FULL_ATTENTION = "full_attention"
@@ -216,7 +216,7 @@ class CausalLM:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Llama-style RMSNorm: normalise in float32, cast back, then scale."""
-    if compiled.applies(x):  # opt-in, bf16 prefill only (`engine.compiled`)
+    if compiled.applies(x):  # opt-in, bf16 prefill only (`engine.ops.compiled`)
         return compiled.rms_norm(x, weight, eps)
     xf = x.float()
     normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
@@ -247,7 +247,7 @@ def bind_norm(
 
 def _rms_norm_scaled(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
     """`rms_norm_offset` with ``scale = 1 + weight`` (float32) given."""
-    if compiled.applies(x):  # opt-in, bf16 prefill only (`engine.compiled`)
+    if compiled.applies(x):  # opt-in, bf16 prefill only (`engine.ops.compiled`)
         return compiled.rms_norm_scaled(x, scale, eps)
     xf = x.float()
     normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)

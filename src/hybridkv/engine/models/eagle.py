@@ -42,12 +42,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from hybridkv.engine.context import ForwardBatch, LayerCache
-from hybridkv.engine.loader import Checkpoint, cfg_require
 from hybridkv.engine.models.assembly import ModelDims, PreNormLayer, norm_loader
 from hybridkv.engine.models.attention_block import Attention, AttentionShape
 from hybridkv.engine.models.common import CausalLM, GatedMLP, HiddenStates, LayerDesc, rms_norm
+from hybridkv.engine.models.loader import Checkpoint, cfg_require
 from hybridkv.engine.models.rope import make_rope, rope_parameters
+from hybridkv.engine.ops.context import ForwardBatch, LayerCache
 from hybridkv.errors import EngineError
 from hybridkv.spec.layers import AttentionSpec
 from hybridkv.spec.model import ModelSpec

@@ -27,13 +27,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from hybridkv.engine.context import ForwardBatch, LayerCache
-from hybridkv.engine.loader import Checkpoint, cfg_get, cfg_require
 from hybridkv.engine.models.assembly import ModelDims, Norm, causal_lm, norm_loader
 from hybridkv.engine.models.attention_block import Attention, AttentionShape
 from hybridkv.engine.models.common import CausalLM, LayerDesc, activation, rms_norm
+from hybridkv.engine.models.loader import Checkpoint, cfg_get, cfg_require
 from hybridkv.engine.models.mamba2 import Mamba2, Mamba2Shape, time_step_limit
 from hybridkv.engine.models.rope import make_rope, rope_parameters
+from hybridkv.engine.ops.context import ForwardBatch, LayerCache
 from hybridkv.errors import EngineError
 
 

@@ -18,13 +18,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from hybridkv.engine import compiled, compiled_decode, delta_rule
-from hybridkv.engine.context import ForwardBatch, LayerCache, StateCache
-from hybridkv.engine.loader import Checkpoint
 from hybridkv.engine.models.common import STATE, LayerDesc
 from hybridkv.engine.models.gdn_projection import GDNShape, Projector
-from hybridkv.engine.packed_linear import linear
-from hybridkv.engine.state_batched import (
+from hybridkv.engine.models.loader import Checkpoint
+from hybridkv.engine.ops import compiled, compiled_decode, delta_rule
+from hybridkv.engine.ops.context import ForwardBatch, LayerCache, StateCache
+from hybridkv.engine.ops.packed_linear import linear
+from hybridkv.engine.ops.state_batched import (
     SHORT_MAX_TOKENS,
     capture_steps,
     causal_conv_grid,
@@ -37,7 +37,7 @@ from hybridkv.engine.state_batched import (
     write_ssm,
     write_ssm_rows,
 )
-from hybridkv.engine.state_ops import (
+from hybridkv.engine.ops.state_ops import (
     causal_conv1d_history,
     gated_delta_rule_capture,
     read_state,
@@ -293,7 +293,7 @@ class GatedDeltaNet:
 
     def _gated_norm(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         """RMSNorm over each head (plain weight, no +1), then times silu(gate)."""
-        if compiled.applies(x):  # opt-in, bf16 prefill only (`engine.compiled`)
+        if compiled.applies(x):  # opt-in, bf16 prefill only (`engine.ops.compiled`)
             return compiled.gated_norm(x, gate, self.norm_weight, self.eps)
         xf = x.float()
         normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -332,7 +332,7 @@ def _decode_run(
         else batch.scratch.take("delta_rule_state", shape, torch.float32, view.device)
     )
     delta_rule.decay_into(stored, view, g)
-    if compiled.decode_applies(view):  # opt-in (`engine.compiled`)
+    if compiled.decode_applies(view):  # opt-in (`engine.ops.compiled`)
         out, new = compiled.delta_step(stored, q, k, v, beta)
         view.copy_(new)
         return out

@@ -14,9 +14,9 @@ from typing import Any
 
 import torch
 
-from hybridkv.engine import compiled
-from hybridkv.engine.loader import Checkpoint, cfg_get, cfg_require
-from hybridkv.engine.packed_linear import linear
+from hybridkv.engine.models.loader import Checkpoint, cfg_get, cfg_require
+from hybridkv.engine.ops import compiled
+from hybridkv.engine.ops.packed_linear import linear
 from hybridkv.errors import EngineError
 
 

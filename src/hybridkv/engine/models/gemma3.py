@@ -14,12 +14,12 @@ from typing import Any
 
 import torch
 
-from hybridkv.engine.context import ForwardBatch, LayerCache
-from hybridkv.engine.loader import Checkpoint, cfg_get, cfg_require
 from hybridkv.engine.models.assembly import ModelDims, Norm, causal_lm, norm_loader
 from hybridkv.engine.models.attention_block import Attention, AttentionShape
 from hybridkv.engine.models.common import CausalLM, GatedMLP, LayerDesc, inv_sqrt, rms_norm_offset
+from hybridkv.engine.models.loader import Checkpoint, cfg_get, cfg_require
 from hybridkv.engine.models.rope import make_rope
+from hybridkv.engine.ops.context import ForwardBatch, LayerCache
 from hybridkv.errors import EngineError
 
 

@@ -22,10 +22,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from hybridkv.engine.loader import Checkpoint, cfg_get, cfg_require
 from hybridkv.engine.models.assembly import ModelDims, PreNormLayer, causal_lm, norm_loader
 from hybridkv.engine.models.attention_block import Attention, AttentionShape
 from hybridkv.engine.models.common import CausalLM
+from hybridkv.engine.models.loader import Checkpoint, cfg_get, cfg_require
 from hybridkv.engine.models.moe import dispatch_experts
 from hybridkv.engine.models.nemotron_h import rms_norm_fp32_weight
 from hybridkv.engine.models.rope import make_rope, rope_parameters

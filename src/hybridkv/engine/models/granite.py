@@ -23,10 +23,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from hybridkv.engine.loader import Checkpoint, cfg_get, cfg_require
 from hybridkv.engine.models.assembly import ModelDims, PreNormLayer, causal_lm, norm_loader
 from hybridkv.engine.models.attention_block import Attention, AttentionShape
 from hybridkv.engine.models.common import CausalLM, activation, rms_norm
+from hybridkv.engine.models.loader import Checkpoint, cfg_get, cfg_require
 from hybridkv.engine.models.mamba2 import Mamba2, Mamba2Shape, time_step_limit
 from hybridkv.engine.models.moe import dispatch_experts, fused_glu, load_stacked_experts
 from hybridkv.engine.models.rope import make_rope, rope_parameters

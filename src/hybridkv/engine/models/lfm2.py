@@ -16,10 +16,10 @@ from typing import Any
 
 import torch
 
-from hybridkv.engine.loader import Checkpoint, cfg_get, cfg_require
 from hybridkv.engine.models.assembly import ModelDims, Norm, PreNormLayer, causal_lm
 from hybridkv.engine.models.attention_block import Attention, AttentionShape
 from hybridkv.engine.models.common import CausalLM, GatedMLP, activation, bind_norm, rms_norm
+from hybridkv.engine.models.loader import Checkpoint, cfg_get, cfg_require
 from hybridkv.engine.models.rope import Rope, make_rope, rope_parameters
 from hybridkv.engine.models.short_conv import ShortConv
 from hybridkv.errors import EngineError

@@ -31,11 +31,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from hybridkv.engine.context import ForwardBatch, LayerCache, StateCache
-from hybridkv.engine.loader import Checkpoint, cfg_get, cfg_require
 from hybridkv.engine.models.common import STATE, LayerDesc
-from hybridkv.engine.ssm_batched import mamba2_scan_grid
-from hybridkv.engine.state_batched import (
+from hybridkv.engine.models.loader import Checkpoint, cfg_get, cfg_require
+from hybridkv.engine.ops.context import ForwardBatch, LayerCache, StateCache
+from hybridkv.engine.ops.ssm_batched import mamba2_scan_grid
+from hybridkv.engine.ops.state_batched import (
     capture_steps,
     causal_conv_grid,
     gather_state,
@@ -43,7 +43,7 @@ from hybridkv.engine.state_batched import (
     write_conv,
     write_ssm,
 )
-from hybridkv.engine.state_ops import (
+from hybridkv.engine.ops.state_ops import (
     causal_conv1d_history,
     mamba2_scan_capture,
     read_state,

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from hybridkv.engine.loader import Checkpoint
-from hybridkv.engine.packed_linear import linear
+from hybridkv.engine.models.loader import Checkpoint
+from hybridkv.engine.ops.packed_linear import linear
 
 Act = Callable[[torch.Tensor], torch.Tensor]
 

@@ -36,8 +36,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from hybridkv.engine.context import ForwardBatch, LayerCache
-from hybridkv.engine.loader import Checkpoint, cfg_get, cfg_require
 from hybridkv.engine.models.assembly import ModelDims, PreNormLayer, norm_loader
 from hybridkv.engine.models.attention_block import Attention, AttentionShape
 from hybridkv.engine.models.common import (
@@ -47,7 +45,9 @@ from hybridkv.engine.models.common import (
     LayerDesc,
     rms_norm_offset,
 )
+from hybridkv.engine.models.loader import Checkpoint, cfg_get, cfg_require
 from hybridkv.engine.models.rope import make_rope, rope_parameters
+from hybridkv.engine.ops.context import ForwardBatch, LayerCache
 from hybridkv.errors import EngineError
 
 MTP_PREFIX = "mtp."

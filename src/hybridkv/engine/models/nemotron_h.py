@@ -15,12 +15,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from hybridkv.engine.context import ForwardBatch, LayerCache
-from hybridkv.engine.loader import Checkpoint, cfg_get, cfg_require
 from hybridkv.engine.models.assembly import ModelDims, Norm, causal_lm, norm_loader
 from hybridkv.engine.models.attention_block import Attention, AttentionShape
 from hybridkv.engine.models.common import CausalLM, LayerDesc, activation
+from hybridkv.engine.models.loader import Checkpoint, cfg_get, cfg_require
 from hybridkv.engine.models.mamba2 import Mamba2
+from hybridkv.engine.ops.context import ForwardBatch, LayerCache
 from hybridkv.errors import EngineError
 
 PATTERN_CODES = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe"}

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from hybridkv.engine.loader import Checkpoint, cfg_get, cfg_require
 from hybridkv.engine.models.assembly import ModelDims, PreNormLayer, causal_lm, norm_loader
 from hybridkv.engine.models.attention_block import Attention, AttentionShape
 from hybridkv.engine.models.common import CausalLM, GatedMLP, rms_norm
+from hybridkv.engine.models.loader import Checkpoint, cfg_get, cfg_require
 from hybridkv.engine.models.rope import make_rope, rope_parameters
 
 

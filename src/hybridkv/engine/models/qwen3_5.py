@@ -13,7 +13,6 @@ from typing import Any
 
 import torch
 
-from hybridkv.engine.loader import Checkpoint, cfg_get, cfg_require
 from hybridkv.engine.models.assembly import ModelDims, PreNormLayer, causal_lm, norm_loader
 from hybridkv.engine.models.attention_block import Attention, AttentionShape
 from hybridkv.engine.models.common import CausalLM, GatedMLP, activation, rms_norm_offset
@@ -23,6 +22,7 @@ from hybridkv.engine.models.gdn_projection import (
     qwen3_5_projector,
     qwen3_next_projector,
 )
+from hybridkv.engine.models.loader import Checkpoint, cfg_get, cfg_require
 from hybridkv.engine.models.moe import (
     REDUCED_DTYPES,
     DenseMoE,
@@ -32,7 +32,7 @@ from hybridkv.engine.models.moe import (
     load_stacked_experts,
 )
 from hybridkv.engine.models.rope import make_rope, rope_parameters
-from hybridkv.engine.packed_linear import linear
+from hybridkv.engine.ops.packed_linear import linear
 from hybridkv.errors import EngineError
 
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from hybridkv.engine.loader import cfg_get
+from hybridkv.engine.models.loader import cfg_get
 from hybridkv.errors import EngineError
 
 

@@ -15,11 +15,16 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from hybridkv.engine.context import ForwardBatch, LayerCache, StateCache
-from hybridkv.engine.loader import Checkpoint
 from hybridkv.engine.models.common import STATE, LayerDesc
-from hybridkv.engine.state_batched import causal_conv_grid, gather_state, state_parts, write_conv
-from hybridkv.engine.state_ops import causal_conv1d_history, read_state, request_slots
+from hybridkv.engine.models.loader import Checkpoint
+from hybridkv.engine.ops.context import ForwardBatch, LayerCache, StateCache
+from hybridkv.engine.ops.state_batched import (
+    causal_conv_grid,
+    gather_state,
+    state_parts,
+    write_conv,
+)
+from hybridkv.engine.ops.state_ops import causal_conv1d_history, read_state, request_slots
 from hybridkv.errors import EngineError
 
 

@@ -1,0 +1,5 @@
+"""`hybridkv` command line (the console script is `hybridkv.cli:main`)."""
+
+from hybridkv.cli.root import app, main
+
+__all__ = ["app", "main"]

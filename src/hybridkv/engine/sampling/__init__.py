@@ -1,0 +1,1 @@
+"""Sampling parameters, logits processing, token sampling and logprobs."""

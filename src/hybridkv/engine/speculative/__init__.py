@@ -1,0 +1,1 @@
+"""Speculative decoding in the engine: drafters and proposers, verification, token trees."""
