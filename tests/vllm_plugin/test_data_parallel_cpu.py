@@ -23,7 +23,7 @@ sessions at a time):
 
 In both, every request answers, and the cached tokens the server reports equal the
 serving rank's prediction from the events published before the request was sent. One
-server start, about 3 minutes on 2 cores.
+server start; 55-98 s on the 2-core host (its start 30-75 s of that).
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ START_TIMEOUT_S = 900.0
 NUM_RANKS = 2
 SESSIONS, TURNS = 8, 3
 FIRST_TOKENS, USER_TOKENS, MAX_TOKENS = 300, 30, 16
-QUIET_S = 1.0  # no event for this long after the last answer: the rank has published
+QUIET_S = 2.0  # no event for this long after the last answer: the ranks have published
 MANAGES = "vLLM's scheduler runs on hybridkv's cache manager"
 
 
@@ -124,8 +124,9 @@ class RankEvents:
 
 
 def _wait_quiet(ranks: list[RankEvents]) -> None:
-    """Until no rank has published for ``QUIET_S`` (events of a finished request follow
-    its last step within milliseconds)."""
+    """Until no rank has published for ``QUIET_S``: a finished request's last events
+    leave with its last step's output, before its answer; the margin covers the
+    publisher thread on a loaded host."""
     while time.perf_counter() - max(r.last_seen for r in ranks) < QUIET_S:
         time.sleep(0.1)
 
