@@ -16,7 +16,7 @@ PACKAGE = "hybridkv.cache"
 
 # Lowest first. Names are relative to `hybridkv.cache` ("managers" is managers/__init__.py).
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("types", ("block", "events", "delta")),
+    ("types", ("block", "events", "delta", "rules")),
     (
         "primitives",
         ("hashing", "validate", "loop_detect", "free_queue_reads", "free_queue_lru", "free_queue"),

@@ -12,6 +12,7 @@ from hybridkv.cache import CacheManager
 from hybridkv.cache.block_pool import BlockPool
 from hybridkv.cache.free_queue import FreeQueue
 from hybridkv.cache.hashing import BlockHasher
+from hybridkv.cache.rules import CacheRules
 from hybridkv.cache.toy import ToyGroup, toy_plan
 from hybridkv.errors import CacheError
 from hybridkv.ids import BlockId
@@ -344,7 +345,7 @@ def test_release_many_is_exactly_single_releases_under_each_policy(policy):
     rng = random.Random(7)
     plan_ = PoolPlan(pool_id=0, page_bytes=1, num_pages=40, num_tensors=1, group_ids=(0,))
     for _trial in range(30):
-        pools = [BlockPool(plan_, None, eviction_policy=policy) for _ in range(2)]
+        pools = [BlockPool(plan_, None, CacheRules(eviction_policy=policy)) for _ in range(2)]
         for _ in range(rng.randint(5, 30)):  # the same blocks taken on both sides
             assert pools[0].take() == pools[1].take()
         held = [b for b in range(1, 40) if pools[0].ref_counts[b]]
@@ -365,7 +366,7 @@ def test_release_many_is_exactly_single_releases_under_each_policy(policy):
         rng.shuffle(table)
         hot = rng.random() < 0.5
         for pool in pools:
-            pool.releasing_hot = hot
+            pool.set_hot_releases(hot)
         pools[0].release_many(table)
         for b in table:
             if b:
@@ -392,7 +393,7 @@ def test_take_touch_and_cache_table_in_bulk_equal_one_by_one(policy):
     plan_ = PoolPlan(pool_id=0, page_bytes=1, num_pages=30, num_tensors=1, group_ids=(0,))
     for _trial in range(40):
         events: list[list] = [[], []]
-        pools = [BlockPool(plan_, events[i], eviction_policy=policy) for i in range(2)]
+        pools = [BlockPool(plan_, events[i], CacheRules(eviction_policy=policy)) for i in range(2)]
         held: list[int] = []
         for _round in range(4):
             # take some blocks (evicting once the fresh ones are gone)

@@ -11,6 +11,7 @@ import pytest
 
 from hybridkv.cache.block_pool import BlockPool
 from hybridkv.cache.events import BLOCK_REMOVED, CacheEvent
+from hybridkv.cache.rules import CacheRules
 from hybridkv.plan.types import PoolPlan
 
 
@@ -32,7 +33,7 @@ def test_ghosts_keep_plain_dict_order() -> None:
     rng = random.Random(3)
     plan_ = PoolPlan(pool_id=0, page_bytes=1, num_pages=9, num_tensors=1, group_ids=(0,))
     events: list[CacheEvent] = []
-    pool = BlockPool(plan_, events, eviction_policy="chain")
+    pool = BlockPool(plan_, events, CacheRules(eviction_policy="chain"))
     assert pool.ghosts is not None
     ref: dict[bytes, bool] = {}
     seen = 0
@@ -61,7 +62,7 @@ def test_bulk_chain_evictions_match_single_takes(seed: int) -> None:
     ghosts and free-queue state."""
     plan_ = PoolPlan(pool_id=0, page_bytes=1, num_pages=24, num_tensors=1, group_ids=(0,))
     events: list[list[CacheEvent]] = [[], []]
-    pools = [BlockPool(plan_, events[i], eviction_policy="chain") for i in range(2)]
+    pools = [BlockPool(plan_, events[i], CacheRules(eviction_policy="chain")) for i in range(2)]
     rngs = [random.Random(seed), random.Random(seed)]
     for salt in range(60):
         n = rngs[0].randint(1, 12)

@@ -11,6 +11,7 @@ import pytest
 
 from hybridkv.cache import CacheManager
 from hybridkv.cache.block_pool import BlockPool
+from hybridkv.cache.rules import CacheRules
 from hybridkv.cache.toy import ToyGroup, toy_plan
 from hybridkv.cache.turn_end import _MIN_KEY_BYTES, PartialIndex
 from hybridkv.errors import CacheError, InvariantError
@@ -19,7 +20,7 @@ from hybridkv.plan.types import PoolPlan
 
 def _two_group_pool(num_pages: int = 3) -> BlockPool:
     plan_ = PoolPlan(pool_id=0, page_bytes=1, num_pages=num_pages, num_tensors=1, group_ids=(0, 1))
-    return BlockPool(plan_, None, eviction_policy="chain")
+    return BlockPool(plan_, None, CacheRules(eviction_policy="chain"))
 
 
 def test_ghosts_of_one_hash_in_two_groups_are_two_entries() -> None:

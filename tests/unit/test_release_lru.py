@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from hybridkv.cache.block_pool import BlockPool
+from hybridkv.cache.rules import CacheRules
 from hybridkv.errors import InvariantError
 from hybridkv.ids import BlockId
 from hybridkv.plan.types import PoolPlan
@@ -13,7 +14,7 @@ PLAN = PoolPlan(pool_id=0, page_bytes=1, num_pages=10, num_tensors=1, group_ids=
 
 
 def _pool() -> BlockPool:
-    pool = BlockPool(PLAN, None, eviction_policy="lru")
+    pool = BlockPool(PLAN, None, CacheRules(eviction_policy="lru"))
     assert [pool.take() for _ in range(5)] == [1, 2, 3, 4, 5]
     for b in (1, 2, 4):
         pool.cache(BlockId(b), 0, bytes([b]), 4)

@@ -28,9 +28,12 @@ from hybridkv.cache.block import NULL_BLOCK, BlockInfo
 from hybridkv.cache.events import BLOCK_REMOVED, BLOCK_STORED, CacheEvent
 from hybridkv.cache.free_queue import PROBATION, PROTECTED, FreeQueue
 from hybridkv.cache.indexes import MIN_TURN_END_KEY_BYTES, ChildIndex, PartialIndex
+from hybridkv.cache.rules import CacheRules
 from hybridkv.errors import InvariantError
 from hybridkv.ids import BlockId
 from hybridkv.plan.types import PoolPlan
+
+BARE_RULES = CacheRules()  # a pool built alone (tests): lru, no extra checkpoint rule
 
 # From this many blocks, `cache_table`'s C-speed checks and dict updates cost less than
 # its per-block loop (a prefill chunk of full attention; a few blocks of 304 do not pay)
@@ -41,34 +44,45 @@ class BlockPool:
     """Reference counts, free queue and per-group hash indexes of one pool."""
 
     def __init__(
-        self, plan: PoolPlan, events: list[CacheEvent] | None, *, eviction_policy: str = "lru"
+        self,
+        plan: PoolPlan,
+        events: list[CacheEvent] | None,
+        rules: CacheRules = BARE_RULES,
+        *,
+        token_groups: frozenset[int] = frozenset(),
+        windowed: bool = False,
     ) -> None:
+        """``rules``: the manager's (`CacheRules`); ``token_groups``: the groups drawing
+        from this pool that index a token table (not state groups); ``windowed``: one of
+        them releases blocks out of its window (`FreeQueue.windowed`)."""
         if plan.num_pages < 1:
             raise InvariantError(f"pool {plan.pool_id} has {plan.num_pages} pages; needs >= 1")
         self.pool_id = plan.pool_id
         self.num_blocks = plan.num_pages
-        # Per-block integers live in lists: native in the compiled build (an `array`
-        # read there is a generic call that boxes an int, ~300 instructions) and faster
-        # to read in pure Python; docs/performance.md has the memory cost.
+        # Per-block integers live in lists (docs/performance.md has the memory cost).
         self.ref_counts = [0] * plan.num_pages
         self.hashes: dict[int, bytes] = {}  # cached blocks only
         self.hash_group = [-1] * plan.num_pages
         self.hash_end = [0] * plan.num_pages  # tokens covered by the hash
         self.index: dict[int, dict[bytes, BlockId]] = {g: {} for g in plan.group_ids}
-        self.free = FreeQueue(plan.num_pages, list(range(1, plan.num_pages)), eviction_policy)
+        self.free = FreeQueue(
+            plan.num_pages,
+            list(range(1, plan.num_pages)),
+            rules.eviction_policy,
+            windowed=windowed,
+        )
         self.was_hit = [0] * plan.num_pages  # hit since stored (cached only)
-        # Set by the manager while it releases a request that started from a prefix hit:
-        # a chain that came back once is likely to come back again, and so is its
-        # extension (the blocks that request added), so they are released as if hit.
+        # True while the manager releases a request that started from a prefix hit
+        # (`set_hot_releases`): a chain that came back once is likely to come back
+        # again, and so is its extension (the blocks that request added), so they are
+        # released as if hit.
         self.releasing_hot = False
         # chain policy: recently evicted blocks (`ghost_key`) -> evicted from the newest
         # end; a lookup that misses one tells the policy it chose badly. An OrderedDict:
         # dropping the oldest of a plain dict (``next(iter(d))``) scans the deleted
         # entries before it, O(pool) per eviction (7 us at 5.6k blocks); ``popitem``
         # is O(1), same order (insertion, a re-set key keeping its place)
-        self.ghosts: OrderedDict[bytes, bool] | None = (
-            OrderedDict() if eviction_policy == "chain" else None
-        )
+        self.ghosts: OrderedDict[bytes, bool] | None = OrderedDict() if rules.chain else None
         # per group, the fixed-size suffix of its ghosts' keys (`ghost_key`)
         self.ghost_tags: dict[int, bytes] = {g: g.to_bytes(4, "little") for g in plan.group_ids}
         self.events = events
@@ -76,15 +90,30 @@ class BlockPool:
         self.num_stored = 0
         # turn_end rule: entries keyed by a partial last block (`cache.turn_end`); a hit
         # takes such a block over (`uncache`), counted apart from evictions
-        self.partial: PartialIndex | None = None
-        self.partial_groups: set[int] = set()  # token-indexed groups (entries stay free)
+        self.partial: PartialIndex | None = PartialIndex() if rules.turn_end else None
+        self.partial_groups = token_groups  # token-indexed groups (entries stay free)
         self.num_takeovers = 0
         # junction copies: cached full blocks by parent hash (`cache.junction`)
-        self.children: ChildIndex | None = None
+        self.children: ChildIndex | None = (
+            ChildIndex(plan.num_pages) if rules.junction_copies else None
+        )
         # While the coordinator serves one request's call (lookup, commit, turn-end
         # keep), token spans as bytes by (start, end, kind), shared by the groups that
         # ask for the same span (`junction.span_bytes`); None outside such a call
+        # (`open_spans`, `close_spans`)
         self.spans: dict[tuple[int, int, int], bytes] | None = None
+
+    def open_spans(self) -> None:
+        """Start sharing token spans between the groups of one coordinator call."""
+        self.spans = {}
+
+    def close_spans(self) -> None:
+        self.spans = None
+
+    def set_hot_releases(self, hot: bool) -> None:
+        """Blocks released while ``hot`` belong to a request that started from a prefix
+        hit; the chain policy protects them as if hit."""
+        self.releasing_hot = hot
 
     # ------------------------------------------------------------------ queries
     @property

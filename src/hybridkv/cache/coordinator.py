@@ -33,12 +33,12 @@ from hybridkv.cache.block_pool import BlockPool
 from hybridkv.cache.delta import NO_CHANGE, GroupDelta, StepDelta
 from hybridkv.cache.events import CacheEvent
 from hybridkv.cache.hashing import BlockHasher
-from hybridkv.cache.indexes import ChildIndex, PartialIndex
 from hybridkv.cache.junction import junction_copies
 from hybridkv.cache.managers import MANAGER_TABLE, STATE_LAYOUTS, Counters, GroupManager
+from hybridkv.cache.rules import CacheRules
 from hybridkv.errors import CacheError
 from hybridkv.ids import BlockId
-from hybridkv.plan.types import CachePlan
+from hybridkv.plan.types import CachePlan, GroupPlan
 
 _new_tuple = tuple.__new__  # a named tuple's own constructor is a Python function
 
@@ -51,77 +51,71 @@ def hash_unit_tokens(plan: CachePlan) -> int:
     return max(unit, 1)
 
 
+def _manager_class(group: GroupPlan, state_layout: str) -> type[GroupManager]:
+    """The manager class of ``group``: by its kind (`MANAGER_TABLE`), a state group by
+    the layout its engine reads (`STATE_LAYOUTS`)."""
+    manager_cls = MANAGER_TABLE.get(group.kind)
+    if group.is_state:
+        manager_cls = STATE_LAYOUTS.get(state_layout)
+        if manager_cls is None:
+            raise CacheError(
+                f"state layout {state_layout!r}; known layouts: {sorted(STATE_LAYOUTS)}"
+            )
+    if manager_cls is None:
+        raise CacheError(
+            f"group {group.group_id} has kind {group.kind!r}; known kinds: {sorted(MANAGER_TABLE)}"
+        )
+    return manager_cls
+
+
 class Coordinator:
     """Owns the pools and one manager per group; knows nothing about requests."""
 
     def __init__(
         self,
         plan: CachePlan,
+        rules: CacheRules,
         *,
-        caching: bool,
-        eagle: bool,
-        hash_algo: str,
         events: list[CacheEvent] | None,
         counters: Counters,
-        eviction_policy: str = "lru",
-        state_layout: str = "slots",
     ) -> None:
         if not plan.groups:
             raise CacheError("the plan has 0 groups; nothing to manage")
-        self.hasher = BlockHasher(hash_algo, hash_unit_tokens(plan))
-        self.caching = caching
-        self.eagle = eagle
-        self.turn_end = False  # turn_end rule (`cache.turn_end`): `enable_turn_end`
-        self.copies = False  # junction copies (`cache.junction`): `enable_junction_copies`
-        self.pools = [
-            BlockPool(pool, events, eviction_policy=eviction_policy) for pool in plan.pools
-        ]
-        self.managers: list[GroupManager] = []
-        for group in plan.groups:
-            manager_cls = MANAGER_TABLE.get(group.kind)
-            if group.is_state:
-                manager_cls = STATE_LAYOUTS.get(state_layout)
-                if manager_cls is None:
-                    raise CacheError(
-                        f"state layout {state_layout!r}; known layouts: {sorted(STATE_LAYOUTS)}"
-                    )
-            if manager_cls is None:
-                raise CacheError(
-                    f"group {group.group_id} has kind {group.kind!r}; known kinds: "
-                    f"{sorted(MANAGER_TABLE)}"
-                )
-            self.managers.append(
-                manager_cls(
-                    group,
-                    self.pools[group.pool_id],
-                    unit_tokens=self.hasher.unit_tokens,
-                    caching=caching,
-                    counters=counters,
-                    key_ahead=eagle and any(ref.model == "draft" for ref in group.layers),
+        self.hasher = BlockHasher(rules.hash_algo, hash_unit_tokens(plan))
+        self.caching = rules.prefix_caching
+        self.eagle = rules.eagle
+        self.turn_end = rules.turn_end  # turn_end rule (`cache.turn_end`)
+        self.copies = rules.junction_copies  # junction copies (`cache.junction`)
+        classes = [_manager_class(group, rules.state_layout) for group in plan.groups]
+        self.pools = []
+        for pool in plan.pools:
+            mine = [g for g, group in enumerate(plan.groups) if group.pool_id == pool.pool_id]
+            self.pools.append(
+                BlockPool(
+                    pool,
+                    events,
+                    rules,
+                    token_groups=frozenset(
+                        plan.groups[g].group_id for g in mine if not classes[g].is_state
+                    ),
+                    # loop eviction stays off where a group releases blocks out of its
+                    # window (`FreeQueue.windowed`)
+                    windowed=any(classes[g].releases for g in mine),
                 )
             )
-        for manager in self.managers:  # loop eviction stays off there (`FreeQueue.windowed`)
-            if getattr(manager, "releases", False):  # sliding-window kinds
-                manager.pool.free.windowed = True
+        self.managers: list[GroupManager] = [
+            manager_cls(
+                group,
+                self.pools[group.pool_id],
+                unit_tokens=self.hasher.unit_tokens,
+                rules=rules,
+                counters=counters,
+                key_ahead=rules.eagle and any(ref.model == "draft" for ref in group.layers),
+            )
+            for group, manager_cls in zip(plan.groups, classes, strict=True)
+        ]
         self._all_groups = range(len(self.managers))
         self._one_pool = len(self.pools) == 1
-
-    def enable_turn_end(self) -> None:
-        """Switch the turn_end rule (`cache.turn_end`) on for every pool and group."""
-        self.turn_end = True
-        for pool in self.pools:
-            pool.partial = PartialIndex()
-        for manager in self.managers:
-            manager.turn_end = True
-            if not manager.is_state:
-                manager.pool.partial_groups.add(manager.group_id)
-
-    def enable_junction_copies(self) -> None:
-        """Switch junction copies (`cache.junction`) on for every pool (needs turn_end:
-        the state at a mid-block junction is kept under a turn-end key)."""
-        self.copies = True
-        for pool in self.pools:
-            pool.children = ChildIndex(pool.num_blocks)
 
     def num_evictions(self) -> int:
         """Blocks evicted or taken over (turn-end partial blocks) so far in every pool: a
@@ -137,12 +131,12 @@ class Coordinator:
         if self.pools[0].spans is not None:
             return False
         for pool in self.pools:
-            pool.spans = {}
+            pool.open_spans()
         return True
 
     def _spans_off(self) -> None:
         for pool in self.pools:
-            pool.spans = None
+            pool.close_spans()
 
     def find_hit(
         self,

@@ -65,12 +65,12 @@ from hybridkv.cache.free_queue_reads import (
     mypyc_attr,
 )
 from hybridkv.cache.loop_detect import LoopDetector
+from hybridkv.cache.rules import DEFAULT_EVICTION_POLICY as DEFAULT_EVICTION_POLICY
+from hybridkv.cache.rules import EVICTION_POLICIES
 from hybridkv.errors import CacheError, InvariantError
 from hybridkv.ids import BlockId
 
 _NONE: Final = -1
-EVICTION_POLICIES = ("lru", "chain")
-DEFAULT_EVICTION_POLICY = "chain"  # wins bench/prefix_policies.py (no cliff under loops)
 STALE_TURNOVERS: Final = 8  # reuse distance assumed (in pool sizes) before any hit was seen
 OVERDUE_FACTOR: Final = 1  # a block not back within its reuse distance is overdue
 TYPICAL_WEIGHT: Final = 0.05  # weight of a new hit in the moving average of reuse distances
@@ -82,7 +82,9 @@ REGRET_STEP: Final = 0.05  # bias step per lookup that misses a block the policy
 class FreeQueue(LruLinks):
     """Free block ids of one pool; see the module docstring for the order."""
 
-    def __init__(self, num_blocks: int, fresh_ids: list[int], policy: str = "lru") -> None:
+    def __init__(
+        self, num_blocks: int, fresh_ids: list[int], policy: str = "lru", *, windowed: bool = False
+    ) -> None:
         if policy not in EVICTION_POLICIES:
             raise CacheError(
                 f"eviction policy {policy!r} is unknown; use one of {', '.join(EVICTION_POLICIES)}"
@@ -102,12 +104,11 @@ class FreeQueue(LruLinks):
         self._bias = 0.0
         self.last_victim_newest = False
         self.loops = LoopDetector(num_blocks)  # hits at one regular distance: round robin
-        # A group of this pool releases blocks out of its window (set by the coordinator):
-        # a hit needs the window's blocks at its end, so a session evicted tail first
-        # loses its whole hit and loop mode's partial evictions would break every
-        # session; loop mode stays off (measured: round robin on swa60 at 6 GiB, 0.630
-        # with it vs 0.678 without).
-        self.windowed = False
+        # A group of this pool releases blocks out of its window: a hit needs the window's
+        # blocks at its end, so a session evicted tail first loses its whole hit and loop
+        # mode's partial evictions would break every session; loop mode stays off
+        # (measured: round robin on swa60 at 6 GiB, 0.630 with it vs 0.678 without).
+        self.windowed = windowed
         for tier in range(_NUM_TIERS):
             s = num_blocks + tier
             self._prev[s] = self._next[s] = s

@@ -2,8 +2,8 @@
 checkpoint rules: `PartialIndex` (turn-end entries by anchor, `cache.turn_end`) and
 `ChildIndex` (cached full blocks by parent hash, `cache.junction`). Plain data owned by
 `BlockPool`, which keeps them consistent with eviction; the rules that fill and read
-them act on one group (`cache.turn_end`, `cache.junction`), the coordinator switches
-them on (`Coordinator.enable_turn_end`, `Coordinator.enable_junction_copies`).
+them act on one group (`cache.turn_end`, `cache.junction`); a pool keeps them when its
+`CacheRules` say so.
 """
 
 from __future__ import annotations
@@ -110,7 +110,7 @@ class PartialIndex:
         keys = self.anchor_of.get(group_id)
         return None if keys is None else keys.get(key)
 
-    def check(self, pool: PoolFacts, token_groups: set[int]) -> None:
+    def check(self, pool: PoolFacts, token_groups: frozenset[int]) -> None:
         """Every entry is indexed by the pool under its key, listed once under its
         anchor (lists sorted), ends past its anchor; entries of token-indexed groups are
         free blocks."""
@@ -136,7 +136,7 @@ class PartialIndex:
             )
 
     def _check_entry(
-        self, pool: PoolFacts, token_groups: set[int], group: int, anchor: bytes, key: bytes
+        self, pool: PoolFacts, token_groups: frozenset[int], group: int, anchor: bytes, key: bytes
     ) -> None:
         block = pool.index[group].get(key)
         if block is None:

@@ -28,9 +28,9 @@ from typing import SupportsIndex
 
 from hybridkv.cache.coordinator import Coordinator
 from hybridkv.cache.events import CacheEvent
-from hybridkv.cache.free_queue import DEFAULT_EVICTION_POLICY
 from hybridkv.cache.managers import Counters
 from hybridkv.cache.request import RequestRecord
+from hybridkv.cache.rules import DEFAULT_EVICTION_POLICY, CacheRules
 from hybridkv.cache.step_paths import StepPaths
 from hybridkv.cache.validate import (
     FAST_MAX_COUNT,
@@ -43,14 +43,6 @@ from hybridkv.plan.types import CachePlan
 
 _new_tuple = tuple.__new__
 
-# extra checkpoint rules: junction (managers/state.py), turn_end (cache/turn_end.py)
-CHECKPOINT_RULES = ("junction", "turn_end")
-# Both on by default (bench/prefix_policies.py, docs/prefix_policies/results.md):
-# junction is never below align and up to 1.6x hits under pressure; turn_end takes
-# multi-turn sessions from ~91% to ~97% of the reuse bound with memory to spare, and
-# its entries are evicted first, so under pressure it costs at most ~1% of hits.
-DEFAULT_CHECKPOINT_RULES = ("junction", "turn_end")
-
 
 class CacheManager(StepPaths):
     """Blocks, prefix cache and speculative reservations for every group of a plan.
@@ -61,7 +53,7 @@ class CacheManager(StepPaths):
     ``checkpoint_rules``: extra state checkpoints on top of the plan's state mode;
     ``junction`` (see `hybridkv.cache.managers.state`), ``turn_end`` (a released request
     keeps its partial last block and its state at its last computed token, see
-    `hybridkv.cache.turn_end`); None: `DEFAULT_CHECKPOINT_RULES`.
+    `hybridkv.cache.turn_end`); None: `cache.rules.DEFAULT_CHECKPOINT_RULES`.
     ``checkpoints_inside_steps``: False for engines that write a state only at the end
     of a step (vLLM's workers): state groups then checkpoint only where a step ends,
     and the scheduler ends prefill chunks on checkpoint boundaries.
@@ -89,21 +81,27 @@ class CacheManager(StepPaths):
         drafter_lookahead_tokens: int = 0,
     ) -> None:
         self.plan = plan
-        self.caching = (
-            plan.options.prefix_caching if enable_prefix_caching is None else enable_prefix_caching
+        self.rules = CacheRules.for_plan(
+            plan,
+            enable_prefix_caching=enable_prefix_caching,
+            eagle=eagle,
+            hash_algo=hash_algo,
+            eviction_policy=eviction_policy,
+            checkpoint_rules=checkpoint_rules,
+            checkpoints_inside_steps=checkpoints_inside_steps,
+            state_layout=state_layout,
+            drafter_lookahead_tokens=drafter_lookahead_tokens,
         )
+        self.caching = self.rules.prefix_caching
         self.eagle = eagle
+        self.checkpoint_rules = self.rules.checkpoint_rules
         self._events: list[CacheEvent] = []
         self._counters = Counters()
         self.coordinator = Coordinator(
             plan,
-            caching=self.caching,
-            eagle=eagle,
-            hash_algo=hash_algo,
+            self.rules,
             events=self._events if record_events else None,
             counters=self._counters,
-            eviction_policy=eviction_policy,
-            state_layout=state_layout,
         )
         self._managers = self.coordinator.managers
         self._is_state_group = [m.is_state for m in self._managers]
@@ -118,38 +116,11 @@ class CacheManager(StepPaths):
         self._unit = self.coordinator.hasher.unit_tokens
         self._requests: dict[str, RequestRecord] = {}
         self._hit_requests: set[str] = set()  # running requests that started from a hit
-        # only the chain policy reads hot releases (`BlockPool.releasing_hot`)
-        self._track_hot = eviction_policy == "chain"
-        if checkpoint_rules is None:
-            checkpoint_rules = DEFAULT_CHECKPOINT_RULES
-        unknown = sorted(set(checkpoint_rules) - set(CHECKPOINT_RULES))
-        if unknown:
-            raise CacheError(
-                f"checkpoint rules {unknown} are unknown; use any of {list(CHECKPOINT_RULES)}"
-            )
-        self.checkpoint_rules = tuple(checkpoint_rules)
-        self._junction = "junction" in self.checkpoint_rules and bool(self._state_group_ids)
-        if drafter_lookahead_tokens < 0:
-            raise CacheError(f"drafter_lookahead_tokens={drafter_lookahead_tokens}: must be >= 0")
-        for manager in self._managers:
-            if manager.is_state:
-                manager.junction_rule = self._junction
-                manager.inside_steps = checkpoints_inside_steps
-                manager.drafter_lookahead_tokens = drafter_lookahead_tokens
+        # only the chain policy reads hot releases (`BlockPool.set_hot_releases`)
+        self._track_hot = self.rules.chain
+        self._junction = self.rules.junction
         self._junctions: dict[str, int] = {}  # junction rule: attention match at lookup
-        self._turn_end = "turn_end" in self.checkpoint_rules and self.caching
-        if self._turn_end:
-            self.coordinator.enable_turn_end()
-            # Mid-block hits by copy-on-write, with the junction rule, so only in plans
-            # with a state group: there a block holds hundreds of tokens (a copy serves
-            # up to block_size - 1 of them) and the junction's state needs the copy to
-            # be reached. Attention-only plans (block 16: at most 15 tokens a hit) gain
-            # little and pay for a child index of every cached block: qwen3-4b over the
-            # prefix study's families +0.3 points of the reuse bound (few-shot), -1.7
-            # (chat at 5 GiB), within 0.04 elsewhere; ~20% of manager time
-            # (bench/manager_step.py, full). See docs/prefix_policies/junction_copies.md.
-            if self._junction:
-                self.coordinator.enable_junction_copies()
+        self._turn_end = self.rules.turn_end
         self._num_lookups = self._num_lookup_tokens = self._num_hit_tokens = 0
         self._num_preemptions = self._num_alloc_failures = 0
 

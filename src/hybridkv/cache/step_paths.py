@@ -409,6 +409,6 @@ class StepPaths(CacheViews):
 
     def _set_hot(self, hot: bool) -> None:
         """Blocks released while ``hot`` belong to a request that started from a prefix
-        hit; the eviction policy treats them as hit (see `BlockPool.releasing_hot`)."""
+        hit; the eviction policy treats them as hit (`BlockPool.set_hot_releases`)."""
         for pool in self.coordinator.pools:
-            pool.releasing_hot = hot
+            pool.set_hot_releases(hot)

@@ -14,6 +14,7 @@ from typing import Any, ClassVar, Final, NamedTuple
 
 from hybridkv.cache.block_pool import BlockPool
 from hybridkv.cache.delta import GroupDelta
+from hybridkv.cache.rules import CacheRules
 from hybridkv.errors import CacheError
 from hybridkv.ids import BlockId
 from hybridkv.plan.types import GroupPlan
@@ -100,6 +101,7 @@ class GroupManager:
     """
 
     is_state: ClassVar[bool] = False  # slots per request instead of a token-indexed table
+    releases: ClassVar[bool] = False  # releases blocks that leave its window
     moves_on_fast_commit: ClassVar[bool] = False  # settle_fast changes the state
 
     def __init__(
@@ -108,7 +110,7 @@ class GroupManager:
         pool: BlockPool,
         *,
         unit_tokens: int,
-        caching: bool,
+        rules: CacheRules,
         counters: Counters,
         key_ahead: bool = False,
     ) -> None:
@@ -117,7 +119,7 @@ class GroupManager:
         self.block_size = group.block_size
         self.pool = pool
         self.unit_tokens = unit_tokens
-        self.caching = caching
+        self.caching = rules.prefix_caching
         self.counters = counters
         self.index = pool.index[group.group_id]  # hash -> cached block of this group
         self.ghosts = pool.ghosts  # chain policy: recently evicted keys (else None)
@@ -126,15 +128,14 @@ class GroupManager:
         # *and* the token after it ("hash one token ahead"): a hit never reuses head KV
         # computed for another next token, and no block has to be dropped.
         self.key_ahead = key_ahead
-        self.junction_rule = False  # state groups: set by `CacheManager` checkpoint_rules
-        self.turn_end = False  # turn_end rule (`cache.turn_end`): set by `CacheManager`
-        # state groups: False checkpoints only where a step ends (set by `CacheManager`)
-        self.inside_steps = True
+        self.junction_rule = rules.junction  # read by state groups (`managers.state`)
+        self.turn_end = rules.turn_end  # turn_end rule (`cache.turn_end`)
+        # state groups: False checkpoints only where a step ends
+        self.inside_steps = rules.checkpoints_inside_steps
         # lookahead every step reserves for the drafter's own KV (vLLM's
         # ``num_lookahead_tokens``: K for draft models, EAGLE, MTP), on top of the drafts
-        # being verified; attention groups reserve it, state groups ignore it (set by
-        # `CacheManager`)
-        self.drafter_lookahead_tokens = 0
+        # being verified; attention groups reserve it, state groups ignore it
+        self.drafter_lookahead_tokens = rules.drafter_lookahead_tokens
         assert group.block_size % unit_tokens == 0
         self.init_kind()
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import ClassVar, Final
+from typing import Final
 
 from hybridkv.cache.block import NULL_BLOCK
 from hybridkv.cache.delta import GroupDelta
@@ -51,7 +51,6 @@ class FullAttentionManager(GroupManager):
 
     # Whether blocks ever leave the window (`next_release` not None): subclasses that
     # release set it; full attention skips the window arithmetic on every commit.
-    releases: ClassVar[bool] = False
 
     def first_live_block(self, num_computed: int) -> int:
         # the spec's arithmetic (sliding and chunked managers inline their own)
