@@ -19,7 +19,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("types", ("block", "events", "delta", "rules")),
     (
         "primitives",
-        ("hashing", "validate", "loop_detect", "free_queue_reads", "free_queue_lru", "free_queue"),
+        ("hashing", "validate", "loop_detect", "free_queue"),
     ),
     ("pool", ("indexes", "block_pool")),
     (

@@ -175,13 +175,13 @@ class BeladyQueue(FreeQueue):
 
     def pop_many(self, num: int) -> tuple[list[int], list[int]]:
         # fresh blocks in bulk; victims one by one through `pop` (each depends on the last)
-        k = min(num, len(self._fresh))
+        k = min(num, self.num_fresh)
         if not k:
             return [], []
         taken, _ = super().pop_many(k)
         return taken, []
 
-    def _victim(self) -> int:
+    def victim(self) -> int:
         heap, version = self._heap, self._version
         while heap:
             _, _, block, v = heap[0]
