@@ -353,7 +353,7 @@ class BlockPool:
     def _unindex(self, block_id: BlockId) -> tuple[int, bytes]:
         """Drop a cached block from its group's index (and the turn-end entries);
         returns (group, hash). Shared by eviction and turn-end takeover."""
-        block_hash = self.hashes[block_id]  # not dict.pop: a generic call when compiled
+        block_hash = self.hashes[block_id]
         del self.hashes[block_id]
         group = self.hash_group[block_id]
         del self.index[group][block_hash]
@@ -391,7 +391,7 @@ class BlockPool:
         partial, children, ghosts, events = self.partial, self.children, self.ghosts, self.events
         limit, tags = self.num_blocks, self.ghost_tags
         parents = children.parent_of if children is not None else []
-        for i, block in enumerate(victims):  # not zip(strict=True): a generic call compiled
+        for i, block in enumerate(victims):
             new = newest[i]
             block_hash = own[block]
             del own[block]

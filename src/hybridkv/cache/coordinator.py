@@ -244,7 +244,6 @@ class Coordinator:
         managers = self.managers
         todo = self._all_groups if groups is None else groups
         counts = [managers[g].num_new_blocks(states[g], c, n, lookahead) for g in todo]
-        # index loops below, not zip(strict=True): that is a generic call when compiled
         held = [m.held(states[g]) for g, m in enumerate(managers)] if touch else []
         if self._one_pool:  # the common plan: one pool, one sum
             pool = self.pools[0]
@@ -280,8 +279,8 @@ class Coordinator:
         total = sum(counts) if self._one_pool else 0
         pending = self.pools[0].take_many(total) if total else []
         start = 0
-        for i, count in enumerate(counts):  # index loops here: zip(strict=True) is a
-            g = todo[i]  # generic call in the compiled build
+        for i, count in enumerate(counts):
+            g = todo[i]
             manager = managers[g]
             if not count and not manager.is_state:
                 continue  # a table that needs no block: nothing to lay out

@@ -239,7 +239,7 @@ class ChildIndex:
             if len(kids) > MAX_CHILDREN_PER_PARENT:
                 self._forget(kids.pop(0))  # the oldest goes
             return
-        other = only.get(parent)  # not only.pop(parent, None): a generic call compiled
+        other = only.get(parent)
         if other is None:
             only[parent] = block
         else:
@@ -260,7 +260,7 @@ class ChildIndex:
         self._forget(block)
         only = self.only[group_id]
         child = only.get(parent)
-        if child is not None and child == block:  # narrowed: a native int compare
+        if child is not None and child == block:
             del only[parent]
             return
         many = self.many[group_id]

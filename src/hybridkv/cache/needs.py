@@ -40,8 +40,7 @@ def step_needs(
             f"blocks_needed of request {req_id!r}: only for a running request between "
             f"steps; it is {state}"
         )
-    # objects until checked (numpy integers welcome; the compiled build must not
-    # convert bools or refuse floats before `check_count` names them)
+    # objects until checked (numpy integers welcome; `check_count` names bools and floats)
     n = check_count(req_id, "num_new_tokens", num_new_tokens)
     lookahead = check_count(req_id, "num_lookahead_tokens", num_lookahead_tokens)
     c = r.num_computed

@@ -39,10 +39,7 @@ from hybridkv.errors import InvariantError
 
 class GroupLimits:
     """One group's `GroupManager.fast_bounds` (end, verified, lookahead, commit below),
-    made once per group when a request starts and overwritten at each refresh. Native
-    int attributes in the compiled build: a refresh stores four ints and the minima
-    read them without an int object each (a list of ints boxed every bound above 256,
-    a new object per refresh, and unboxed it at every read)."""
+    made once per group when a request starts and overwritten at each refresh."""
 
     __slots__ = ("commit_below", "end", "lookahead", "verified")
 
@@ -139,8 +136,7 @@ class RequestRecord:
             if m.moves_on_fast_commit:
                 by_kind.setdefault(type(m), []).append(s)
                 first.setdefault(type(m), m)
-        # one call per kind, on a manager object: a native method call in the compiled
-        # build (a stored function object was a generic call with argument parsing)
+        # one call per kind, on a manager object
         self.settlers = [(first[kind], group) for kind, group in by_kind.items()]
         self.limits = [GroupLimits() for _ in managers]
 
@@ -164,8 +160,7 @@ class RequestRecord:
             lim.end, lim.verified, lim.lookahead, lim.commit_below = managers[g].fast_bounds(
                 states[g], c
             )
-        # the minima in one loop over native ints (zip and four min() calls cost several
-        # times this in the compiled build, at ten groups)
+        # the minima of the four bounds in one loop
         first = limits[0]
         end, verified, lookahead, commit = (
             first.end,

@@ -140,7 +140,7 @@ class StepPaths(CacheViews):
             ]
         out: list[StepDelta | None] = []
         append = out.append
-        # checked above: plain ints (a cast, so that the compiled loop reads native ints)
+        # checked above: plain ints
         news, lookaheads = cast(_Ints, num_new_tokens), cast(_Ints, num_lookahead_tokens)
         for r, n, lookahead in zip(records, news, lookaheads, strict=True):
             # The fast path (`RequestRecord.try_fast_allocate`): no group needs a block
@@ -216,8 +216,8 @@ class StepPaths(CacheViews):
     ) -> StepDelta | None:
         if r is None:
             r = self._get(req_id)
-        # counts arrive as objects (numpy integers welcome, bools and floats refused):
-        # the compiled build must not convert them before `check_count` sees them
+        # counts arrive as objects (numpy integers welcome, bools and floats refused,
+        # by `check_count`, which names them)
         n = check_count(req_id, "num_new_tokens", num_new_tokens)
         lookahead = check_count(req_id, "num_lookahead_tokens", num_lookahead_tokens)
         if r.pending:

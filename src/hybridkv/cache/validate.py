@@ -16,9 +16,8 @@ from hybridkv.errors import CacheError
 
 # byte holding the sign bit of a 64-bit int in the machine's byte order
 _HIGH_BYTE = 7 if sys.byteorder == "little" else 0
-# The largest count a fast path takes unchecked: the compiled build's largest unboxed
-# int, so that its compares stay native (a compare with MAX_TOKEN_ID, a boxed int there,
-# is a generic call); valid larger counts go through the checked path
+# The largest count a fast path takes unchecked (2^62 - 1: docs/compiled_core.md);
+# valid larger counts go through the checked path
 FAST_MAX_COUNT: Final = (1 << 62) - 1
 
 
@@ -105,10 +104,8 @@ def append_tokens(tokens: array[int], new: Sequence[int]) -> bool:
 
 
 def _all_signed(ids: list[int]) -> bool:
-    """No id above 2^63 - 1 (``ids`` passed the unsigned array: integers >= 0). A loop:
-    native ints in the compiled build, compared with the unboxed `FAST_MAX_COUNT` first
-    (only an id above it meets the boxed MAX_TOKEN_ID); an integer type the compiled
-    loop cannot unbox (numpy) says False, and the checked path then judges it."""
+    """No id above 2^63 - 1 (``ids`` passed the unsigned array: integers >= 0), or
+    False when unsure (then the checked path judges them)."""
     try:
         for t in ids:
             if t > FAST_MAX_COUNT and t > MAX_TOKEN_ID:

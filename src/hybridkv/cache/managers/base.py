@@ -74,11 +74,9 @@ class FastLimits(NamedTuple):
 
 NO_GROWTH: tuple[None, tuple[BlockId, ...]] = (None, ())
 
-# "No bound" in `GroupManager.fast_bounds` (a `FastLimits` field of None): the largest
-# int the compiled build keeps unboxed (mypyc's short ints: 63-bit signed), so that the
-# request record takes minima and compares native ints (2^62 was a boxed int there:
-# every compare with it took the generic slow path). A step reaching it (no request
-# holds 2^62 tokens) only misses the fast path: the slow path checks it.
+# "No bound" in `GroupManager.fast_bounds` (a `FastLimits` field of None), 2^62 - 1
+# (docs/compiled_core.md). A step reaching it (no request holds 2^62 tokens) only
+# misses the fast path: the slow path checks it.
 UNBOUNDED: Final = (1 << 62) - 1
 Bounds = tuple[int, int, int, int]  # `FastLimits` as ints, None -> UNBOUNDED
 
@@ -140,8 +138,7 @@ class GroupManager:
         self.init_kind()
 
     def init_kind(self) -> None:
-        """A kind's own attributes, set once the common ones are (a hook rather than an
-        ``__init__(*args, **kwargs)`` override: typed, and compilable by mypyc)."""
+        """A kind's own attributes, set once the common ones are."""
 
     # -- hashing helpers -----------------------------------------------------------
     def key(self, hashes: Sequence[bytes], tokens: Sequence[int], end_tokens: int) -> bytes:

@@ -31,8 +31,8 @@ class SlidingWindowManager(FullAttentionManager):
         self.window_tokens = self.group.spec.sliding_window
 
     def first_live_block(self, num_computed: int) -> int:
-        # `SlidingWindowSpec.first_live_block` in the manager's own ints: the spec's is
-        # an interpreted call in the compiled build, made at every slow commit
+        # `SlidingWindowSpec.first_live_block` in the manager's own ints (called at every
+        # slow commit)
         return max(0, num_computed - (self.window_tokens - 1)) // self.block_size
 
     def next_release(self, first_live: int) -> int | None:

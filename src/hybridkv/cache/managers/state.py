@@ -260,8 +260,8 @@ class StateManager(GroupManager):
             return None
         write, old_spares = state.write, state.spares
         produced: list[tuple[int, BlockId]] = [(c + n, write)]
-        first = c + n + 1  # S spares once drafted (a comprehension: zip(strict=True) is a
-        produced += [(first + k, old_spares[k]) for k in range(num_spec)]  # generic call)
+        first = c + n + 1  # S spares once drafted
+        produced += [(first + k, old_spares[k]) for k in range(num_spec)]
         produced += state.ckpts
         new_running = produced[accepted][1]
         spares: list[BlockId] = []
@@ -309,10 +309,7 @@ class StateManager(GroupManager):
         self.settle_fast_all([state], accepted)
 
     def settle_fast_all(self, states: list[StateBlocks], accepted: int) -> None:
-        # a list, not a Sequence: the compiled loop indexes it natively. The ids move
-        # typed as ``running`` (maybe None: an object in the compiled build), so they
-        # are neither unboxed nor boxed again (each boxing of an id above 256 is a new
-        # int object); ``running`` is set here (c > 0)
+        # ``running`` is set here (c > 0)
         if accepted:
             i = accepted - 1
             for state in states:
