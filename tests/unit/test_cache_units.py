@@ -455,3 +455,41 @@ def test_token_validation_accepts_integer_types_and_refuses_the_rest():
         cm.commit(req, 0, [9])  # the step is still allocated: settle it
         assert cm.token_ids(req) == [5, 6, 7, 8, 9] and cm.num_computed_tokens(req) == 4
         cm.check_invariants()
+
+
+@pytest.mark.parametrize(
+    ("groups", "rules", "caching", "expected"),
+    [
+        # (turn_end, junction, junction_copies) acting on the plan
+        (("full", "state"), ("junction", "turn_end"), True, (True, True, True)),
+        (("full",), ("junction", "turn_end"), True, (True, False, False)),  # no state group
+        (("full", "state"), ("junction", "turn_end"), False, (False, True, False)),  # no cache
+        (("full", "state"), ("turn_end",), True, (True, False, False)),
+        (("full", "state"), ("junction",), True, (False, True, False)),
+        (("full", "state"), (), True, (False, False, False)),
+    ],
+)
+def test_cache_rules_act_only_where_the_plan_and_prefix_caching_allow(
+    groups, rules, caching, expected
+):
+    """`CacheRules.for_plan` (the module docstring's table): turn_end needs prefix
+    caching, the junction rule a state group, junction copies both; every pool and group
+    manager of the `CacheManager` holds the same switches from its constructor."""
+    toy = {"full": ToyGroup("full", 4), "state": ToyGroup("state", 8)}
+    plan_ = toy_plan([toy[g] for g in groups])
+    cm = CacheManager(plan_, checkpoint_rules=rules, enable_prefix_caching=caching)
+    r = cm.rules
+    assert (r.turn_end, r.junction, r.junction_copies) == expected
+    assert r.checkpoint_rules == rules and r.prefix_caching == caching
+    with pytest.raises(AttributeError):
+        r.turn_end = not r.turn_end  # type: ignore[misc]  # frozen: built once
+    for pool in cm.coordinator.pools:
+        assert (pool.partial is not None, pool.children is not None) == (
+            r.turn_end,
+            r.junction_copies,
+        )
+    for manager in cm.coordinator.managers:
+        assert (manager.turn_end, manager.junction_rule) == (r.turn_end, r.junction)
+    assert cm.coordinator.turn_end == r.turn_end and cm.coordinator.copies == r.junction_copies
+    with pytest.raises(CacheError, match="drafter_lookahead_tokens=-1"):
+        CacheRules.for_plan(plan_, drafter_lookahead_tokens=-1)

@@ -49,10 +49,11 @@ go to probation as one burst, ``5 4 3`` from the newest end, so eviction takes 5
 then 3, from whichever end it evicts. A later hit on 3 and 4 moves them to protected
 when released again.
 
-Each change of the links is written once (`_link_before`, `_unlink`, and `_append_run`
-for lru's bulk release); every operation is built on them, its bulk form beside it
+Each change of the links is written once, its bulk form beside it: `_link_before` /
+`_append_run` (a run at the newest end), `_push_burst` / `push_chain_many` (chain's
+insert into a burst), `_unlink` / `_unlink_many`; every operation is built on them
 (`push_cached` / `push_cached_many`, `remove_cached` / `take_cached`, `pop` /
-`pop_many`). An offline policy (the simulator's Belady queue, `sim.belady`) extends
+`pop_many`, `pop_victims`). An offline policy (the simulator's Belady queue, `sim.belady`) extends
 `FreeQueue` through its public methods and the `victim` hook; the links stay private.
 
 Measured and dropped: the lru links as numpy operations on the link arrays (and caching
@@ -214,6 +215,20 @@ class FreeQueue:
         self._tier_len[tier] -= 1
         self._num_cached -= 1
 
+    def _unlink_many(self, block_ids: Sequence[int]) -> None:
+        """`_unlink` for each block in order, in one loop."""
+        prev, nxt, tier_of, tier_len = self._prev, self._next, self._tier, self._tier_len
+        for block in block_ids:
+            tier = tier_of[block]
+            if tier < 0:
+                raise InvariantError(f"block {block} is not a cached free block")
+            before, after = prev[block], nxt[block]
+            nxt[before] = after
+            prev[after] = before
+            prev[block] = nxt[block] = tier_of[block] = _NONE
+            tier_len[tier] -= 1
+        self._num_cached -= len(block_ids)
+
     def _end_burst(self) -> None:
         self._anchors[DEAD] = self._anchors[PROBATION] = self._anchors[PROTECTED] = _NONE
 
@@ -269,19 +284,37 @@ class FreeQueue:
     def push_chain_many(self, block_ids: list[int], tiers: list[int]) -> None:
         """chain: for each block in order, `push_fresh` (tier < 0) or `push_cached` into
         ``tiers[i]`` (`PROBATION` or `PROTECTED`, never dead): the same links, release
-        times and bursts as those calls, in one loop."""
-        fresh, freed_req = self._fresh, self.loops.freed
+        times and bursts as those calls, in one loop (the bulk form of `_push_burst`)."""
+        prev, nxt, tier_of, freed_at = self._prev, self._next, self._tier, self._freed_at
+        anchors, burst_at, tier_len = self._anchors, self._burst_freed_at, self._tier_len
+        fresh, base = self._fresh, self._num_blocks
+        now = self._num_releases
         self.loops.clock += 1  # one request's table released: a tick of the loop clock
-        requests = self.loops.clock
+        requests, freed_req = self.loops.clock, self.loops.freed
+        num_cached = 0
         for i, block in enumerate(block_ids):
             tier = tiers[i]
             if tier < 0:
                 fresh.append(block)
-                self._end_burst()
+                anchors[DEAD] = anchors[PROBATION] = anchors[PROTECTED] = _NONE
                 continue
-            self._num_releases += 1
+            now += 1
+            anchor = anchors[tier]
+            if anchor == _NONE:
+                anchor = anchors[tier] = prev[base + tier]  # the newest end before the burst
+                burst_at[tier] = now
+            freed_at[block] = burst_at[tier]
             freed_req[block] = requests
-            self._push_burst(block, tier)
+            node = nxt[anchor]  # `_push_burst`'s link, inline: one pass over the table
+            nxt[anchor] = block
+            prev[block] = anchor
+            nxt[block] = node
+            prev[node] = block
+            tier_of[block] = tier
+            tier_len[tier] += 1
+            num_cached += 1
+        self._num_releases = now
+        self._num_cached += num_cached
 
     def release_lru(
         self, refs: list[int], hashes: dict[int, bytes], block_ids: Iterable[int]
@@ -339,8 +372,7 @@ class FreeQueue:
         if self._chain:
             for block in block_ids:
                 self.note_hit(block)
-        for block in block_ids:
-            self._unlink(block)
+        self._unlink_many(block_ids)
         self._end_burst()
 
     # ------------------------------------------------------------------ reuse
@@ -377,12 +409,13 @@ class FreeQueue:
             return taken, []
         if k > self._num_cached:
             raise CacheError(f"pop of {num} blocks from a free queue holding {len(self)}")
-        evicted: list[int] = []
-        sentinel = self._num_blocks + PROBATION
-        for _ in range(k):  # lru: the oldest of its one tier, k times
-            node = self._next[sentinel]
-            self._unlink(node)
+        evicted: list[int] = []  # lru: the k oldest of its one tier
+        nxt = self._next
+        node = nxt[self._num_blocks + PROBATION]
+        for _ in range(k):
             evicted.append(node)
+            node = nxt[node]
+        self._unlink_many(evicted)
         self._end_burst()
         return taken, evicted
 
