@@ -5,6 +5,7 @@ and the imports form no cycle. Read from the sources with `ast`, so imports unde
 
 from __future__ import annotations
 
+import ast
 from pathlib import Path
 
 from tests.import_graph import PackageSources, find_cycle, upward_imports
@@ -87,3 +88,53 @@ def test_the_checker_sees_type_checking_imports(tmp_path: Path) -> None:
         "from hybridkv.cache.managers import GroupManager\n"
     )
     assert _imports("block", path, set(RANK)) == {"coordinator", "managers"}
+
+
+# Whose attributes cache code may set besides its own (``self.x = ...``): the records of
+# one request (`RequestRecord`, a group's per-request state, its `GroupLimits`), the
+# shared statistics (`Counters`) and the junction rule's `ChildIndex` (data the pool
+# owns, filled by the rule that acts on one group). Configuration is never among them:
+# it arrives in `CacheRules` at construction.
+DATA_RECEIVERS = {"r", "state", "states[g]", "lim", "children", "self.counters", "self._counters"}
+
+
+def _foreign_sets(path: Path) -> set[str]:
+    """The receivers of attribute assignments in ``path`` other than ``self``."""
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Assign):
+            targets = node.targets
+        elif isinstance(node, ast.AugAssign | ast.AnnAssign):
+            targets = [node.target]
+        else:
+            continue
+        for target in targets:
+            for sub in target.elts if isinstance(target, ast.Tuple) else [target]:
+                if isinstance(sub, ast.Attribute) and ast.unparse(sub.value) != "self":
+                    out.add(ast.unparse(sub.value))
+    return out
+
+
+def test_cache_objects_are_not_configured_from_outside():
+    """No switch is poked into a pool, free queue, group manager or coordinator after
+    construction (`CacheRules`, DESIGN §11): cache code sets attributes of ``self`` and
+    of the data records in `DATA_RECEIVERS` only."""
+    pokes = {
+        f"{module}: {receiver}.<attr> = ..."
+        for module, path in _sources().items()
+        for receiver in _foreign_sets(path) - DATA_RECEIVERS
+    }
+    assert sorted(pokes) == [], "attributes set on another object:\n" + "\n".join(sorted(pokes))
+
+
+def test_the_poke_checker_sees_nested_and_augmented_assignments(tmp_path: Path) -> None:
+    path = tmp_path / "probe.py"
+    path.write_text(
+        "def f(self, pool, manager):\n"
+        "    self.ok = 1\n"
+        "    pool.spans = {}\n"
+        "    manager.pool.free.windowed = True\n"
+        "    self.loops.clock += 1\n"
+        "    a, pool.hot = 1, True\n"
+    )
+    assert _foreign_sets(path) == {"pool", "manager.pool.free", "self.loops"}

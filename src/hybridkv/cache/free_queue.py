@@ -289,8 +289,7 @@ class FreeQueue:
         anchors, burst_at, tier_len = self._anchors, self._burst_freed_at, self._tier_len
         fresh, base = self._fresh, self._num_blocks
         now = self._num_releases
-        self.loops.clock += 1  # one request's table released: a tick of the loop clock
-        requests, freed_req = self.loops.clock, self.loops.freed
+        requests, freed_req = self.loops.tick(), self.loops.freed  # one request's table
         num_cached = 0
         for i, block in enumerate(block_ids):
             tier = tiers[i]

@@ -39,6 +39,11 @@ class LoopDetector:
         self.loop = False
         self.noted = (-1, -1)  # (release, hit) clocks of the last sample
 
+    def tick(self) -> int:
+        """One request's table was released: the clock moves on; returns it."""
+        self.clock += 1
+        return self.clock
+
     def hit(self, block: int) -> None:
         """A prefix hit takes ``block``: one sample per (release, hit) pair of clocks,
         since a chain's blocks all share one distance and would swamp the moments."""
