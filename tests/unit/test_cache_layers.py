@@ -20,7 +20,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("types", ("block", "events", "delta", "rules")),
     (
         "primitives",
-        ("hashing", "validate", "loop_detect", "free_queue"),
+        ("hashing", "validate", "loop_detect", "free_queue", "chain_queue"),
     ),
     ("pool", ("indexes", "block_pool")),
     (

@@ -10,7 +10,8 @@ import pytest
 
 from hybridkv.cache import CacheManager
 from hybridkv.cache.block_pool import BlockPool
-from hybridkv.cache.free_queue import FreeQueue
+from hybridkv.cache.chain_queue import ChainQueue
+from hybridkv.cache.free_queue import LruQueue
 from hybridkv.cache.hashing import BlockHasher
 from hybridkv.cache.rules import CacheRules
 from hybridkv.cache.toy import ToyGroup, toy_plan
@@ -36,7 +37,7 @@ HYBRID_SWA = ModelSpec(
 
 
 def test_free_queue_fresh_first_then_lru_with_o1_removal():
-    q = FreeQueue(10, [1, 2, 3])
+    q = LruQueue(10, [1, 2, 3])
     assert [q.pop() for _ in range(3)] == [(1, False), (2, False), (3, False)]
     for b in (7, 3, 9):
         q.push_cached(BlockId(b))
@@ -274,7 +275,7 @@ def test_tokens_per_group_leaves_room_for_the_other_groups():
 def test_chain_policy_order_dead_then_probation_tail_first_then_protected():
     """chain: dead blocks first; never-hit blocks newest burst first but tail first
     within the burst (a child is useless without its parent); hit blocks last, LRU."""
-    q = FreeQueue(20, [], policy="chain")
+    q = ChainQueue(20, [])
     for b in (5, 4, 3):  # one request's chain 3 -> 4 -> 5, released tail first
         q.push_cached(BlockId(b))
     q.push_cached(BlockId(7), dead=True)
@@ -294,7 +295,7 @@ def test_chain_policy_evicts_the_oldest_burst_tail_first_too():
     """When recency wins (the oldest end is chosen), the oldest burst still goes tail
     first: evicting a chain's head would strand the rest (measured: agentic sessions on
     a dense model lost up to half of their hits to head-first eviction)."""
-    q = FreeQueue(20, [], policy="chain")
+    q = ChainQueue(20, [])
     for b in (5, 4, 3):  # chain 3 -> 4 -> 5, released tail first
         q.push_cached(BlockId(b))
     for b in (11, 10):  # a newer chain 10 -> 11
@@ -310,9 +311,9 @@ def test_chain_policy_evicts_the_oldest_burst_tail_first_too():
 def test_chain_policy_evicts_stale_probation_before_newer_blocks():
     """A never-hit block freed more than STALE_TURNOVERS pool sizes of releases ago goes
     before newer ones: blocks nobody comes back for do not pile up."""
-    from hybridkv.cache.free_queue import STALE_TURNOVERS
+    from hybridkv.cache.chain_queue import STALE_TURNOVERS
 
-    q = FreeQueue(4, [], policy="chain")
+    q = ChainQueue(4, [])
     q.push_cached(BlockId(1))
     for _ in range(STALE_TURNOVERS * 4 - 1):
         q.push_cached(BlockId(2))
@@ -321,8 +322,9 @@ def test_chain_policy_evicts_stale_probation_before_newer_blocks():
     assert q.pop() == (3, True)  # block 1 is exactly at the limit: not stale yet
     q.push_cached(BlockId(3))
     assert q.pop() == (1, True)  # one more release: block 1 is stale
-    with pytest.raises(CacheError, match="unknown"):
-        FreeQueue(4, [], policy="arc")
+    pool_plan = PoolPlan(pool_id=0, page_bytes=1, num_pages=4, num_tensors=1, group_ids=(0,))
+    with pytest.raises(CacheError, match="eviction policy 'arc' is unknown"):
+        BlockPool(pool_plan, None, CacheRules(eviction_policy="arc"))
 
 
 def test_unknown_eviction_policy_or_checkpoint_rule_is_a_cache_error():
@@ -375,8 +377,9 @@ def test_release_many_is_exactly_single_releases_under_each_policy(policy):
         assert a.fresh_ids() == b_.fresh_ids()
         for tier in range(3):
             assert a.tier_ids(tier) == b_.tier_ids(tier)
-        assert list(a._freed_at) == list(b_._freed_at)
-        assert a._num_releases == b_._num_releases and a._anchors == b_._anchors
+        if isinstance(a, ChainQueue) and isinstance(b_, ChainQueue):  # release times
+            assert list(a._freed_at) == list(b_._freed_at)
+            assert a._num_releases == b_._num_releases and a._anchors == b_._anchors
         for pool in pools:
             pool.check_invariants(Counter({x: pool.ref_counts[x] for x in range(1, 40)}))
 
@@ -493,3 +496,18 @@ def test_cache_rules_act_only_where_the_plan_and_prefix_caching_allow(
     assert cm.coordinator.turn_end == r.turn_end and cm.coordinator.copies == r.junction_copies
     with pytest.raises(CacheError, match="drafter_lookahead_tokens=-1"):
         CacheRules.for_plan(plan_, drafter_lookahead_tokens=-1)
+
+
+def test_every_eviction_policy_name_has_a_free_queue():
+    """`CacheRules` accepts exactly the names `BlockPool` can build a queue for, and
+    every policy is a sibling on `FreeQueue` (the base the pool talks to)."""
+    from hybridkv.cache.block_pool import FREE_QUEUES
+    from hybridkv.cache.free_queue import FreeQueue
+    from hybridkv.cache.rules import EVICTION_POLICIES
+
+    assert sorted(FREE_QUEUES) == sorted(EVICTION_POLICIES)
+    assert all(issubclass(cls, FreeQueue) for cls in FREE_QUEUES.values())
+    plan_ = PoolPlan(pool_id=0, page_bytes=1, num_pages=4, num_tensors=1, group_ids=(0,))
+    for name, cls in FREE_QUEUES.items():
+        pool = BlockPool(plan_, None, CacheRules(eviction_policy=name))
+        assert type(pool.free) is cls and pool.free.chain == (name == "chain")

@@ -7,14 +7,15 @@ from __future__ import annotations
 import pytest
 
 from hybridkv.cache import CacheManager
-from hybridkv.cache.free_queue import PROBATION, PROTECTED, FreeQueue
+from hybridkv.cache.chain_queue import ChainQueue
+from hybridkv.cache.free_queue import PROBATION, PROTECTED
 from hybridkv.cache.loop_detect import LOOP_MIN_HITS, LoopDetector
 from hybridkv.cache.toy import ToyGroup, toy_plan
 from hybridkv.errors import InvariantError
 from hybridkv.ids import BlockId
 
 
-def _serve(q: FreeQueue, session: int, tier: int, *, hit: bool) -> None:
+def _serve(q: ChainQueue, session: int, tier: int, *, hit: bool) -> None:
     """Session ``s`` owns the chain 2s+1 -> 2s+2: hit it (when cached), then release
     it tail first in one request's release (`push_chain_many`), into ``tier``."""
     head, tail = 2 * session + 1, 2 * session + 2
@@ -26,7 +27,7 @@ def _serve(q: FreeQueue, session: int, tier: int, *, hit: bool) -> None:
 
 
 def test_round_robin_turns_loop_mode_on_and_evicts_the_newest_release_across_tiers() -> None:
-    q = FreeQueue(16, [], policy="chain")
+    q = ChainQueue(16, [])
     for s in range(4):  # first turn: nothing to hit
         _serve(q, s, PROBATION, hit=False)
     rounds = 0
@@ -51,7 +52,7 @@ def test_round_robin_turns_loop_mode_on_and_evicts_the_newest_release_across_tie
 
 def test_without_loop_mode_probation_goes_first() -> None:
     """The same queue before loop mode: the tier order holds (probation first)."""
-    q = FreeQueue(16, [], policy="chain")
+    q = ChainQueue(16, [])
     for s in range(4):
         _serve(q, s, PROBATION if s == 2 else PROTECTED, hit=False)
     assert not q.loops.loop
@@ -61,7 +62,7 @@ def test_without_loop_mode_probation_goes_first() -> None:
 def test_irregular_reuse_distances_keep_loop_mode_off() -> None:
     """Chat-like traffic: every other session comes back twice in a row (distances 0
     and 9 mixed), so the distances vary far more than LOOP_CV allows."""
-    q = FreeQueue(64, [], policy="chain")
+    q = ChainQueue(64, [])
     for s in range(10):
         _serve(q, s, PROBATION, hit=False)
     order = [0, 1, 2, 3, 4, 5, 6, 7, 8, 9]
@@ -89,7 +90,7 @@ def test_one_sample_per_release_and_hit_pair() -> None:
 
 
 def test_loop_invariants_catch_a_corrupt_state() -> None:
-    q = FreeQueue(8, [], policy="chain")
+    q = ChainQueue(8, [])
     q.push_chain_many([3], [PROBATION])
     q.check_invariants()
     q.loops.loop = True  # on before LOOP_MIN_HITS samples
@@ -99,10 +100,6 @@ def test_loop_invariants_catch_a_corrupt_state() -> None:
     q.loops.freed[3] = q.loops.clock + 1
     with pytest.raises(InvariantError, match="block 3 released at clock 2, after the clock 1"):
         q.check_invariants()
-    lru = FreeQueue(8, [], policy="lru")
-    lru.loops.loop = True
-    with pytest.raises(InvariantError, match="under the lru policy"):
-        lru.check_invariants()
 
 
 def test_pools_with_a_sliding_window_keep_loop_mode_off() -> None:

@@ -22,17 +22,20 @@ from __future__ import annotations
 
 from collections import Counter, OrderedDict
 from collections.abc import Iterable, Sequence
-from typing import Final
+from typing import Final, cast
 
 from hybridkv.cache.block import NULL_BLOCK, BlockInfo
+from hybridkv.cache.chain_queue import ChainQueue
 from hybridkv.cache.events import BLOCK_REMOVED, BLOCK_STORED, CacheEvent
-from hybridkv.cache.free_queue import PROBATION, PROTECTED, FreeQueue
+from hybridkv.cache.free_queue import PROBATION, PROTECTED, FreeQueue, LruQueue
 from hybridkv.cache.indexes import MIN_TURN_END_KEY_BYTES, ChildIndex, PartialIndex
 from hybridkv.cache.rules import CacheRules
-from hybridkv.errors import InvariantError
+from hybridkv.errors import CacheError, InvariantError
 from hybridkv.ids import BlockId
 from hybridkv.plan.types import PoolPlan
 
+# The eviction policies by name (`cache.rules.EVICTION_POLICIES`), siblings on `FreeQueue`
+FREE_QUEUES: dict[str, type[FreeQueue]] = {"lru": LruQueue, "chain": ChainQueue}
 BARE_RULES = CacheRules()  # a pool built alone (tests): lru, no extra checkpoint rule
 
 # From this many blocks, `cache_table`'s C-speed checks and dict updates cost less than
@@ -65,11 +68,14 @@ class BlockPool:
         self.hash_group = [-1] * plan.num_pages
         self.hash_end = [0] * plan.num_pages  # tokens covered by the hash
         self.index: dict[int, dict[bytes, BlockId]] = {g: {} for g in plan.group_ids}
-        self.free = FreeQueue(
-            plan.num_pages,
-            list(range(1, plan.num_pages)),
-            rules.eviction_policy,
-            windowed=windowed,
+        queue_cls = FREE_QUEUES.get(rules.eviction_policy)
+        if queue_cls is None:
+            raise CacheError(
+                f"eviction policy {rules.eviction_policy!r} is unknown; use one of "
+                f"{', '.join(FREE_QUEUES)}"
+            )
+        self.free: FreeQueue = queue_cls(
+            plan.num_pages, list(range(1, plan.num_pages)), windowed=windowed
         )
         self.was_hit = [0] * plan.num_pages  # hit since stored (cached only)
         # True while the manager releases a request that started from a prefix hit
@@ -178,7 +184,7 @@ class BlockPool:
         if len(out) < num and self.free.chain:
             # chain policy: victims chosen one by one (each depends on the last), evicted
             # in one loop
-            victims, newest = self.free.pop_victims(num - len(out))
+            victims, newest = cast(ChainQueue, self.free).pop_victims(num - len(out))
             self._evict_victims(victims, newest)
             for victim in victims:
                 refs[victim] = 1
@@ -248,9 +254,9 @@ class BlockPool:
                     else:
                         tiers.append(PROTECTED if hot or was_hit[block] else PROBATION)
             if freed:
-                self.free.push_chain_many(freed, tiers)
+                cast(ChainQueue, self.free).push_chain_many(freed, tiers)
             return
-        bad = self.free.release_lru(refs, hashes, block_ids)
+        bad = cast(LruQueue, self.free).release_lru(refs, hashes, block_ids)
         if bad is not None:
             raise InvariantError(f"pool {self.pool_id}: block {bad} released while free")
 
@@ -342,8 +348,6 @@ class BlockPool:
         end, so the entry must go). Counted in ``num_takeovers``."""
         assert self.ref_counts[block_id] > 0 and block_id in self.hashes
         group, block_hash = self._unindex(block_id)
-        if not self.free.chain:  # `_unindex` forgets reuse distances under chain only
-            self.free.forget(block_id)
         self.num_takeovers += 1
         if self.events is not None:
             self.events.append(
@@ -363,8 +367,7 @@ class BlockPool:
             self.children.discard(group, block_id)
         self.hash_group[block_id] = -1
         self.was_hit[block_id] = 0
-        if self.free.chain:  # only chain keeps reuse distances
-            self.free.forget(block_id)
+        self.free.forget(block_id)
         return group, block_hash
 
     def _evict_many(self, block_ids: list[int]) -> None:

@@ -49,7 +49,8 @@ class CacheManager(StepPaths):
 
     ``eagle``: the plan's draft layers are an EAGLE / MTP head (their KV at a position
     depends on the next token; groups holding them key blocks one token ahead).
-    ``eviction_policy``: ``lru`` or ``chain`` (see `hybridkv.cache.free_queue`).
+    ``eviction_policy``: ``lru`` or ``chain`` (see `hybridkv.cache.free_queue` and
+    `hybridkv.cache.chain_queue`).
     ``checkpoint_rules``: extra state checkpoints on top of the plan's state mode;
     ``junction`` (see `hybridkv.cache.managers.state`), ``turn_end`` (a released request
     keeps its partial last block and its state at its last computed token, see

@@ -40,14 +40,14 @@ class CacheRules:
 
     ``prefix_caching``: blocks are hashed, cached and hit. ``eagle``: draft layers are an
     EAGLE / MTP head (their groups key blocks one token ahead). ``eviction_policy``:
-    ``lru`` or ``chain`` (`cache.free_queue`). ``checkpoint_rules``: the extra rules as
-    asked for; ``turn_end``, ``junction`` and ``junction_copies`` say which of them act
-    on this plan (table in the module docstring). ``checkpoints_inside_steps``: state
-    groups may checkpoint inside a step (False: only where a step ends, vLLM's workers).
-    ``state_layout``: ``slots`` or ``columns`` (`cache.managers`).
-    ``drafter_lookahead_tokens``: the part of every step's lookahead that reserves the
-    drafter's own KV (the ``columns`` layout places its running column by the drafts
-    alone).
+    ``lru`` or ``chain`` (`cache.free_queue`, `cache.chain_queue`). ``checkpoint_rules``:
+    the extra rules as asked for; ``turn_end``, ``junction`` and ``junction_copies`` say
+    which of them act on this plan (table in the module docstring).
+    ``checkpoints_inside_steps``: state groups may checkpoint inside a step (False: only
+    where a step ends, vLLM's workers). ``state_layout``: ``slots`` or ``columns``
+    (`cache.managers`). ``drafter_lookahead_tokens``: the part of every step's lookahead
+    that reserves the drafter's own KV (the ``columns`` layout places its running column
+    by the drafts alone).
     """
 
     prefix_caching: bool = True

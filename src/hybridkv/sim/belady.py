@@ -40,7 +40,7 @@ from bisect import bisect_left
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from hybridkv.cache.free_queue import PROBATION, FreeQueue
+from hybridkv.cache.free_queue import PROBATION, LruQueue
 from hybridkv.errors import CacheError, InvariantError
 from hybridkv.ids import BlockId
 from hybridkv.plan.types import CachePlan
@@ -113,14 +113,14 @@ class FutureUses:
             queue.rekey(block, version)
 
 
-class BeladyQueue(FreeQueue):
+class BeladyQueue(LruQueue):
     """A free queue whose victim is the cached block used furthest in the future.
 
     Keeps the lru tier (so the base class's listings and invariants hold) plus a max
     heap of (next use, end tokens) with lazy deletion by per-block version."""
 
     def __init__(self, num_blocks: int, fresh_ids: list[int], future: FutureUses) -> None:
-        super().__init__(num_blocks, fresh_ids, "lru")
+        super().__init__(num_blocks, fresh_ids)
         self.future = future
         self.pool: Any = None  # set by `belady_manager`: hashes of cached blocks
         self._version = [0] * num_blocks
