@@ -24,7 +24,7 @@ from hybridkv.plan.types import GroupPlan
 class StepSlots:
     """Which blocks of a state group the engine uses in the step just allocated (the
     cache's per-group view; the engine's batched tensor of slots is
-    `hybridkv.engine.context.StateSlots`).
+    `hybridkv.engine.ops.context.StateSlots`).
 
     Read the initial state from ``read_block`` (None: start from zeros -- never from a
     block's old contents), write the state after ``write_num_tokens`` tokens into

@@ -35,7 +35,7 @@ _SHORT_SCAN: Final = 8
 @dataclass
 class TableBlocks:
     """A request's block table in one token-indexed group (the engine's own table
-    type is `hybridkv.engine.context.BlockTable`; this one is the manager's record)."""
+    type is `hybridkv.engine.ops.context.BlockTable`; this one is the manager's record)."""
 
     blocks: list[BlockId] = field(default_factory=list)
     num_cached: int = 0  # leading blocks already considered for caching
