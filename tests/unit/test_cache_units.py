@@ -123,6 +123,28 @@ def test_misuse_raises_cache_error_with_numbers():
     cm.check_invariants()
 
 
+def test_unknown_tokens_are_named_at_commit():
+    """A step whose last new token has no id yet (an engine scheduling before the step
+    before it sampled): allocated as unknown, refused when more tokens are unknown than
+    new or the count still runs past the tokens, committed once the id arrives; until
+    then the commit is refused and nothing changes."""
+    cm = CacheManager(toy_plan([ToyGroup("full", 4), ToyGroup("state", 4)]))
+    cm.add_request("r", [1, 2, 3, 4, 5])
+    assert cm.allocate("r", 5) is not None
+    cm.commit("r")
+    with pytest.raises(CacheError, match="2 unknown tokens but only 1 new"):
+        cm.allocate("r", 1, 0, 2)
+    with pytest.raises(CacheError, match="exceed its 5 verified tokens and 1 unknown"):
+        cm.allocate("r", 2, 0, 1)
+    assert cm.allocate("r", 1, 0, 1) is not None  # position 5, its token not known yet
+    with pytest.raises(CacheError, match="6 computed tokens would exceed 5"):
+        cm.commit("r")
+    cm.check_invariants()
+    cm.commit("r", 0, [6])
+    assert cm.num_computed_tokens("r") == 6
+    cm.check_invariants()
+
+
 @pytest.mark.parametrize("layout", ["shared", "split", "vllm"])
 @pytest.mark.parametrize("state_mode", ["align", "none"])
 def test_planner_concurrency_fills_and_one_more_does_not(layout, state_mode):

@@ -57,11 +57,19 @@ class StepPaths(CacheViews):
         req_id: str,
         num_new_tokens: SupportsIndex,
         num_lookahead_tokens: SupportsIndex = 0,
+        num_unknown_tokens: SupportsIndex = 0,
     ) -> StepDelta | None:
         """Reserve slots for positions [0, c + n + L): the step's `StepDelta`, or None
-        (nothing changed) when it does not fit."""
+        (nothing changed) when it does not fit.
+
+        ``num_unknown_tokens``: how many of the ``n`` new tokens (the last ones) have no
+        id yet, for an engine that schedules a step before the previous step's sampled
+        token reaches the scheduler (vLLM's async scheduling); their ids arrive with this
+        step's `commit`, before anything is hashed. Such a step takes the checked path."""
         r = self._requests.get(req_id)
         n, lookahead = num_new_tokens, num_lookahead_tokens
+        if num_unknown_tokens:
+            return self._allocate_slow(r, req_id, n, lookahead, num_unknown_tokens)
         if (
             r is not None
             and type(n) is int
@@ -213,6 +221,7 @@ class StepPaths(CacheViews):
         req_id: str,
         num_new_tokens: SupportsIndex,
         num_lookahead_tokens: SupportsIndex,
+        num_unknown_tokens: SupportsIndex = 0,
     ) -> StepDelta | None:
         if r is None:
             r = self._get(req_id)
@@ -220,16 +229,23 @@ class StepPaths(CacheViews):
         # by `check_count`, which names them)
         n = check_count(req_id, "num_new_tokens", num_new_tokens)
         lookahead = check_count(req_id, "num_lookahead_tokens", num_lookahead_tokens)
+        unknown = check_count(req_id, "num_unknown_tokens", num_unknown_tokens)
         if r.pending:
             raise CacheError(
                 f"allocate of request {req_id!r}: the step allocated before ({r.pend_n} new, "
                 f"{r.pend_lookahead} lookahead) was not committed"
             )
+        if unknown > n:
+            raise CacheError(
+                f"allocate of request {req_id!r}: {unknown} unknown tokens but only {n} new "
+                "ones; unknown tokens are the last of the new tokens"
+            )
         c = r.num_computed if r.started else (r.pending_hit or 0)
-        if c + n > len(r.tokens):
+        if c + n > len(r.tokens) + unknown:
             raise CacheError(
                 f"allocate of request {req_id!r}: {c} computed + {n} new tokens exceed its "
-                f"{len(r.tokens)} verified tokens; drafts go in num_lookahead_tokens"
+                f"{len(r.tokens)} verified tokens and {unknown} unknown ones; drafts go in "
+                "num_lookahead_tokens"
             )
         if r.started:
             return self._grow(r, n, lookahead)
