@@ -38,6 +38,8 @@ class FakeRequest:
     spec: int = 0  # drafts scheduled in the step in flight
     drafts: list[int] = field(default_factory=list)
     produced: int = 0
+    placeholders: int = 0  # async scheduling: tokens sampled by steps still in flight
+    epoch: int = 0  # preemptions so far: an output from an earlier epoch is stale
 
     @property
     def num_tokens(self) -> int:
@@ -195,6 +197,7 @@ def _manager(
     caching: bool = True,
     spec: int = 0,
     lookahead: int = 0,
+    async_steps: bool = False,
 ):
     return VllmKVCacheManager(
         groups,
@@ -204,6 +207,7 @@ def _manager(
         num_spec_tokens=spec,
         blocks_cls=Blocks,
         num_lookahead_tokens=lookahead,
+        async_steps=async_steps,
     )
 
 
@@ -353,6 +357,188 @@ def _drive(
                     finished.append(req)
             kv.check_invariants()
         for req in finished:
+            i = int(req.request_id[1:].split("t")[0])
+            contexts[i] = req.all_token_ids + [rng.randrange(1, 50) for _ in range(5)]
+    kv.check_invariants()
+    assert kv.usage == 0.0
+    assert kv.cache.num_free_blocks(0) == num_blocks - 1
+    return kv
+
+
+@dataclass
+class Flight:
+    """One schedule's output on its way to the worker, applied when the worker runs it
+    (vLLM's worker applies a scheduler output at the start of its step)."""
+
+    drops: list[str]  # requests finished, aborted or preempted since the last output
+    copies: list[tuple[int, int]]
+    # per scheduled request: (request, its epoch, tokens, computed before, its row: the
+    # whole row for an admission, else the blocks appended per group; worker tokens to
+    # start from for an admission)
+    entries: list[tuple[FakeRequest, int, int, int, Any, list[int] | None]]
+
+
+def _drive_async(
+    groups: list[VllmGroup],
+    num_blocks: int,
+    sessions: int,
+    turns: int,
+    seed: int,
+    *,
+    budget: int = 96,
+    caching: bool = True,
+    shared: int = 0,
+    abort_rate: float = 0.05,
+) -> VllmKVCacheManager:
+    """vLLM's async scheduling as its engine core runs it (a batch queue of 2): schedule
+    ``k + 1`` before step ``k`` ran and before its output reaches the scheduler, so a
+    decode step starts from a token the scheduler has not seen (vLLM's output
+    placeholder). The worker keeps its own copy of each request's tokens (it samples
+    them) and runs step ``k`` only after schedule ``k + 1`` (blocks freed there may be
+    reused by ``k + 1``, which runs after ``k``). Preemption resets a request (its
+    output in flight is stale and dropped), aborts free a request with a step in
+    flight, a request reaching ``max_new`` is freed while the next step computes its
+    last token. The worker checks every read as in `_drive`."""
+    rng = random.Random(seed)
+    kv = _manager(groups, num_blocks, caching=caching, async_steps=True)
+    worker = FakeWorker(groups, align=caching)
+    wtokens: dict[str, list[int]] = {}  # the worker's tokens per request
+    wcomputed: dict[str, int] = {}
+    B = min((g.block_size for g in groups if g.kind == "state"), default=0)
+    system = [rng.randrange(1, 50) for _ in range(shared)]
+    contexts = [
+        system + [rng.randrange(1, 50) for _ in range(rng.randrange(5, 40))]
+        for _ in range(sessions)
+    ]
+
+    def run_on_worker(flight: Flight) -> dict[str, int]:
+        """The worker's step: drops, copies, rows, then every request's tokens; returns
+        the tokens it sampled."""
+        for req_id in flight.drops:
+            worker.drop(req_id)
+            wtokens.pop(req_id, None)
+            wcomputed.pop(req_id, None)
+        worker.copy(flight.copies)
+        sampled: dict[str, int] = {}
+        for req, _, n, c, row, start in flight.entries:
+            rid = req.request_id
+            if start is not None:
+                worker.rows[rid] = row
+                wtokens[rid], wcomputed[rid] = start, c
+            else:
+                for old, new in zip(worker.rows[rid], row, strict=True):
+                    old.extend(new)
+            assert wcomputed[rid] == c, (rid, wcomputed[rid], c)
+            view = FakeRequest(rid, wtokens[rid], req.num_prompt_tokens, req.max_new)
+            view.num_computed_tokens = c + n
+            worker.run(view, n)
+            wcomputed[rid] = c + n
+            if c + n >= len(wtokens[rid]):  # the step samples the next token
+                sampled[rid] = rng.randrange(1, 50)
+                wtokens[rid].append(sampled[rid])
+        return sampled
+
+    for turn in range(turns):
+        waiting = [
+            FakeRequest(f"s{i}t{turn}", list(ctx), len(ctx), rng.randrange(1, 12))
+            for i, ctx in enumerate(contexts)
+        ]
+        running: list[FakeRequest] = []
+        done: list[FakeRequest] = []
+        drops: list[str] = []
+        in_flight: Flight | None = None
+        steps = 0
+        while waiting or running or in_flight is not None:
+            steps += 1
+            assert steps < 3000
+            kv.settle({r.request_id: r for r in running + waiting})
+            kv.new_step_starts()
+            entries: list[tuple[FakeRequest, int, int, int, Any, list[int] | None]] = []
+            preempted = False
+            left = budget
+            for req in list(running):
+                if req not in running:
+                    continue
+                if req.placeholders and req.produced + req.placeholders >= req.max_new:
+                    continue  # vLLM's skip: the step in flight reaches max_tokens
+                n = req.num_tokens + req.placeholders - req.num_computed_tokens
+                n = min(n, left)
+                if B and caching:
+                    n = split_prefill_chunk(
+                        req.num_computed_tokens, n, req.num_prompt_tokens, B, kv.junction_point(req)
+                    )
+                if n <= 0:
+                    continue
+                while (blocks := kv.allocate_slots(req, n)) is None:
+                    # the newest, or (as vLLM's priority policy may) any request, one
+                    # scheduled in this very schedule included: its step never runs
+                    victim = running.pop(rng.randrange(len(running)) if rng.random() < 0.3 else -1)
+                    kv.free(victim)
+                    drops.append(victim.request_id)
+                    victim.num_computed_tokens = victim.placeholders = 0
+                    victim.num_preemptions += 1
+                    victim.epoch += 1
+                    waiting.insert(0, victim)
+                    entries = [e for e in entries if e[0] is not victim]
+                    preempted = True
+                    if victim is req:
+                        break
+                else:
+                    entries.append(
+                        (req, req.epoch, n, req.num_computed_tokens, blocks.get_block_ids(), None)
+                    )
+                    left -= n
+            while waiting and left > 0 and not preempted:
+                req = waiting[0]
+                _, hit, _ = kv.get_computed_blocks(req)
+                assert hit < req.num_tokens
+                n = min(req.num_tokens - hit, left)
+                if B and caching:
+                    n = split_prefill_chunk(
+                        hit, n, req.num_prompt_tokens, B, kv.junction_point(req)
+                    )
+                if kv.allocate_slots(req, n, num_new_computed_tokens=hit) is None:
+                    break
+                waiting.pop(0)
+                req.num_computed_tokens = hit
+                running.append(req)
+                row = [list(r) for r in kv.get_block_ids(req.request_id)]
+                entries.append((req, req.epoch, n, hit, row, list(req.all_token_ids)))
+                left -= n
+            kv.schedule_done()
+            for req, _, n, _, _, _ in entries:
+                req.num_computed_tokens += n
+                if req.num_computed_tokens >= req.num_tokens:
+                    req.placeholders += 1  # AsyncScheduler's _update_after_schedule
+            flight = Flight(drops, kv.take_kv_cache_block_copies()[0], entries)
+            drops = []
+            if running and rng.random() < abort_rate:  # an abort while a step is in flight
+                victim = rng.choice(running)
+                running.remove(victim)
+                kv.free(victim)
+                drops.append(victim.request_id)
+            # the worker runs the step scheduled before (after this schedule), then its
+            # output reaches the scheduler
+            if in_flight is not None:
+                sampled = run_on_worker(in_flight)
+                for req, epoch, _, _, _, _ in in_flight.entries:
+                    rid = req.request_id
+                    if req not in running or epoch != req.epoch or rid not in sampled:
+                        continue  # aborted, stale (preempted since), or a prefill chunk
+                    req.all_token_ids.append(sampled[rid])
+                    req.placeholders -= 1
+                    req.produced += 1
+                    if req.produced >= req.max_new:
+                        running.remove(req)
+                        kv.free(req)
+                        drops.append(rid)
+                        done.append(req)
+            kv.check_invariants()
+            in_flight = flight if flight.entries or flight.drops else None
+            if in_flight is not None and not (waiting or running):
+                run_on_worker(in_flight)  # the last step: nothing left to schedule
+                in_flight = None
+        for req in done:
             i = int(req.request_id[1:].split("t")[0])
             contexts[i] = req.all_token_ids + [rng.randrange(1, 50) for _ in range(5)]
     kv.check_invariants()
@@ -719,4 +905,135 @@ def test_turn_end_after_accepted_drafts_hits_every_group() -> None:
     worker.rows["b"] = [list(r) for r in kv.get_block_ids("b")]
     nxt.num_computed_tokens = nxt.num_tokens
     worker.run(nxt, nxt.num_tokens - hit)  # reads exactly tokens[:13] in every group
+    kv.check_invariants()
+
+
+# ---------------------------------------------------------------------- async scheduling
+def test_async_multi_turn_hybrid_reads_exactly_its_tokens() -> None:
+    """Async scheduling (one step in flight, its sampled token unknown when the next
+    step is allocated): every read is exactly the request's tokens, and multi-turn chat
+    hits as it does synchronously."""
+    kv = _drive_async(HYBRID, 200, sessions=4, turns=3, seed=1, abort_rate=0.0)
+    assert kv.cache.stats().num_hit_tokens > 0
+
+
+def test_async_shared_system_prompt_junctions() -> None:
+    kv = _drive_async(HYBRID, 200, sessions=5, turns=2, seed=5, shared=29, budget=40)
+    assert kv.cache.stats().num_hit_tokens > 0
+
+
+def test_async_pressure_preempts_with_steps_in_flight() -> None:
+    """A 24-block pool: requests are preempted while their previous step is in flight
+    (its output arrives stale and is dropped); blocks they free are reused by the next
+    step, which the worker runs after the one in flight."""
+    _drive_async(HYBRID, 24, sessions=6, turns=2, seed=3, budget=40)
+
+
+def test_async_sliding_window() -> None:
+    groups = [VllmGroup(0, "full", 4), VllmGroup(1, "sliding", 4, 8)]
+    _drive_async(groups, 300, sessions=4, turns=2, seed=2)
+
+
+def test_async_prefix_caching_off() -> None:
+    kv = _drive_async(HYBRID, 120, sessions=3, turns=2, seed=4, caching=False)
+    assert kv.cache.stats().num_hit_tokens == 0
+
+
+def test_async_turn_end_covers_the_token_in_flight() -> None:
+    """A request that stops while the next step is in flight: that step computes the
+    last sampled token, its tokens are known when the request is freed, so the turn
+    end stored covers every token (one more than a synchronous run stores)."""
+    kv = _manager(HYBRID, 100, async_steps=True)
+    req = FakeRequest("a", list(range(1, 13)), 12, 2)
+    kv.get_computed_blocks(req)
+    kv.new_step_starts()
+    assert kv.allocate_slots(req, 12) is not None  # the prompt; samples token 12
+    kv.schedule_done()
+    req.num_computed_tokens, req.placeholders = 12, 1
+    kv.settle({"a": req})
+    kv.new_step_starts()
+    assert kv.allocate_slots(req, 1) is not None  # computes token 12, not known yet
+    kv.schedule_done()
+    assert kv.cache.num_computed_tokens("a") == 12  # the prompt step committed
+    req.num_computed_tokens, req.placeholders = 13, 2
+    req.all_token_ids.append(70)  # output of the prompt step
+    req.all_token_ids.append(71)  # output of the step in flight: max_new reached
+    kv.free(req)
+    nxt = FakeRequest("b", [*req.all_token_ids, 5, 6], 16, 1)
+    assert kv.get_computed_blocks(nxt)[1] == 13
+    kv.check_invariants()
+
+
+def test_async_refuses_a_second_step_in_flight() -> None:
+    """hybridkv keeps one step in flight per request (vLLM's batch queue of 2): a third
+    schedule before any output is refused with the counts, nothing half-done."""
+    kv = _manager(HYBRID, 100, async_steps=True)
+    req = FakeRequest("a", list(range(1, 13)), 12, 5)
+    kv.get_computed_blocks(req)
+    for n in (12, 1):
+        kv.new_step_starts()
+        assert kv.allocate_slots(req, n) is not None
+        kv.schedule_done()
+        req.num_computed_tokens += n
+    kv.new_step_starts()
+    with pytest.raises(InvariantError, match="one step in flight"):
+        kv.allocate_slots(req, 1)
+    kv.check_invariants()
+
+
+@settings(max_examples=15, deadline=None)
+@given(
+    seed=st.integers(0, 10_000),
+    num_blocks=st.integers(48, 120),
+    block=st.sampled_from([4, 8]),
+    budget=st.integers(9, 64),
+    shared=st.sampled_from([0, 13, 20]),
+    caching=st.booleans(),
+    abort_rate=st.sampled_from([0.0, 0.1]),
+)
+def test_random_lives_hybrid_async(
+    seed: int,
+    num_blocks: int,
+    block: int,
+    budget: int,
+    shared: int,
+    caching: bool,
+    abort_rate: float,
+) -> None:
+    """Random lives under async scheduling: chunked prefill, preemption and aborts with
+    a step in flight, multi-turn hits; every read exact, invariants after every step,
+    every block back."""
+    groups = [VllmGroup(0, "full", block), VllmGroup(1, "state", block)]
+    _drive_async(
+        groups,
+        num_blocks,
+        sessions=3,
+        turns=2,
+        seed=seed,
+        budget=budget,
+        shared=shared,
+        caching=caching,
+        abort_rate=abort_rate,
+    )
+
+
+@pytest.mark.parametrize("schedule_returned", [False, True])
+def test_async_free_commits_only_steps_the_worker_runs(schedule_returned: bool) -> None:
+    """A request freed with a step whose tokens are all known: preempted inside the
+    schedule that allocated the step (vLLM takes it out of that schedule's output, the
+    worker never runs it), the step is dropped and nothing of it is cached; aborted
+    after the schedule returned (the worker runs it), it is committed and its blocks
+    are hit."""
+    kv = _manager(HYBRID, 100, async_steps=True)
+    prompt = list(range(1, 18))
+    a = FakeRequest("a", list(prompt), 17, 3)
+    kv.get_computed_blocks(a)
+    kv.new_step_starts()
+    assert kv.allocate_slots(a, 16) is not None  # the chunk ends on the boundary at 16
+    if schedule_returned:
+        kv.schedule_done()
+        a.num_computed_tokens = 16
+    kv.free(a)
+    b = FakeRequest("b", [*prompt, 40], 18, 1)
+    assert kv.get_computed_blocks(b)[1] == (16 if schedule_returned else 0)
     kv.check_invariants()

@@ -15,6 +15,23 @@ as ``lookup`` / ``allocate(n verified, L drafts)`` / ``commit(accepted, new toke
   ``num_computed_tokens - (c + n)``, the new tokens are the request's tokens hybridkv
   has not seen. A step that never ran (preempted in the schedule that allocated it) is
   released without a commit.
+* Async scheduling (``async_steps``, no drafts): vLLM schedules step ``k + 1`` while
+  step ``k`` runs, before ``k``'s sampled token reaches the scheduler, so step ``k + 1``
+  starts with a token hybridkv cannot name yet (vLLM's output placeholder). It is
+  allocated as an *unknown* token (`CacheManager.allocate`'s ``num_unknown_tokens``) and
+  committed one schedule late, once ``k``'s output has named it::
+
+      schedule k     allocate k    [c, c+n)      its tokens known
+      schedule k+1   commit k; allocate k+1 [c+n, c+n+1): 1 unknown (k's sample)
+      output k       the sample joins the request's tokens
+      schedule k+2   commit k+1 (its token now known); allocate k+2 ...
+
+  A commit needs only the step's input tokens, never its output, and vLLM's worker
+  runs steps in order: whatever a later step reads of a committed block (a hit, a
+  state checkpoint) was written before it runs. A free while a step is in flight
+  commits it when its tokens are known and the schedule that allocated it returned
+  (vLLM's worker runs it), and drops it otherwise; dropping is always safe (the blocks
+  go back uncached, and later steps that reuse them run after it).
 * Blocks go to the worker as append-only rows (`hybridkv.vllm.rows`), as vLLM's
   ``KVCacheBlocks`` of light block objects (only ids are read).
 * Block copies (a hit on a cached state inside an interval; junction copies) go out
@@ -116,6 +133,7 @@ class VllmKVCacheManager:
         copy_cls: Any = tuple2,
         events: VllmEventLog | None = None,
         num_lookahead_tokens: int = 0,
+        async_steps: bool = False,
     ) -> None:
         self.groups = groups
         # vLLM's engine core reads each group's block size and spec from
@@ -167,6 +185,9 @@ class VllmKVCacheManager:
         self._computing: set[bytes] = set()
         self.num_deferred = 0
         self._executed = 0
+        # async scheduling: steps are committed once their tokens are known (module doc)
+        self.async_steps = async_steps
+        self._scheduling = False  # inside a schedule: its steps may still be dropped
 
     def _new_cache(self) -> CacheManager:
         return CacheManager(
@@ -186,17 +207,29 @@ class VllmKVCacheManager:
         """vLLM calls this at the top of each schedule."""
         self._step_id += 1
         self._computing.clear()
+        self._scheduling = True
+
+    def schedule_done(self) -> None:
+        """The schedule returned: vLLM's worker runs every step it allocated."""
+        self._scheduling = False
 
     def mark_executed(self) -> None:
         """The steps allocated so far ran (their output is being processed)."""
         self._executed = self._step_id
 
     def settle(self, requests: Any) -> None:
-        """Commit every executed step (``requests``: vLLM's id -> Request)."""
-        for req_id in [r for r, s in self._steps.items() if s.step_id <= self._executed]:
+        """Commit every executed step (``requests``: vLLM's id -> Request); with
+        ``async_steps``, every step whose tokens are known."""
+        for req_id, step in list(self._steps.items()):
             request = requests.get(req_id)
-            if request is not None:
+            if request is not None and self._committable(step, request):
                 self._commit(request)
+
+    def _committable(self, step: _Step, request: Any) -> bool:
+        if not self.async_steps:
+            return step.step_id <= self._executed
+        submitted = step.step_id < self._step_id or not self._scheduling
+        return submitted and step.computed + step.num_new <= request.num_tokens
 
     def _commit(self, request: Any) -> None:
         step = self._steps.pop(request.request_id)
@@ -254,6 +287,13 @@ class VllmKVCacheManager:
         if step is not None:
             if step.step_id == self._step_id:  # twice in one schedule (a retry)
                 raise InvariantError(f"request {req_id!r} allocated twice in one step")
+            if self.async_steps and step.computed + step.num_new > request.num_tokens:
+                raise InvariantError(
+                    f"request {req_id!r}: a step is scheduled while two earlier ones wait "
+                    f"for output ({request.num_tokens} tokens known, the step before needs "
+                    f"{step.computed + step.num_new}); hybridkv keeps one step in flight "
+                    "per request, as vLLM's batch queue of 2 does"
+                )
             self._commit(request)
         c = self.cache.num_computed_tokens(req_id)
         started = request.num_computed_tokens > 0 or c > 0
@@ -262,7 +302,10 @@ class VllmKVCacheManager:
             # from zero rather than from hybridkv's remembered hit.
             self._forget_hit(request)
         total = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
-        num_drafts = max(0, min(total - request.num_tokens, num_new_tokens))
+        beyond = max(0, min(total - request.num_tokens, num_new_tokens))
+        # past the known tokens: drafts to verify, or (async scheduling) the token the
+        # step in flight samples, which this step computes
+        num_drafts, num_unknown = (0, beyond) if self.async_steps else (beyond, 0)
         num_new = num_new_tokens - num_drafts
         units: list[bytes] = []
         if not started and self.enable_caching:
@@ -277,7 +320,7 @@ class VllmKVCacheManager:
                 # it waits one step (vLLM stops admitting for this step) and hits it then
                 self.num_deferred += 1
                 return None
-        delta = self.cache.allocate(req_id, num_new, num_drafts + num_lookahead_tokens)
+        delta = self.cache.allocate(req_id, num_new, num_drafts + num_lookahead_tokens, num_unknown)
         if delta is None:
             return None
         self._computing.update(units)
@@ -315,7 +358,7 @@ class VllmKVCacheManager:
         req_id = request.request_id
         step = self._steps.get(req_id)
         if step is not None:
-            if step.step_id <= self._executed:
+            if self._committable(step, request):
                 self._commit(request)
             else:
                 del self._steps[req_id]
