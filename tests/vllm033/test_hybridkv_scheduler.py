@@ -105,8 +105,11 @@ def build_scheduler(
     num_spec_tokens: int = 0,
     max_num_seqs: int = 8,
     max_num_batched_tokens: int = 512,
+    async_scheduling: bool = False,
 ) -> Any:
-    """`hybridkv.vllm.Scheduler` over vLLM's configs for ``layout`` (`group_specs`)."""
+    """`hybridkv.vllm.Scheduler` over vLLM's configs for ``layout`` (`group_specs`);
+    ``async_scheduling`` is set as vLLM's engine arguments leave it (after the config's
+    own checks, which refuse n-gram drafts with async scheduling)."""
     from vllm.config import (
         CacheConfig,
         ModelConfig,
@@ -135,6 +138,7 @@ def build_scheduler(
     config = VllmConfig(
         model_config=model, scheduler_config=sched, cache_config=cache, speculative_config=spec
     )
+    config.scheduler_config.async_scheduling = async_scheduling
     specs = group_specs(layout)
     if layout == "hybrid":
         config.cache_config.mamba_cache_mode = "align"

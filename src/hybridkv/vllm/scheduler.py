@@ -21,9 +21,18 @@ in every attention group and in no state group. Left to vLLM's own KV-cache mana
 one warning naming the reason: KV connectors (P/D disaggregation, offloading), pipeline
 parallelism, decode context parallelism, EAGLE heads and multi-module MTP (not run on a
 hybrid here; multi-module MTP keys K tokens ahead), and layer kinds without a hybridkv
-manager (cross-attention...). When hybridkv manages, async
-scheduling is turned off with a logged reason: hybridkv commits a step once its output
-is known, and async scheduling runs the next schedule before that.
+manager (cross-attention...).
+
+Async scheduling (``scheduler_config.async_scheduling``, vLLM 0.33's default on GPUs)
+stays on: vLLM builds the ``--scheduler-cls`` class whatever the setting
+(``SchedulerConfig.get_scheduler_cls``, vllm/config/scheduler.py 0.33:231-256), so this
+class picks vLLM's ``AsyncScheduler`` behaviour itself at construction (`__new__`: the
+subclass `AsyncScheduler` below, same flag). The manager then commits each step one
+schedule late, once the token the step before sampled is known (`hybridkv.vllm.
+kv_manager`). With speculative decoding hybridkv turns async scheduling off, with a
+logged reason: where a step starts depends on how many drafts the step before accepted,
+and hybridkv's cache holds one uncommitted step per request. vLLM-CPU turns async
+scheduling off on every setup (vllm/platforms/cpu.py 0.32:331, 0.33:348).
 """
 
 from __future__ import annotations
@@ -33,6 +42,7 @@ from typing import Any
 
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks
 from vllm.v1.core.kv_cache_utils import KVCacheBlockCopy
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler as VllmAsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler as VllmScheduler
 
 from hybridkv.vllm.events import vllm_event_log
@@ -67,6 +77,17 @@ class Scheduler(VllmScheduler):
 
     hybridkv_active = False  # until __init__ takes the KV cache (vLLM's tests skip __init__)
 
+    def __new__(cls, *args: Any, **kwargs: Any) -> Scheduler:
+        # vLLM builds the class named by --scheduler-cls whether or not async scheduling
+        # is on; its engine core then runs a batch queue of 2, which only vLLM's
+        # AsyncScheduler bookkeeping (output placeholders) follows
+        config = kwargs.get("vllm_config", args[0] if args else None)
+        sched = getattr(config, "scheduler_config", None)
+        target = cls
+        if cls is Scheduler and getattr(sched, "async_scheduling", False):
+            target = AsyncScheduler
+        return object.__new__(target)
+
     def __init__(self, vllm_config: Any, kv_cache_config: Any, *args: Any, **kwargs: Any) -> None:
         super().__init__(vllm_config, kv_cache_config, *args, **kwargs)
         self.hybridkv_active = False
@@ -82,13 +103,18 @@ class Scheduler(VllmScheduler):
             return
         self.hybridkv_active = True
         sched = vllm_config.scheduler_config
-        if getattr(sched, "async_scheduling", False):
+        async_steps = bool(getattr(sched, "async_scheduling", False))
+        if async_steps and self.num_spec_tokens:
             # read by the engine core after the scheduler is built (batch queue size)
             logger.warning(
-                "hybridkv: async scheduling turned off: hybridkv commits a step once its "
-                "output is known, and async scheduling schedules the next step before"
+                "hybridkv: async scheduling turned off: with speculative decoding a step "
+                "starts where the drafts the step before accepted end, and hybridkv "
+                "commits a step once that is known"
             )
-            sched.async_scheduling = False
+            sched.async_scheduling = async_steps = False
+            # back to vLLM's synchronous bookkeeping (same attributes; AsyncScheduler's
+            # own are unused then)
+            self.__class__ = Scheduler
         state_mode = getattr(self.cache_config, "mamba_cache_mode", "none") or "none"
         caching = bool(self.cache_config.enable_prefix_caching)
         self.kv_cache_manager = VllmKVCacheManager(  # type: ignore[assignment]
@@ -104,6 +130,7 @@ class Scheduler(VllmScheduler):
             group_specs=[g.kv_cache_spec for g in kv_cache_config.kv_cache_groups],
             events=vllm_event_log(self, kv_cache_config, groups),
             num_lookahead_tokens=self.num_lookahead_tokens,
+            async_steps=async_steps,
         )
         # vLLM's own Mamba split rules read its manager; hybridkv's split replaces them
         self.mamba_partial_cache_hit = False
@@ -112,19 +139,24 @@ class Scheduler(VllmScheduler):
         self.state_block_size = min((g.block_size for g in groups if g.kind == "state"), default=0)
         logger.info(
             "hybridkv: vLLM's scheduler runs on hybridkv's cache manager (%d groups: %s; "
-            "%d blocks; prefix caching %s, state mode %s)",
+            "%d blocks; prefix caching %s, state mode %s; async scheduling %s)",
             len(groups),
             ", ".join(f"{g.kind}/{g.block_size}" for g in groups),
             kv_cache_config.num_blocks,
             "on" if caching else "off",
             state_mode if caching else "none",
+            "on" if async_steps else "off",
         )
 
     # ------------------------------------------------------------------ the seams
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
-        if self.hybridkv_active:
-            self.kv_cache_manager.settle(self.requests)  # type: ignore[attr-defined]
-        return super().schedule(*args, **kwargs)
+        if not self.hybridkv_active:
+            return super().schedule(*args, **kwargs)
+        manager = self.kv_cache_manager
+        manager.settle(self.requests)  # type: ignore[attr-defined]
+        output = super().schedule(*args, **kwargs)
+        manager.schedule_done()  # type: ignore[attr-defined]
+        return output
 
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
         if self.hybridkv_active:
@@ -166,6 +198,11 @@ class Scheduler(VllmScheduler):
     def check_invariants(self) -> None:
         if self.hybridkv_active:
             self.kv_cache_manager.check_invariants()  # type: ignore[attr-defined]
+
+
+class AsyncScheduler(Scheduler, VllmAsyncScheduler):
+    """`Scheduler` with vLLM's async-scheduling bookkeeping (output placeholders, one
+    step in flight); `Scheduler` builds this when ``async_scheduling`` is on."""
 
 
 def _check_supported(scheduler: Any, vllm_config: Any) -> None:

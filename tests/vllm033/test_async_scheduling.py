@@ -1,0 +1,171 @@
+"""`hybridkv.vllm.Scheduler` with vLLM 0.33's async scheduling on, driven the way vLLM's
+engine core drives it (``EngineCore.step_with_batch_queue``, vllm/v1/engine/core.py
+0.33:708-830: a batch queue of 2): schedule ``k + 1`` before step ``k``'s output is
+processed, so every decode step is scheduled with the token the step before samples
+still a placeholder. The fake worker of `test_hybridkv_scheduler` holds the rows; every
+step is checked against the manager, and the outputs must equal a synchronous run's.
+
+Runs only in vLLM 0.33's venv::
+
+    VLLM_TARGET_DEVICE=cpu .venv-vllm033/bin/python -m pytest -m vllm tests/vllm033
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.vllm033.test_hybridkv_scheduler import (
+    Worker,
+    build_scheduler,
+    check_drained,
+    check_step,
+    make_request,
+    model_dir,  # noqa: F401  (the fixture)
+    run_to_end,
+)
+
+pytestmark = pytest.mark.vllm
+
+
+def _answer(scheduler: Any, out: Any, samples: set[str]) -> None:
+    """vLLM's worker's output for ``out``: one token for each request in ``samples``
+    (decided when the step was scheduled: its tokens reached the request's end)."""
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    req_ids = list(out.num_scheduled_tokens)
+    sampled = []
+    for req_id in req_ids:
+        request = scheduler.requests.get(req_id)
+        if req_id not in samples or request is None:
+            sampled.append([])
+            continue
+        sampled.append([100 + len(request.output_token_ids) % 800])
+    scheduler.update_from_output(
+        out,
+        ModelRunnerOutput(
+            req_ids=req_ids,
+            req_id_to_index={r: i for i, r in enumerate(req_ids)},
+            sampled_token_ids=sampled,
+        ),
+    )
+
+
+def run_async(
+    scheduler: Any,
+    worker: Worker,
+    layout: str,
+    *,
+    abort_at: dict[int, str] | None = None,
+    max_steps: int = 2000,
+) -> dict[str, list[int]]:
+    """Schedule with one step in flight until no request is left; ``abort_at``: step ->
+    request aborted after that schedule (its step in flight). Returns every finished
+    request's output tokens."""
+    from vllm.v1.request import RequestStatus
+
+    queue: deque[tuple[Any, set[str]]] = deque()
+    outputs: dict[str, list[int]] = {}
+    requests = dict(scheduler.requests)
+    for step in itertools.count():
+        assert step < max_steps
+        if not scheduler.has_unfinished_requests() and not queue:
+            break
+        if scheduler.has_unfinished_requests():
+            out = scheduler.schedule()
+            worker.apply(out)
+            check_step(scheduler, worker, out, layout)
+            samples = {
+                r
+                for r in out.num_scheduled_tokens
+                if scheduler.requests[r].num_computed_tokens >= scheduler.requests[r].num_tokens
+            }
+            queue.append((out, samples))
+            victim = (abort_at or {}).get(step)
+            if victim is not None and victim in scheduler.requests:
+                scheduler.finish_requests([victim], RequestStatus.FINISHED_ABORTED)
+            if len(queue) < 2 and scheduler.has_unfinished_requests():
+                continue  # the batch queue has room: schedule again before any output
+        _answer(scheduler, *queue.popleft())
+    for req_id, request in requests.items():
+        outputs[req_id] = list(request.output_token_ids)
+    return outputs
+
+
+def _prompts(n: int, length: int, shared: int = 0) -> list[list[int]]:
+    system = [5 + j % 7 for j in range(shared)]
+    return [system + [(i * 37 + j) % 900 + 10 for j in range(length)] for i in range(n)]
+
+
+def test_the_async_form_is_built_and_async_stays_on(
+    model_dir: Path,  # noqa: F811
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """``--scheduler-cls hybridkv.vllm.Scheduler`` unchanged: with async scheduling on
+    the class builds vLLM's async bookkeeping (output placeholders) and keeps async on;
+    with drafts it turns async off with the reason and keeps the synchronous form."""
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+
+    from hybridkv.vllm import Scheduler
+
+    scheduler = build_scheduler(model_dir, "hybrid", async_scheduling=True)
+    assert isinstance(scheduler, AsyncScheduler) and isinstance(scheduler, Scheduler)
+    assert scheduler.hybridkv_active
+    assert scheduler.vllm_config.scheduler_config.async_scheduling
+    assert scheduler.kv_cache_manager.async_steps
+    assert not isinstance(build_scheduler(model_dir, "hybrid"), AsyncScheduler)
+    with caplog.at_level(logging.WARNING, logger="vllm.hybridkv"):
+        spec = build_scheduler(model_dir, "full", num_spec_tokens=3, async_scheduling=True)
+    assert spec.hybridkv_active and not isinstance(spec, AsyncScheduler)
+    assert not spec.vllm_config.scheduler_config.async_scheduling
+    assert "async scheduling turned off" in caplog.text
+
+
+@pytest.mark.parametrize("layout", ["full", "sliding", "hybrid"])
+def test_async_outputs_equal_sync_and_hits_too(model_dir: Path, layout: str) -> None:  # noqa: F811
+    """Six requests sharing a 40-token prefix, chunked prefill (64-token budget), one
+    step in flight: the same outputs as the synchronous scheduler, rows checked every
+    step, at least the synchronous run's prefix hits, every block back."""
+    results = []
+    for async_on in (False, True):
+        scheduler = build_scheduler(
+            model_dir, layout, max_num_batched_tokens=64, async_scheduling=async_on
+        )
+        for i, prompt in enumerate(_prompts(6, 30 + 0, shared=40)):
+            scheduler.add_request(make_request(f"r{i}", prompt, max_tokens=12 + i))
+        worker = Worker()
+        if async_on:
+            outputs = run_async(scheduler, worker, layout)
+        else:
+            requests = dict(scheduler.requests)
+            run_to_end(scheduler, worker, layout)
+            outputs = {r: list(q.output_token_ids) for r, q in requests.items()}
+        hits = scheduler.kv_cache_manager.cache.stats().num_hit_tokens
+        check_drained(scheduler, 200)
+        results.append((outputs, hits))
+    (sync_out, sync_hits), (async_out, async_hits) = results
+    assert async_out == sync_out
+    assert all(len(t) == 12 + i for i, t in enumerate(async_out.values()))
+    assert sync_hits > 0 and async_hits >= sync_hits
+
+
+@pytest.mark.parametrize("layout", ["full", "hybrid"])
+def test_async_preemption_and_aborts_with_steps_in_flight(model_dir: Path, layout: str) -> None:  # noqa: F811
+    """A 12-block pool (vLLM preempts requests whose step is in flight; their stale
+    output is dropped) and two aborts right after a schedule: every other request
+    produces all its tokens, rows stay consistent, every block returns."""
+    num_blocks = 12
+    scheduler = build_scheduler(model_dir, layout, num_blocks=num_blocks, async_scheduling=True)
+    worker = Worker()
+    for i, prompt in enumerate(_prompts(5, 40)):
+        scheduler.add_request(make_request(f"r{i}", prompt, max_tokens=36))
+    outputs = run_async(scheduler, worker, layout, abort_at={6: "r1", 40: "r4"})
+    assert worker.num_preempted > 0
+    finished = {r: t for r, t in outputs.items() if r not in ("r1", "r4")}
+    assert all(len(t) == 36 for t in finished.values()), {r: len(t) for r, t in outputs.items()}
+    check_drained(scheduler, num_blocks)
