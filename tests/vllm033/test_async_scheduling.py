@@ -1,6 +1,6 @@
 """`hybridkv.vllm.Scheduler` with vLLM 0.33's async scheduling on, driven the way vLLM's
 engine core drives it (``EngineCore.step_with_batch_queue``, vllm/v1/engine/core.py
-0.33:708-830: a batch queue of 2): schedule ``k + 1`` before step ``k``'s output is
+0.33:708-822: a batch queue of 2): schedule ``k + 1`` before step ``k``'s output is
 processed, so every decode step is scheduled with the token the step before samples
 still a placeholder. The fake worker of `test_hybridkv_scheduler` holds the rows; every
 step is checked against the manager, and the outputs must equal a synchronous run's.

@@ -302,10 +302,14 @@ class VllmKVCacheManager:
             # from zero rather than from hybridkv's remembered hit.
             self._forget_hit(request)
         total = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
-        beyond = max(0, min(total - request.num_tokens, num_new_tokens))
-        # past the known tokens: drafts to verify, or (async scheduling) the token the
-        # step in flight samples, which this step computes
-        num_drafts, num_unknown = (0, beyond) if self.async_steps else (beyond, 0)
+        num_drafts = num_unknown = 0
+        if self.async_steps:
+            # tokens hybridkv holds no id of: the one the step in flight samples, and
+            # any vLLM received since hybridkv's last commit (a step is committed before
+            # its output arrives); their ids come with this step's commit
+            num_unknown = max(0, min(total - self._num_tokens[req_id], num_new_tokens))
+        else:  # past the request's tokens: drafts to verify
+            num_drafts = max(0, min(total - request.num_tokens, num_new_tokens))
         num_new = num_new_tokens - num_drafts
         units: list[bytes] = []
         if not started and self.enable_caching:

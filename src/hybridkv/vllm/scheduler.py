@@ -103,7 +103,8 @@ class Scheduler(VllmScheduler):
             return
         self.hybridkv_active = True
         sched = vllm_config.scheduler_config
-        async_steps = bool(getattr(sched, "async_scheduling", False))
+        # the form built decides (`__new__` from the config; vLLM's tests name it)
+        async_steps = isinstance(self, VllmAsyncScheduler)
         if async_steps and self.num_spec_tokens:
             # read by the engine core after the scheduler is built (batch queue size)
             logger.warning(
