@@ -8,8 +8,12 @@
 # offline hub cache. Prints a summary (docs/vllm_scheduler_tests.md classifies it).
 # About 15-20 minutes per run on 2 busy cores.
 #   bash scripts/run_vllm_scheduler_tests.sh [VENV_DIR] [-- extra pytest args]
+#   (hybridkv is imported from this checkout's src/, whatever the venv has installed)
 #   env: VLLM_SDIST=path/to/vllm-0.33.0.tar.gz (skip the download), WORK_DIR=folder (keep
-#        the logs there), SKIP_STOCK=1 (reuse WORK_DIR/stock.jsonl)
+#        the logs there), SKIP_STOCK=1 (reuse WORK_DIR/stock.jsonl),
+#        TESTS_FILE=file (the vLLM test ids to run, one per line, instead of
+#        test_scheduler.py; scripts/vllm_async_scheduler_tests.txt: the async-scheduling
+#        tests, ~2 minutes per run)
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 venv=$here/.venv-vllm033
@@ -42,14 +46,18 @@ echo "$sha256  $sdist" | sha256sum -c --quiet -
 src=$work/vllm-$version
 [ -d "$src/tests" ] || tar -xzf "$sdist" -C "$work" "vllm-$version/tests" "vllm-$version/pyproject.toml"
 "$python" "$here/tests/vllm033/swap_scheduler.py" hub "$work/hub"
+tests=(tests/v1/core/test_scheduler.py)
+if [ -n "${TESTS_FILE:-}" ]; then
+    mapfile -t tests < <(grep -v '^\s*\(#\|$\)' "$TESTS_FILE")
+fi
 
 run() {  # run NAME SWAP [pytest args]
     local name=$1 swap=$2
     shift 2
     rm -f "$work/$name.jsonl"
     (cd "$src" && HF_HUB_CACHE="$work/hub" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 \
-        VLLM_TARGET_DEVICE=cpu PYTHONPATH="$here/tests/vllm033" HYBRIDKV_SWAP=$swap \
-        HYBRIDKV_SWAP_LOG="$work/$name.jsonl" "$python" -m pytest tests/v1/core/test_scheduler.py \
+        VLLM_TARGET_DEVICE=cpu PYTHONPATH="$here/src:$here/tests/vllm033" HYBRIDKV_SWAP=$swap \
+        HYBRIDKV_SWAP_LOG="$work/$name.jsonl" "$python" -m pytest "${tests[@]}" \
         -q -p no:cacheprovider -p swap_scheduler --timeout 300 "$@" >"$work/$name.out" 2>&1) || true
     tail -n 1 "$work/$name.out"
 }
