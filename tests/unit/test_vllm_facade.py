@@ -461,6 +461,10 @@ def _drive_async(
                     continue
                 if req.placeholders and req.produced + req.placeholders >= req.max_new:
                     continue  # vLLM's skip: the step in flight reaches max_tokens
+                if rng.random() < 0.1:
+                    # left out of this schedule (budget, batch size, a grammar wait): its
+                    # output arrives after its last step was committed
+                    continue
                 n = req.num_tokens + req.placeholders - req.num_computed_tokens
                 n = min(n, left)
                 if B and caching:
