@@ -461,9 +461,23 @@ class VllmKVCacheManager:
     def check_invariants(self) -> None:
         self.cache.check_invariants()
         self.rows.check_invariants()
-        for req_id in self._steps:
+        for req_id, step in self._steps.items():
             if not self.cache.has_request(req_id):
                 raise InvariantError(f"request {req_id!r} has a step but no cache record")
+            c = self.cache.num_computed_tokens(req_id)
+            if c != step.computed or step.step_id > self._step_id:
+                raise InvariantError(
+                    f"request {req_id!r}: its step (from {step.computed}, schedule "
+                    f"{step.step_id}) does not start at hybridkv's {c} computed tokens "
+                    f"or is from a schedule after {self._step_id}"
+                )
+        for req_id, known in self._num_tokens.items():
+            held = len(self.cache.token_ids(req_id))
+            if held != known:
+                raise InvariantError(
+                    f"request {req_id!r}: the facade counts {known} tokens hybridkv holds, "
+                    f"hybridkv holds {held}"
+                )
 
 
 def _salt(request: Any) -> str | None:

@@ -5,7 +5,8 @@ Why this seat: ``--scheduler-cls`` is the one place vLLM lets a user replace wha
 the KV-cache manager, and subclassing its scheduler keeps every scheduling decision
 (budgets, chunked prefill, preemption order, spec-decode bookkeeping, outputs) vLLM's
 own; only the manager behind it changes (`hybridkv.vllm.kv_manager`). Three methods
-change: ``schedule`` commits the steps whose output arrived, ``update_from_output``
+change: ``schedule`` commits the steps whose output arrived (with async scheduling:
+whose tokens are known), ``update_from_output``
 marks the step as run, and the align-mode chunk split ends prefill chunks where
 hybridkv checkpoints (vLLM's workers write a state only where a step ends).
 
