@@ -109,54 +109,64 @@ GRANITE_4_H_DENSE: dict[str, Any] = {
 }
 
 
-def write_tiny_gemma3(folder: str | Path, seed: int = 0) -> Path:
-    """Write the tiny Gemma 3 text model (config.json + safetensors) to ``folder``."""
+def _write(
+    folder: str | Path,
+    seed: int,
+    config_class: str,
+    model_class: str,
+    settings: dict[str, Any],
+    *,
+    architectures: bool,
+) -> Path:
+    """A random-weight ``transformers`` model saved to ``folder`` (config.json +
+    safetensors); ``architectures``: name the model class in the config (vLLM picks its
+    implementation by that name where the config's model type alone does not)."""
     import torch
     import transformers
 
     torch.manual_seed(seed)
-    config = transformers.Gemma3TextConfig(**GEMMA3)
-    config.architectures = ["Gemma3ForCausalLM"]
-    model = transformers.Gemma3ForCausalLM(config).eval()
+    config = getattr(transformers, config_class)(**settings)
+    if architectures:
+        config.architectures = [model_class]
+    model = getattr(transformers, model_class)(config).eval()
     model.save_pretrained(str(folder))
     return Path(folder)
+
+
+def write_tiny_gemma3(folder: str | Path, seed: int = 0) -> Path:
+    """Write the tiny Gemma 3 text model (config.json + safetensors) to ``folder``."""
+    return _write(folder, seed, "Gemma3TextConfig", "Gemma3ForCausalLM", GEMMA3, architectures=True)
 
 
 def write_tiny_qwen3_next(folder: str | Path, seed: int = 0) -> Path:
     """Write the tiny Qwen3-Next (config.json + safetensors) to ``folder``."""
-    import torch
-    import transformers
-
-    torch.manual_seed(seed)
-    config = transformers.Qwen3NextConfig(**QWEN3_NEXT)
-    model = transformers.Qwen3NextForCausalLM(config).eval()
-    model.save_pretrained(str(folder))
-    return Path(folder)
+    return _write(
+        folder, seed, "Qwen3NextConfig", "Qwen3NextForCausalLM", QWEN3_NEXT, architectures=False
+    )
 
 
 def write_tiny_granite_4_h_dense(folder: str | Path, seed: int = 0) -> Path:
     """Write the tiny dense Granite 4.0-H (config.json + safetensors) to ``folder``."""
-    import torch
-    import transformers
-
-    torch.manual_seed(seed)
-    config = transformers.GraniteMoeHybridConfig(**GRANITE_4_H_DENSE)
-    config.architectures = ["GraniteMoeHybridForCausalLM"]
-    model = transformers.GraniteMoeHybridForCausalLM(config).eval()
-    model.save_pretrained(str(folder))
-    return Path(folder)
+    return _write(
+        folder,
+        seed,
+        "GraniteMoeHybridConfig",
+        "GraniteMoeHybridForCausalLM",
+        GRANITE_4_H_DENSE,
+        architectures=True,
+    )
 
 
 def write_tiny_qwen3_next_seed(folder: str | Path, seed: int = 0) -> Path:
     """Write the seed miniature's main model (``qwen3_next`` with one KV head)."""
-    import torch
-    import transformers
-
-    torch.manual_seed(seed)
-    config = transformers.Qwen3NextConfig(**QWEN3_NEXT_SEED)
-    model = transformers.Qwen3NextForCausalLM(config).eval()
-    model.save_pretrained(str(folder))
-    return Path(folder)
+    return _write(
+        folder,
+        seed,
+        "Qwen3NextConfig",
+        "Qwen3NextForCausalLM",
+        QWEN3_NEXT_SEED,
+        architectures=False,
+    )
 
 
 def write_tiny_qwen3_next_mtp(folder: str | Path, seed: int = 0) -> Path:
@@ -194,15 +204,7 @@ def write_tiny_qwen3_next_mtp(folder: str | Path, seed: int = 0) -> Path:
 
 def write_tiny_qwen3_draft(folder: str | Path, seed: int = 1) -> Path:
     """Write the seed miniature's dense Qwen3 draft (same vocabulary as the main model)."""
-    import torch
-    import transformers
-
-    torch.manual_seed(seed)
-    config = transformers.Qwen3Config(**QWEN3_DRAFT)
-    config.architectures = ["Qwen3ForCausalLM"]
-    model = transformers.Qwen3ForCausalLM(config).eval()
-    model.save_pretrained(str(folder))
-    return Path(folder)
+    return _write(folder, seed, "Qwen3Config", "Qwen3ForCausalLM", QWEN3_DRAFT, architectures=True)
 
 
 def write_seed_configs(folder: str | Path, num_experts: int = 32) -> tuple[Path, Path]:
