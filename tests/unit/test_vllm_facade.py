@@ -38,7 +38,7 @@ class FakeRequest:
     spec: int = 0  # drafts scheduled in the step in flight
     drafts: list[int] = field(default_factory=list)
     produced: int = 0
-    placeholders: int = 0  # async scheduling: tokens sampled by steps still in flight
+    num_output_placeholders: int = 0  # async scheduling: tokens sampled by steps in flight
     epoch: int = 0  # preemptions so far: an output from an earlier epoch is stale
 
     @property
@@ -366,16 +366,26 @@ def _drive(
 
 
 @dataclass
+class Entry:
+    """One request's step in a schedule, as the worker receives it."""
+
+    req: FakeRequest
+    epoch: int
+    num_scheduled: int  # tokens incl. drafts
+    computed: int  # the scheduler's computed tokens before it (all earlier drafts accepted)
+    drafts: int  # drafts scheduled (their ids are the worker's own)
+    row: Any  # the whole row for an admission, else the blocks appended per group
+    start: list[int] | None  # an admission: the tokens the worker starts from
+
+
+@dataclass
 class Flight:
     """One schedule's output on its way to the worker, applied when the worker runs it
     (vLLM's worker applies a scheduler output at the start of its step)."""
 
     drops: list[str]  # requests finished, aborted or preempted since the last output
     copies: list[tuple[int, int]]
-    # per scheduled request: (request, its epoch, tokens, computed before, its row: the
-    # whole row for an admission, else the blocks appended per group; worker tokens to
-    # start from for an admission)
-    entries: list[tuple[FakeRequest, int, int, int, Any, list[int] | None]]
+    entries: list[Entry]
 
 
 def _drive_async(
@@ -389,6 +399,9 @@ def _drive_async(
     caching: bool = True,
     shared: int = 0,
     abort_rate: float = 0.05,
+    spec: int = 0,
+    draft_groups: frozenset[int] = frozenset(),
+    head_groups: frozenset[int] = frozenset(),
 ) -> VllmKVCacheManager:
     """vLLM's async scheduling as its engine core runs it (a batch queue of 2): schedule
     ``k + 1`` before step ``k`` ran and before its output reaches the scheduler, so a
@@ -398,10 +411,28 @@ def _drive_async(
     reused by ``k + 1``, which runs after ``k``). Preemption resets a request (its
     output in flight is stale and dropped), aborts free a request with a step in
     flight, a request reaching ``max_new`` is freed while the next step computes its
-    last token. The worker checks every read as in `_drive`."""
+    last token. The worker checks every read as in `_drive`.
+
+    With ``spec`` (K) drafts, as vLLM 0.33's AsyncScheduler and V1 worker in align mode
+    run them: a decode step carries 0..K draft placeholders whose ids only the worker
+    knows; the scheduler counts every draft as accepted when it schedules the next step
+    (``k + 1`` starts after all of ``k``'s drafts) and rolls back the rejected ones
+    when ``k``'s output arrives; the worker runs ``k + 1`` from the real start (it
+    applies ``k``'s acceptance before laying out the state columns). ``draft_groups`` /
+    ``head_groups`` as in `_drive` (vLLM passes the lookahead K with every allocation)."""
     rng = random.Random(seed)
-    kv = _manager(groups, num_blocks, caching=caching, async_steps=True)
-    worker = FakeWorker(groups, align=caching)
+    lookahead = spec if draft_groups or head_groups else 0
+    kv = _manager(
+        groups, num_blocks, caching=caching, spec=spec, lookahead=lookahead, async_steps=True
+    )
+    worker = FakeWorker(
+        groups,
+        align=caching,
+        num_spec=spec,
+        draft_groups=draft_groups | head_groups,
+        lookahead=lookahead,
+        head_groups=head_groups,
+    )
     wtokens: dict[str, list[int]] = {}  # the worker's tokens per request
     wcomputed: dict[str, int] = {}
     B = min((g.block_size for g in groups if g.kind == "state"), default=0)
@@ -410,33 +441,46 @@ def _drive_async(
         system + [rng.randrange(1, 50) for _ in range(rng.randrange(5, 40))]
         for _ in range(sessions)
     ]
+    spec_len: dict[str, int] = {}  # draft placeholders a request's next step carries
 
-    def run_on_worker(flight: Flight) -> dict[str, int]:
+    def run_on_worker(flight: Flight) -> dict[str, tuple[int, list[int]]]:
         """The worker's step: drops, copies, rows, then every request's tokens; returns
-        the tokens it sampled."""
+        per request that samples: (drafts accepted, tokens sampled)."""
         for req_id in flight.drops:
             worker.drop(req_id)
             wtokens.pop(req_id, None)
             wcomputed.pop(req_id, None)
         worker.copy(flight.copies)
-        sampled: dict[str, int] = {}
-        for req, _, n, c, row, start in flight.entries:
-            rid = req.request_id
-            if start is not None:
-                worker.rows[rid] = row
-                wtokens[rid], wcomputed[rid] = start, c
+        out: dict[str, tuple[int, list[int]]] = {}
+        for e in flight.entries:
+            rid = e.req.request_id
+            if e.start is not None:
+                worker.rows[rid] = e.row
+                wtokens[rid], wcomputed[rid] = e.start, e.computed
             else:
-                for old, new in zip(worker.rows[rid], row, strict=True):
+                for old, new in zip(worker.rows[rid], e.row, strict=True):
                     old.extend(new)
-            assert wcomputed[rid] == c, (rid, wcomputed[rid], c)
-            view = FakeRequest(rid, wtokens[rid], req.num_prompt_tokens, req.max_new)
+            c, n, d = wcomputed[rid], e.num_scheduled, e.drafts
+            # the scheduler started it after every draft of the step before
+            assert 0 <= e.computed - c <= spec, (rid, e.computed, c)
+            drafted = [rng.randrange(1, 50) for _ in range(d)]
+            view = FakeRequest(rid, wtokens[rid] + drafted, e.req.num_prompt_tokens, e.req.max_new)
             view.num_computed_tokens = c + n
-            worker.run(view, n)
-            wcomputed[rid] = c + n
-            if c + n >= len(wtokens[rid]):  # the step samples the next token
-                sampled[rid] = rng.randrange(1, 50)
-                wtokens[rid].append(sampled[rid])
-        return sampled
+            worker.run(view, n, d)
+            if c + n - d < len(wtokens[rid]):  # a prefill chunk: nothing sampled
+                wcomputed[rid] = c + n
+                del view.all_token_ids[len(wtokens[rid]) :]
+                worker.sampled(view, c, n)
+                continue
+            accepted = rng.randrange(0, d + 1)
+            worker.accepted(view, c, n, d, accepted)
+            new = [*drafted[:accepted], rng.randrange(1, 50)]
+            wtokens[rid].extend(new)
+            wcomputed[rid] = c + n - d + accepted
+            view.all_token_ids = wtokens[rid]
+            worker.sampled(view, c, n - d + accepted)
+            out[rid] = (accepted, new)
+        return out
 
     for turn in range(turns):
         waiting = [
@@ -453,19 +497,21 @@ def _drive_async(
             assert steps < 3000
             kv.settle({r.request_id: r for r in running + waiting})
             kv.new_step_starts()
-            entries: list[tuple[FakeRequest, int, int, int, Any, list[int] | None]] = []
+            entries: list[Entry] = []
             preempted = False
             left = budget
             for req in list(running):
                 if req not in running:
                     continue
-                if req.placeholders and req.produced + req.placeholders >= req.max_new:
+                P = req.num_output_placeholders
+                if P and req.num_computed_tokens + 2 - P >= req.num_prompt_tokens + req.max_new:
                     continue  # vLLM's skip: the step in flight reaches max_tokens
                 if rng.random() < 0.1:
                     # left out of this schedule (budget, batch size, a grammar wait): its
                     # output arrives after its last step was committed
                     continue
-                n = req.num_tokens + req.placeholders - req.num_computed_tokens
+                rid = req.request_id
+                n = req.num_tokens + spec_len.get(rid, 0) + P - req.num_computed_tokens
                 n = min(n, left)
                 if B and caching:
                     n = split_prefill_chunk(
@@ -473,23 +519,33 @@ def _drive_async(
                     )
                 if n <= 0:
                     continue
-                while (blocks := kv.allocate_slots(req, n)) is None:
+                while (blocks := kv.allocate_slots(req, n, num_lookahead_tokens=lookahead)) is None:
                     # the newest, or (as vLLM's priority policy may) any request, one
                     # scheduled in this very schedule included: its step never runs
                     victim = running.pop(rng.randrange(len(running)) if rng.random() < 0.3 else -1)
                     kv.free(victim)
                     drops.append(victim.request_id)
-                    victim.num_computed_tokens = victim.placeholders = 0
+                    victim.num_computed_tokens = victim.num_output_placeholders = 0
+                    spec_len.pop(victim.request_id, None)
                     victim.num_preemptions += 1
                     victim.epoch += 1
                     waiting.insert(0, victim)
-                    entries = [e for e in entries if e[0] is not victim]
+                    entries = [e for e in entries if e.req is not victim]
                     preempted = True
                     if victim is req:
                         break
                 else:
+                    d = max(0, n + req.num_computed_tokens - req.num_tokens - P)
                     entries.append(
-                        (req, req.epoch, n, req.num_computed_tokens, blocks.get_block_ids(), None)
+                        Entry(
+                            req,
+                            req.epoch,
+                            n,
+                            req.num_computed_tokens,
+                            d,
+                            blocks.get_block_ids(),
+                            None,
+                        )
                     )
                     left -= n
             while waiting and left > 0 and not preempted:
@@ -501,19 +557,28 @@ def _drive_async(
                     n = split_prefill_chunk(
                         hit, n, req.num_prompt_tokens, B, kv.junction_point(req)
                     )
-                if kv.allocate_slots(req, n, num_new_computed_tokens=hit) is None:
+                if (
+                    kv.allocate_slots(
+                        req, n, num_new_computed_tokens=hit, num_lookahead_tokens=lookahead
+                    )
+                    is None
+                ):
                     break
                 waiting.pop(0)
                 req.num_computed_tokens = hit
                 running.append(req)
                 row = [list(r) for r in kv.get_block_ids(req.request_id)]
-                entries.append((req, req.epoch, n, hit, row, list(req.all_token_ids)))
+                entries.append(Entry(req, req.epoch, n, hit, 0, row, list(req.all_token_ids)))
                 left -= n
             kv.schedule_done()
-            for req, _, n, _, _, _ in entries:
-                req.num_computed_tokens += n
+            for e in entries:  # AsyncScheduler's _update_after_schedule
+                req = e.req
+                req.num_computed_tokens += e.num_scheduled
+                spec_len.pop(req.request_id, None)
                 if req.num_computed_tokens >= req.num_tokens:
-                    req.placeholders += 1  # AsyncScheduler's _update_after_schedule
+                    req.num_output_placeholders += 1 + e.drafts
+                    # the drafter proposes 0..K tokens for the next step
+                    spec_len[req.request_id] = rng.randrange(0, spec + 1) if spec else 0
             flight = Flight(drops, kv.take_kv_cache_block_copies()[0], entries)
             drops = []
             if running and rng.random() < abort_rate:  # an abort while a step is in flight
@@ -522,21 +587,32 @@ def _drive_async(
                 kv.free(victim)
                 drops.append(victim.request_id)
             # the worker runs the step scheduled before (after this schedule), then its
-            # output reaches the scheduler
+            # output reaches the scheduler (vLLM's update_from_output)
             if in_flight is not None:
                 sampled = run_on_worker(in_flight)
-                for req, epoch, _, _, _, _ in in_flight.entries:
-                    rid = req.request_id
-                    if req not in running or epoch != req.epoch or rid not in sampled:
+                for e in in_flight.entries:
+                    req, rid = e.req, e.req.request_id
+                    if req not in running or e.epoch != req.epoch or rid not in sampled:
                         continue  # aborted, stale (preempted since), or a prefill chunk
-                    req.all_token_ids.append(sampled[rid])
-                    req.placeholders -= 1
-                    req.produced += 1
+                    accepted, new = sampled[rid]
+                    rejected = e.drafts - accepted
+                    req.num_computed_tokens -= rejected
+                    req.num_output_placeholders -= rejected
+                    kept = new[: req.max_new - req.produced]
+                    req.all_token_ids.extend(kept)
+                    req.produced += len(kept)
+                    req.num_computed_tokens -= len(new) - len(kept)  # trimmed at the stop
+                    req.num_output_placeholders -= len(new)
                     if req.produced >= req.max_new:
                         running.remove(req)
                         kv.free(req)
+                        spec_len.pop(rid, None)
                         drops.append(rid)
                         done.append(req)
+                kv.outputs_processed(
+                    {r.request_id: r for r in running},
+                    [e.req.request_id for e in in_flight.entries],
+                )
             kv.check_invariants()
             in_flight = flight if flight.entries or flight.drops else None
             if in_flight is not None and not (waiting or running):
@@ -953,13 +1029,13 @@ def test_async_turn_end_covers_the_token_in_flight() -> None:
     kv.new_step_starts()
     assert kv.allocate_slots(req, 12) is not None  # the prompt; samples token 12
     kv.schedule_done()
-    req.num_computed_tokens, req.placeholders = 12, 1
+    req.num_computed_tokens, req.num_output_placeholders = 12, 1
     kv.settle({"a": req})
     kv.new_step_starts()
     assert kv.allocate_slots(req, 1) is not None  # computes token 12, not known yet
     kv.schedule_done()
     assert kv.cache.num_computed_tokens("a") == 12  # the prompt step committed
-    req.num_computed_tokens, req.placeholders = 13, 2
+    req.num_computed_tokens, req.num_output_placeholders = 13, 2
     req.all_token_ids.append(70)  # output of the prompt step
     req.all_token_ids.append(71)  # output of the step in flight: max_new reached
     kv.free(req)
@@ -979,6 +1055,7 @@ def test_async_refuses_a_second_step_in_flight() -> None:
         assert kv.allocate_slots(req, n) is not None
         kv.schedule_done()
         req.num_computed_tokens += n
+        req.num_output_placeholders += 1  # AsyncScheduler's _update_after_schedule
     kv.new_step_starts()
     with pytest.raises(InvariantError, match="one step in flight"):
         kv.allocate_slots(req, 1)
@@ -1041,3 +1118,99 @@ def test_async_free_commits_only_steps_the_worker_runs(schedule_returned: bool) 
     b = FakeRequest("b", [*prompt, 40], 18, 1)
     assert kv.get_computed_blocks(b)[1] == (16 if schedule_returned else 0)
     kv.check_invariants()
+
+
+# ------------------------------------------------- async scheduling with speculative decoding
+def test_async_drafts_hybrid_reads_exactly_its_tokens() -> None:
+    """Drafts 0..3 per step under async scheduling: every decode step is scheduled
+    before the step before it reports its accepted count, so the worker may start it
+    anywhere in that step's drafts; hybridkv holds the blocks of the latest start and
+    lays the step out at its real one once the output arrives. Every read (attention
+    slots, state columns, pre- and post-copies) is exact, multi-turn chat hits."""
+    kv = _drive_async(HYBRID, 300, sessions=4, turns=3, seed=41, spec=3, abort_rate=0.0)
+    assert kv.state_layout == "columns"
+    assert kv.cache.stats().num_hit_tokens > 0
+
+
+def test_async_drafts_shared_system_prompt() -> None:
+    kv = _drive_async(HYBRID, 300, sessions=5, turns=2, seed=42, spec=3, shared=29, budget=40)
+    assert kv.cache.stats().num_hit_tokens > 0
+
+
+def test_async_drafts_under_pressure_with_aborts() -> None:
+    """A pool small enough to preempt with a step ahead in flight, and aborts."""
+    _drive_async(HYBRID, 40, sessions=6, turns=2, seed=43, spec=3, budget=40, abort_rate=0.1)
+
+
+def test_async_drafts_prefix_caching_off() -> None:
+    kv = _drive_async(HYBRID, 200, sessions=3, turns=2, seed=44, spec=3, caching=False)
+    assert kv.cache.stats().num_hit_tokens == 0
+
+
+def test_async_drafts_sliding_window() -> None:
+    groups = [VllmGroup(0, "full", 4), VllmGroup(1, "sliding", 4, 8)]
+    _drive_async(groups, 300, sessions=4, turns=2, seed=45, spec=3)
+
+
+def test_async_draft_model() -> None:
+    kv = _drive_async(
+        DRAFT_MODEL, 300, sessions=4, turns=3, seed=46, spec=3, draft_groups=frozenset({2})
+    )
+    assert kv.cache.stats().num_hit_tokens > 0
+
+
+def test_async_mtp_head() -> None:
+    kv = _drive_async(
+        MTP, 300, sessions=4, turns=3, seed=47, spec=3, shared=16, head_groups=frozenset({1})
+    )
+    assert kv.cache.stats().num_hit_tokens > 0
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    seed=st.integers(0, 10_000),
+    num_blocks=st.integers(40, 140),
+    block=st.sampled_from([4, 8]),
+    budget=st.integers(9, 64),
+    shared=st.sampled_from([0, 8, 13, 20]),
+    caching=st.booleans(),
+    spec=st.integers(1, 3),
+    abort_rate=st.sampled_from([0.0, 0.1]),
+    layout=st.sampled_from(["hybrid", "draft_model", "mtp"]),
+)
+def test_random_lives_async_drafts(
+    seed: int,
+    num_blocks: int,
+    block: int,
+    budget: int,
+    shared: int,
+    caching: bool,
+    spec: int,
+    abort_rate: float,
+    layout: str,
+) -> None:
+    """Random lives with drafts under async scheduling: chunked prefill, 0..K drafts a
+    step, preemption and aborts with a step ahead in flight, multi-turn hits, a draft
+    model's or an MTP head's groups; every read exact, invariants after every step,
+    every block back."""
+    spec = min(spec, block - 1)
+    state = VllmGroup(0, "state", block)
+    groups = {
+        "hybrid": [VllmGroup(0, "full", block), VllmGroup(1, "state", block)],
+        "draft_model": [state, VllmGroup(1, "full", block), VllmGroup(2, "full", 2 * block)],
+        "mtp": [state, VllmGroup(1, "full", block, draft_head=True)],
+    }[layout]
+    _drive_async(
+        groups,
+        num_blocks,
+        sessions=3,
+        turns=2,
+        seed=seed,
+        budget=budget,
+        shared=shared,
+        caching=caching,
+        abort_rate=abort_rate,
+        spec=spec,
+        draft_groups=frozenset({2}) if layout == "draft_model" else frozenset(),
+        head_groups=frozenset({1}) if layout == "mtp" else frozenset(),
+    )

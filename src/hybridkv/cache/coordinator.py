@@ -311,6 +311,35 @@ class Coordinator:
         # StepDelta(groups=deltas, taken=taken, admitted=touch, copies), the cheap way
         return _new_tuple(StepDelta, (deltas, taken, touch, copies))
 
+    def try_reserve(
+        self, states: list[Any], start_max: int, n: int, lookahead: int
+    ) -> StepDelta | None:
+        """Hold in every group the blocks a next step may need while the step before it
+        is pending (`GroupManager.reserve_blocks`), or change nothing and return None."""
+        managers = self.managers
+        counts = [
+            m.reserve_blocks(states[g], start_max, n, lookahead) for g, m in enumerate(managers)
+        ]
+        needs = [0] * len(self.pools)
+        for g, count in enumerate(counts):
+            needs[managers[g].pool.pool_id] += count
+        if any(need > len(pool.free) for pool, need in zip(self.pools, needs, strict=True)):
+            return None
+        deltas: dict[int, GroupDelta] = {}
+        taken: dict[int, tuple[BlockId, ...]] = {}
+        for g, count in enumerate(counts):
+            if not count:
+                continue
+            manager = managers[g]
+            new = manager.pool.take_many(count)
+            manager.reserve(states[g], start_max, n, lookahead, new)
+            taken[g] = tuple(new)
+            if not manager.is_state:  # state groups: slots, no delta
+                deltas[g] = manager.delta(states[g], new, False)
+        if not taken:
+            return NO_CHANGE
+        return StepDelta(groups=deltas, taken=taken, admitted=False, copies=())
+
     def commit(
         self,
         states: list[Any],

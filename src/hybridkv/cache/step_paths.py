@@ -83,6 +83,34 @@ class StepPaths(CacheViews):
                 return self._grow(r, n, lookahead)  # checked: a block or a delta
         return self._allocate_slow(r, req_id, n, lookahead)
 
+    def reserve_next(
+        self, req_id: str, num_new_tokens: SupportsIndex, num_lookahead_tokens: SupportsIndex = 0
+    ) -> StepDelta | None:
+        """With a step pending, hold the blocks of the next one (``num_new_tokens`` new,
+        ``num_lookahead_tokens`` lookahead) wherever that step's accepted drafts make it
+        start: the `StepDelta` of blocks taken, or None (nothing changed) when they do
+        not fit. For an engine that schedules the next step before the pending one's
+        accepted count is known (vLLM's async scheduling with drafts). After the pending
+        step's `commit`, the next step's `allocate` takes nothing the worker was not given
+        here; the blocks of an acceptance that did not happen stay in the request's tables
+        until it is freed."""
+        r = self._get(req_id)
+        n = check_count(req_id, "num_new_tokens", num_new_tokens)
+        lookahead = check_count(req_id, "num_lookahead_tokens", num_lookahead_tokens)
+        if not r.pending:
+            raise CacheError(
+                f"reserve_next of request {req_id!r}: no step is pending; allocate the next "
+                "step instead"
+            )
+        drafts = max(0, r.pend_lookahead - self.rules.drafter_lookahead_tokens)
+        start_max = r.num_computed + r.pend_n + drafts
+        delta = self.coordinator.try_reserve(r.states, start_max, n, lookahead)
+        if delta is None:
+            self._num_alloc_failures += 1
+            return None
+        r.refresh_limits(self._managers, self._all_groups)
+        return delta
+
     def commit(
         self,
         req_id: str,

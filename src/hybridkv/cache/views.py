@@ -17,6 +17,7 @@ from hybridkv.cache.events import CacheEvent, CacheStats
 from hybridkv.cache.managers import Counters, GroupManager, StepSlots
 from hybridkv.cache.needs import step_needs, total_step_needs
 from hybridkv.cache.request import RequestRecord
+from hybridkv.cache.rules import CacheRules
 from hybridkv.cache.validate import check_same_lengths
 from hybridkv.errors import CacheError, InvariantError
 from hybridkv.ids import BlockId
@@ -26,6 +27,7 @@ class CacheViews:
     """Queries over the state a `CacheManager` keeps (attributes set by its __init__)."""
 
     coordinator: Coordinator
+    rules: CacheRules
     _managers: list[GroupManager]
     _requests: dict[str, RequestRecord]
     _events: list[CacheEvent]

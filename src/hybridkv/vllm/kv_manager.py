@@ -8,30 +8,8 @@ preempted), and for usage, stats and events. hybridkv's manager wants the same t
 as ``lookup`` / ``allocate(n verified, L drafts)`` / ``commit(accepted, new tokens)`` /
 ``free``. The translation:
 
-* vLLM moves ``request.num_computed_tokens`` itself (forward at scheduling, back by the
-  rejected drafts when the output arrives). A step allocated in schedule ``k`` is
-  committed once its output was processed (`mark_executed`), at the next `settle` (the
-  scheduler calls it before each schedule) or before a free: accepted drafts are
-  ``num_computed_tokens - (c + n)``, the new tokens are the request's tokens hybridkv
-  has not seen. A step that never ran (preempted in the schedule that allocated it) is
-  released without a commit.
-* Async scheduling (``async_steps``, no drafts): vLLM schedules step ``k + 1`` while
-  step ``k`` runs, before ``k``'s sampled token reaches the scheduler, so step ``k + 1``
-  starts with a token hybridkv cannot name yet (vLLM's output placeholder). It is
-  allocated as an *unknown* token (`CacheManager.allocate`'s ``num_unknown_tokens``) and
-  committed one schedule late, once ``k``'s output has named it::
-
-      schedule k     allocate k    [c, c+n)      its tokens known
-      schedule k+1   commit k; allocate k+1 [c+n, c+n+1): 1 unknown (k's sample)
-      output k       the sample joins the request's tokens
-      schedule k+2   commit k+1 (its token now known); allocate k+2 ...
-
-  A commit needs only the step's input tokens, never its output, and vLLM's worker
-  runs steps in order: whatever a later step reads of a committed block (a hit, a
-  state checkpoint) was written before it runs. A free while a step is in flight
-  commits it when its tokens are known and the schedule that allocated it returned
-  (vLLM's worker runs it), and drops it otherwise; dropping is always safe (the blocks
-  go back uncached, and later steps that reuse them run after it).
+* When each step is committed (one schedule late with async scheduling; with drafts,
+  a step ahead held on top of the pending one): `hybridkv.vllm.steps`.
 * Blocks go to the worker as append-only rows (`hybridkv.vllm.rows`), as vLLM's
   ``KVCacheBlocks`` of light block objects (only ids are read).
 * Block copies (a hit on a cached state inside an interval; junction copies) go out
@@ -45,7 +23,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable
-from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
@@ -54,6 +31,7 @@ from hybridkv.errors import InvariantError
 from hybridkv.vllm.events import VllmEventLog
 from hybridkv.vllm.kv_plan import UnsupportedVllmSetup, VllmGroup, plan_for_vllm
 from hybridkv.vllm.rows import WorkerRows
+from hybridkv.vllm.steps import Step, StepAhead, StepLedger
 
 # hybridkv's rules inside vLLM: align checkpoints where chunks end, junction
 # checkpoints (where a prompt leaves the cached prefix, floored to a state boundary: a
@@ -100,13 +78,6 @@ class _Block:
 
     def __repr__(self) -> str:
         return f"_Block({self.block_id})"
-
-
-@dataclass
-class _Step:
-    computed: int  # c: hybridkv's computed tokens before the step
-    num_new: int  # n: verified tokens scheduled
-    step_id: int  # the schedule that allocated it
 
 
 class VllmKVCacheManager:
@@ -175,19 +146,15 @@ class VllmKVCacheManager:
         self._stats_cls = stats_cls
         self.log_stats = log_stats and stats_cls is not None
         self.prefix_cache_stats = stats_cls() if self.log_stats else None
-        self._steps: dict[str, _Step] = {}
+        self.ledger = StepLedger(async_steps)  # steps in flight (`hybridkv.vllm.steps`)
         self._num_tokens: dict[str, int] = {}  # tokens hybridkv holds per request
         self._copies: list[tuple[int, int]] = []
         self._new_block_ids: list[int] = []
-        self._step_id = 0
         # chain hashes of the hash units requests admitted in this schedule compute: a
         # request that would compute the same unit waits one step and hits it instead
         self._computing: set[bytes] = set()
         self.num_deferred = 0
-        self._executed = 0
-        # async scheduling: steps are committed once their tokens are known (module doc)
         self.async_steps = async_steps
-        self._scheduling = False  # inside a schedule: its steps may still be dropped
 
     def _new_cache(self) -> CacheManager:
         return CacheManager(
@@ -205,53 +172,82 @@ class VllmKVCacheManager:
     # ------------------------------------------------------------------ steps
     def new_step_starts(self) -> None:
         """vLLM calls this at the top of each schedule."""
-        self._step_id += 1
+        self.ledger.new_schedule()
         self._computing.clear()
-        self._scheduling = True
 
     def schedule_done(self) -> None:
         """The schedule returned: vLLM's worker runs every step it allocated."""
-        self._scheduling = False
+        self.ledger.schedule_done()
 
     def mark_executed(self) -> None:
         """The steps allocated so far ran (their output is being processed)."""
-        self._executed = self._step_id
+        self.ledger.mark_executed()
 
     def settle(self, requests: Any) -> None:
-        """Commit every executed step (``requests``: vLLM's id -> Request); with
-        ``async_steps``, every step whose tokens are known."""
-        for req_id, step in list(self._steps.items()):
+        """Commit every step that ran and whose tokens (and accepted count) are known
+        (``requests``: vLLM's id -> Request)."""
+        for req_id, step in list(self.ledger.steps.items()):
             request = requests.get(req_id)
-            if request is not None and self._committable(step, request):
+            if request is not None and self.ledger.committable(step, request):
                 self._commit(request)
 
-    def _committable(self, step: _Step, request: Any) -> bool:
-        if not self.async_steps:
-            return step.step_id <= self._executed
-        submitted = step.step_id < self._step_id or not self._scheduling
-        return submitted and step.computed + step.num_new <= request.num_tokens
+    def outputs_processed(self, requests: Any, req_ids: Iterable[str]) -> None:
+        """vLLM processed a step's output for ``req_ids``: the pending steps with a step
+        ahead commit now, before the step ahead's own output rolls vLLM's count back."""
+        ahead = self.ledger.ahead
+        for req_id in req_ids:
+            if req_id in ahead:
+                request = requests.get(req_id)
+                step = self.ledger.steps[req_id]
+                if request is not None and self.ledger.committable(step, request):
+                    self._commit(request)
 
-    def _commit(self, request: Any) -> None:
-        step = self._steps.pop(request.request_id)
+    def _commit(self, request: Any, go_ahead: bool = True, last: bool = False) -> None:
+        """Commit the pending step; the step ahead (if any) becomes the pending one at
+        its real start (``go_ahead``) or is dropped. ``last``: the request is being freed."""
         req_id = request.request_id
-        accepted = request.num_computed_tokens - step.computed - step.num_new
+        ledger = self.ledger
+        step = ledger.steps[req_id]
+        accepted = ledger.accepted(req_id, step, request)
+        del ledger.steps[req_id]
         known = self._num_tokens[req_id]
-        tokens = request.all_token_ids
-        new_ids = list(tokens[known:])
-        if accepted < 0:
-            # vLLM rolled back further than the verified tokens (a step it discarded):
-            # nothing of it is kept.
-            raise InvariantError(
-                f"request {req_id!r}: vLLM reports {request.num_computed_tokens} computed "
-                f"tokens after a step from {step.computed} with {step.num_new} new ones"
-            )
-        # A request that stops inside a step (max_tokens, a stop token) keeps only the
-        # tokens up to the stop; vLLM's count may still include the drafts past it.
+        new_ids = list(request.all_token_ids[known:])
+        if last and new_ids and known + len(new_ids) > step.computed + step.num_new:
+            # The step's last sampled token was not computed, and where the request
+            # stopped inside the step, vLLM keeps only the tokens up to the stop and
+            # (0.33) counts the last kept one as not computed while its worker may have
+            # accepted drafts past it: committing without it tells the cache no token
+            # follows, so it keeps no state it cannot be sure of (`state_columns`).
+            new_ids.pop()
+        # vLLM's count may include the drafts past a stop (0.32)
         accepted = min(accepted, known + len(new_ids) - step.computed - step.num_new)
         self.cache.commit(req_id, max(accepted, 0), new_ids)
         self._num_tokens[req_id] = known + len(new_ids)
         if self.events is not None:  # blocks it stored need its vLLM hashes now
             self.events.record(self.cache.take_events(), request)
+        ahead = ledger.ahead.pop(req_id, None)
+        if ahead is not None and go_ahead:
+            self._start_ahead(request, ahead)
+
+    def _start_ahead(self, request: Any, ahead: StepAhead) -> None:
+        """The step ahead becomes the pending step where the accepted drafts put it; the
+        worker got its blocks when it was scheduled, so nothing may be taken or moved."""
+        req_id = request.request_id
+        c = self.cache.num_computed_tokens(req_id)
+        n = ahead.num_scheduled - ahead.num_drafts
+        unknown = max(0, c + n - self._num_tokens[req_id])
+        delta = self.cache.allocate(req_id, n, ahead.num_drafts + ahead.num_lookahead, unknown)
+        moved = delta is None or bool(delta.taken) or bool(delta.copies)
+        if not moved:
+            assert delta is not None
+            rows = self.rows.step(req_id, delta, self._state_slots(req_id), ahead.num_scheduled)
+            moved = any(rows.appended) or bool(rows.copies)
+        if moved:
+            raise InvariantError(
+                f"request {req_id!r}: its step scheduled in schedule {ahead.step_id}, now "
+                f"starting at {c}, needs blocks hybridkv did not hold for it then"
+            )
+        self.ledger.steps[req_id] = Step(c, n, ahead.step_id, ahead.num_drafts)
 
     # ------------------------------------------------------------------ lookups
     def _ensure(self, request: Any) -> str:
@@ -283,11 +279,14 @@ class VllmKVCacheManager:
         req_id = self._ensure(request)
         if num_external_computed_tokens:
             raise InvariantError("external (connector) tokens reached hybridkv's manager")
-        step = self._steps.get(req_id)
+        ledger = self.ledger
+        step = ledger.steps.get(req_id)
         if step is not None:
-            if step.step_id == self._step_id:  # twice in one schedule (a retry)
+            if step.step_id == ledger.step_id or req_id in ledger.ahead:  # a retry
                 raise InvariantError(f"request {req_id!r} allocated twice in one step")
-            if self.async_steps and step.computed + step.num_new > request.num_tokens:
+            if self.async_steps and not ledger.committable(step, request):
+                if ledger.output_pending(step, request):
+                    return self._allocate_ahead(request, step, num_new_tokens, num_lookahead_tokens)
                 raise InvariantError(
                     f"request {req_id!r}: a step is scheduled while two earlier ones wait "
                     f"for output ({request.num_tokens} tokens known, the step before needs "
@@ -302,15 +301,14 @@ class VllmKVCacheManager:
             # from zero rather than from hybridkv's remembered hit.
             self._forget_hit(request)
         total = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
-        num_drafts = num_unknown = 0
-        if self.async_steps:
-            # tokens hybridkv holds no id of: the one the step in flight samples, and
-            # any vLLM received since hybridkv's last commit (a step is committed before
-            # its output arrives); their ids come with this step's commit
-            num_unknown = max(0, min(total - self._num_tokens[req_id], num_new_tokens))
-        else:  # past the request's tokens: drafts to verify
-            num_drafts = max(0, min(total - request.num_tokens, num_new_tokens))
+        num_drafts = _num_drafts(request, total, num_new_tokens)
         num_new = num_new_tokens - num_drafts
+        # async scheduling: tokens hybridkv holds no id of (the one the step in flight
+        # samples, and any vLLM received since hybridkv's last commit); their ids come
+        # with this step's commit
+        num_unknown = 0
+        if self.async_steps:
+            num_unknown = max(0, min(total - num_drafts - self._num_tokens[req_id], num_new))
         units: list[bytes] = []
         if not started and self.enable_caching:
             unit = self.cache.hash_unit_tokens
@@ -334,7 +332,7 @@ class VllmKVCacheManager:
                 f"request {req_id!r}: hybridkv admitted it at {c} computed tokens, vLLM "
                 f"at {num_new_computed_tokens}"
             )
-        self._steps[req_id] = _Step(c, num_new, self._step_id)
+        ledger.steps[req_id] = Step(c, num_new, ledger.step_id, num_drafts)
         if (
             started
             and not delta
@@ -342,8 +340,37 @@ class VllmKVCacheManager:
             and self.rows.same_columns(req_id, c + num_new_tokens)
         ):
             return self.empty_kv_cache_blocks  # the common decode step: nothing moved
-        slots = {g: self.cache.state_slots(req_id, g) for g in self.state_group_ids}
-        rows = self.rows.step(req_id, delta, slots, num_new_tokens)
+        return self._hand_out(req_id, delta, num_new_tokens)
+
+    def _allocate_ahead(
+        self, request: Any, step: Step, num_new_tokens: int, num_lookahead_tokens: int
+    ) -> Any:
+        """A step scheduled before ``step``'s accepted count is known (`hybridkv.vllm.
+        steps`): vLLM starts it where every draft of ``step`` is accepted."""
+        req_id = request.request_id
+        start = step.computed + step.num_new + step.num_drafts
+        if request.num_computed_tokens != start:
+            raise InvariantError(
+                f"request {req_id!r}: vLLM schedules a step from {request.num_computed_tokens}"
+                f" tokens before the step from {step.computed} ({step.num_new} new, "
+                f"{step.num_drafts} drafts) reported; hybridkv expects {start}"
+            )
+        num_drafts = _num_drafts(request, start + num_new_tokens, num_new_tokens)
+        lookahead = num_drafts + num_lookahead_tokens
+        delta = self.cache.reserve_next(req_id, num_new_tokens - num_drafts, lookahead)
+        if delta is None:
+            return None
+        self.ledger.ahead[req_id] = StepAhead(
+            num_new_tokens, num_drafts, num_lookahead_tokens, self.ledger.step_id
+        )
+        return self._hand_out(req_id, delta, num_new_tokens)
+
+    def _state_slots(self, req_id: str) -> dict[int, Any]:
+        return {g: self.cache.state_slots(req_id, g) for g in self.state_group_ids}
+
+    def _hand_out(self, req_id: str, delta: Any, num_scheduled: int) -> Any:
+        """The step's rows for vLLM's worker: the blocks appended, copies queued."""
+        rows = self.rows.step(req_id, delta, self._state_slots(req_id), num_scheduled)
         self._copies.extend(rows.copies)
         for copy in delta.copies:
             self._copies.append((copy.src_block, copy.dst_block))
@@ -360,12 +387,14 @@ class VllmKVCacheManager:
 
     def free(self, request: Any) -> None:
         req_id = request.request_id
-        step = self._steps.get(req_id)
-        if step is not None:
-            if self._committable(step, request):
-                self._commit(request)
-            else:
-                del self._steps[req_id]
+        ledger = self.ledger
+        step = ledger.steps.get(req_id)
+        if step is not None and ledger.committable(step, request):
+            # a step ahead the worker runs stays pending (`hybridkv.vllm.steps`)
+            ahead = ledger.ahead.get(req_id)
+            runs = ahead is not None and ledger.submitted(ahead.step_id)
+            self._commit(request, go_ahead=runs, last=True)
+        ledger.drop(req_id)
         if self.cache.has_request(req_id):
             self.cache.free(req_id)
             if self.events is not None:  # turn-end entries it stored
@@ -461,15 +490,15 @@ class VllmKVCacheManager:
     def check_invariants(self) -> None:
         self.cache.check_invariants()
         self.rows.check_invariants()
-        for req_id, step in self._steps.items():
+        self.ledger.check_invariants()
+        for req_id, step in self.ledger.steps.items():
             if not self.cache.has_request(req_id):
                 raise InvariantError(f"request {req_id!r} has a step but no cache record")
             c = self.cache.num_computed_tokens(req_id)
-            if c != step.computed or step.step_id > self._step_id:
+            if c != step.computed:
                 raise InvariantError(
                     f"request {req_id!r}: its step (from {step.computed}, schedule "
-                    f"{step.step_id}) does not start at hybridkv's {c} computed tokens "
-                    f"or is from a schedule after {self._step_id}"
+                    f"{step.step_id}) does not start at hybridkv's {c} computed tokens"
                 )
         for req_id, known in self._num_tokens.items():
             held = len(self.cache.token_ids(req_id))
@@ -478,6 +507,14 @@ class VllmKVCacheManager:
                     f"request {req_id!r}: the facade counts {known} tokens hybridkv holds, "
                     f"hybridkv holds {held}"
                 )
+
+
+def _num_drafts(request: Any, end: int, num_scheduled: int) -> int:
+    """Drafts among a step's ``num_scheduled`` tokens ending at ``end``: the tokens past
+    the request's known ones and the ones the steps in flight sample (vLLM's output
+    placeholders, async scheduling)."""
+    placeholders = getattr(request, "num_output_placeholders", 0)
+    return max(0, min(end - request.num_tokens - placeholders, num_scheduled))
 
 
 def _salt(request: Any) -> str | None:

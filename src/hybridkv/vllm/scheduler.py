@@ -30,9 +30,8 @@ stays on: vLLM builds the ``--scheduler-cls`` class whatever the setting
 class picks vLLM's ``AsyncScheduler`` behaviour itself at construction (`__new__`: the
 subclass `AsyncScheduler` below, same flag). The manager then commits each step one
 schedule late, once the token the step before sampled is known (`hybridkv.vllm.
-kv_manager`). With speculative decoding hybridkv turns async scheduling off, with a
-logged reason: where a step starts depends on how many drafts the step before accepted,
-and hybridkv's cache holds one uncommitted step per request. vLLM-CPU turns async
+steps`); with speculative decoding a step scheduled before the previous one's accepted
+count is known holds every block it may need on top of it. vLLM-CPU turns async
 scheduling off on every setup (vllm/platforms/cpu.py 0.32:331, 0.33:348).
 """
 
@@ -103,20 +102,8 @@ class Scheduler(VllmScheduler):
             logger.warning("hybridkv: %s; vLLM's own KV-cache manager stays", err)
             return
         self.hybridkv_active = True
-        sched = vllm_config.scheduler_config
         # the form built decides (`__new__` from the config; vLLM's tests name it)
         async_steps = isinstance(self, VllmAsyncScheduler)
-        if async_steps and self.num_spec_tokens:
-            # read by the engine core after the scheduler is built (batch queue size)
-            logger.warning(
-                "hybridkv: async scheduling turned off: with speculative decoding a step "
-                "starts where the drafts the step before accepted end, and hybridkv "
-                "commits a step once that is known"
-            )
-            sched.async_scheduling = async_steps = False
-            # back to vLLM's synchronous bookkeeping (same attributes; AsyncScheduler's
-            # own are unused then)
-            self.__class__ = Scheduler
         state_mode = getattr(self.cache_config, "mamba_cache_mode", "none") or "none"
         caching = bool(self.cache_config.enable_prefix_caching)
         self.kv_cache_manager = VllmKVCacheManager(  # type: ignore[assignment]
@@ -161,9 +148,16 @@ class Scheduler(VllmScheduler):
         return output
 
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
-        if self.hybridkv_active:
-            self.kv_cache_manager.mark_executed()  # type: ignore[attr-defined]
-        return super().update_from_output(scheduler_output, model_runner_output)
+        if not self.hybridkv_active:
+            return super().update_from_output(scheduler_output, model_runner_output)
+        manager = self.kv_cache_manager
+        manager.mark_executed()  # type: ignore[attr-defined]
+        outputs = super().update_from_output(scheduler_output, model_runner_output)
+        # steps scheduled ahead of this output start where its accepted drafts end
+        manager.outputs_processed(  # type: ignore[attr-defined]
+            self.requests, scheduler_output.num_scheduled_tokens
+        )
+        return outputs
 
     def _mamba_block_aligned_split(
         self,

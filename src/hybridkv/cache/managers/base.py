@@ -230,6 +230,24 @@ class GroupManager:
         of a step in one pool call); returns ``new``."""
         raise NotImplementedError
 
+    def reserve_blocks(self, state: Any, start_max: int, n: int, lookahead: int) -> int:
+        """Blocks a next step (``n`` new tokens, ``lookahead``) may need while the step
+        before it is still pending: it starts where that step's accepted drafts end, at
+        most at ``start_max`` (all accepted). An engine that schedules the next step
+        before the accepted count is known (vLLM's async scheduling with drafts) holds
+        them now; the next step's own `allocate`, after the commit, takes none."""
+        raise CacheError(
+            f"group {self.group_id} ({type(self).__name__}) cannot hold blocks for a step "
+            "ahead of a pending one"
+        )
+
+    def reserve(
+        self, state: Any, start_max: int, n: int, lookahead: int, new: list[BlockId]
+    ) -> None:
+        """Hold ``new`` (``reserve_blocks`` of them, already taken) for the step ahead,
+        where the next `allocate` looks for them; nothing else of the state changes."""
+        raise CacheError(f"group {self.group_id} cannot hold blocks for a step ahead")
+
     def grow(
         self, state: Any, c: int, n: int, lookahead: int
     ) -> tuple[GroupDelta | None, tuple[BlockId, ...]] | None:

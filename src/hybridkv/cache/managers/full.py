@@ -247,6 +247,15 @@ class FullAttentionManager(GroupManager):
         # null positions before the first live block, which the table already has.
         return max(0, -(-(c + n + lookahead) // self.block_size) - len(state.blocks))
 
+    def reserve_blocks(self, state: TableBlocks, start_max: int, n: int, lookahead: int) -> int:
+        # positions are positions: the table covers the latest end any acceptance gives
+        return self.num_new_blocks(state, start_max, n, lookahead)
+
+    def reserve(
+        self, state: TableBlocks, start_max: int, n: int, lookahead: int, new: list[BlockId]
+    ) -> None:
+        state.blocks += new
+
     def grow(
         self, state: TableBlocks, c: int, n: int, lookahead: int
     ) -> tuple[GroupDelta | None, tuple[BlockId, ...]] | None:

@@ -37,7 +37,9 @@ Worked example, B 4, K 2, a decode step from c = 6 with d = 2 (end 9, cur 2)::
 Blocks the row no longer needs in its scratch range are moved to new columns (the same
 id appended again, as vLLM's own manager does), so the worker reads every id only where
 it last appeared. A request holds at most ``2 + K`` blocks (running, K scratch, the
-column left behind), plus one hit block until its first step has copied it.
+column left behind), plus one hit block until its first step has copied it, or plus one
+scratch column held for a step scheduled before the accepted count is known
+(`reserve`).
 """
 
 from __future__ import annotations
@@ -200,6 +202,26 @@ class ColumnStateManager(StateManager):
             state.cols[col] = block
         if moved:
             raise InvariantError(f"group {self.group_id}: scratch blocks {moved} left unplaced")
+
+    def reserve_blocks(self, state: StateBlocks, start_max: int, n: int, lookahead: int) -> int:
+        # the next step's running column is at most the one its latest start gives (one
+        # past ``cur`` at most: its 1 + K tokens fit in a block); the worker reads K
+        # scratch columns after it
+        assert isinstance(state, ColumnBlocks)
+        if state.cur < 0:
+            raise InvariantError(f"group {self.group_id}: a step ahead of a request's first")
+        cur = self._column(start_max + n + self._drafts(lookahead))
+        return max(0, cur + self.num_spec_states + 1 - len(state.row))
+
+    def reserve(
+        self, state: StateBlocks, start_max: int, n: int, lookahead: int, new: list[BlockId]
+    ) -> None:
+        # scratch columns at the row's end: a step that moves ``cur`` finds them there
+        # (`_advance` appends only past the row); one that does not leaves them unread
+        assert isinstance(state, ColumnBlocks)
+        for block in new:
+            state.cols[len(state.row)] = block
+            state.row.append(block)
 
     def slots(self, state: StateBlocks, c: int, n: int, lookahead: int) -> StepSlots:
         assert isinstance(state, ColumnBlocks)
