@@ -224,6 +224,7 @@ def _drive(
     shared: int = 0,
     draft_groups: frozenset[int] = frozenset(),
     head_groups: frozenset[int] = frozenset(),
+    trim_at_stop: bool = False,
 ) -> VllmKVCacheManager:
     """A scheduler loop in vLLM's shape: FCFS admission with a token budget, chunked
     prefill split where hybridkv checkpoints, preemption of the newest on failure,
@@ -231,7 +232,9 @@ def _drive(
     ``draft_groups`` (a draft model's attention groups) every allocation carries vLLM's
     lookahead of K tokens, as vLLM's scheduler passes it for draft models. ``head_groups``:
     an MTP head's groups (its KV at p depends on token p + 1; the head drafts, so vLLM
-    passes the lookahead too)."""
+    passes the lookahead too). ``trim_at_stop``: vLLM 0.33's count at a stop inside a
+    step (the tokens past the stop leave the computed count, the last kept one too)
+    instead of vLLM 0.32's (the count keeps them)."""
     rng = random.Random(seed)
     lookahead = spec if draft_groups or head_groups else 0
     kv = _manager(groups, num_blocks, caching=caching, spec=spec, lookahead=lookahead)
@@ -343,9 +346,12 @@ def _drive(
                 worker.accepted(req, req.num_computed_tokens - n, n, req.spec, accepted)
                 req.num_computed_tokens -= req.spec - accepted
                 new = [*req.drafts[:accepted], rng.randrange(1, 50)]
-                # vLLM keeps only the tokens up to max_tokens; its computed count does not
-                # shrink with them
-                new = new[: req.max_new - req.produced]
+                # vLLM keeps only the tokens up to max_tokens; 0.32's computed count does
+                # not shrink with them, 0.33's does
+                kept = new[: req.max_new - req.produced]
+                if trim_at_stop:
+                    req.num_computed_tokens -= len(new) - len(kept)
+                new = kept
                 req.all_token_ids.extend(new)
                 verified = n - req.spec + accepted
                 worker.sampled(req, req.num_computed_tokens - verified, verified)
@@ -824,12 +830,21 @@ def test_random_lives_hybrid(
     shared=st.sampled_from([0, 13, 20]),
     spec=st.integers(1, 3),
     caching=st.booleans(),
+    trim_at_stop=st.booleans(),
 )
 def test_random_lives_hybrid_with_drafts(
-    seed: int, num_blocks: int, block: int, budget: int, shared: int, spec: int, caching: bool
+    seed: int,
+    num_blocks: int,
+    block: int,
+    budget: int,
+    shared: int,
+    spec: int,
+    caching: bool,
+    trim_at_stop: bool,
 ) -> None:
-    """Random lives with drafts on a hybrid: every state read is exactly the request's
-    computed tokens, invariants hold after every step, every block comes back."""
+    """Random lives with drafts on a hybrid (vLLM 0.32's or 0.33's count at a stop):
+    every state read is exactly the request's computed tokens, invariants hold after
+    every step, every block comes back."""
     groups = [VllmGroup(0, "full", block), VllmGroup(1, "state", block)]
     _drive(
         groups,
@@ -841,7 +856,42 @@ def test_random_lives_hybrid_with_drafts(
         shared=shared,
         spec=min(spec, block - 1),
         caching=caching,
+        trim_at_stop=trim_at_stop,
     )
+
+
+def _without_last(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The facade committing a freed request with its last sampled token, as before."""
+    commit = VllmKVCacheManager._commit
+
+    def keep_last(
+        self: VllmKVCacheManager, request: Any, go_ahead: bool = True, last: bool = False
+    ):
+        return commit(self, request, go_ahead, False)
+
+    monkeypatch.setattr(VllmKVCacheManager, "_commit", keep_last)
+
+
+def test_stop_inside_a_step_with_vllm_033_counts() -> None:
+    """vLLM 0.33 takes the tokens past a stop out of the computed count, the last kept
+    one too, while its worker may have accepted drafts past it (and moved a boundary's
+    state into the running column): a freed request commits without its last sampled
+    token, so no turn end claims a state the worker moved on from."""
+    for seed in range(12):
+        _drive(HYBRID, 300, sessions=4, turns=3, seed=seed, spec=3, shared=16, trim_at_stop=True)
+
+
+def test_stop_inside_a_step_committed_with_the_last_token_reads_a_moved_state(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The check above can fail: committed with its last token, a request that stopped
+    inside a step stores a turn end whose state the worker's post-copy moved on."""
+    _without_last(monkeypatch)
+    with pytest.raises(AssertionError, match=r"\('s\dt\d', \d+, \d\)"):
+        for seed in range(12):
+            _drive(
+                HYBRID, 300, sessions=4, turns=3, seed=seed, spec=3, shared=16, trim_at_stop=True
+            )
 
 
 def test_split_prefill_chunk() -> None:
@@ -1166,7 +1216,26 @@ def test_async_mtp_head() -> None:
     assert kv.cache.stats().num_hit_tokens > 0
 
 
-@settings(max_examples=20, deadline=None)
+def test_async_step_ahead_freed_without_becoming_pending_reads_a_stale_turn_end(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The checks above can fail: a request freed while its step ahead is in flight
+    keeps a turn end over the running state that step then updates in place, unless the
+    step becomes the pending one first (no turn end over a step in flight)."""
+    commit = VllmKVCacheManager._commit
+
+    def drop_ahead(
+        self: VllmKVCacheManager, request: Any, go_ahead: bool = True, last: bool = False
+    ):
+        return commit(self, request, go_ahead and not last, last)
+
+    monkeypatch.setattr(VllmKVCacheManager, "_commit", drop_ahead)
+    with pytest.raises(AssertionError, match=r"\('s\dt\d', \d+, \d\)"):
+        for seed in range(6):
+            _drive_async(HYBRID, 300, sessions=4, turns=3, seed=seed, spec=3, shared=16)
+
+
+@settings(max_examples=60, deadline=None)
 @given(
     seed=st.integers(0, 10_000),
     num_blocks=st.integers(40, 140),
