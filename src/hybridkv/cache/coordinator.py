@@ -334,8 +334,9 @@ class Coordinator:
             new = manager.pool.take_many(count)
             manager.reserve(states[g], start_max, n, lookahead, new)
             taken[g] = tuple(new)
-            if not manager.is_state:  # state groups: slots, no delta
-                deltas[g] = manager.delta(states[g], new, False)
+            delta = None if manager.is_state else manager.delta(states[g], new, False)
+            if delta is not None:  # state groups: slots, no delta
+                deltas[g] = delta
         if not taken:
             return NO_CHANGE
         return StepDelta(groups=deltas, taken=taken, admitted=False, copies=())
