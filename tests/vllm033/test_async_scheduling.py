@@ -33,9 +33,29 @@ from tests.vllm033.test_hybridkv_scheduler import (
 pytestmark = pytest.mark.vllm
 
 
+def accept(req_id: str, num_output_tokens: int, num_drafts: int) -> int:
+    """Drafts the fake worker accepts: a function of where the request stands, so a
+    synchronous and an async run accept the same at the same token."""
+    return (int(req_id[1:]) * 7 + num_output_tokens * 3) % (num_drafts + 1)
+
+
+def drafts_of(num_drafts: int) -> list[int]:
+    """The drafter's tokens (as `test_hybridkv_scheduler.propose` proposes them)."""
+    return [7 + i for i in range(num_drafts)]
+
+
+def sample(req_id: str, request: Any, num_drafts: int) -> list[int]:
+    """The accepted drafts and the token after them."""
+    num_output = len(request.output_token_ids)
+    accepted = accept(req_id, num_output, num_drafts)
+    return [*drafts_of(accepted), 100 + num_output % 800]
+
+
 def _answer(scheduler: Any, out: Any, samples: set[str]) -> None:
-    """vLLM's worker's output for ``out``: one token for each request in ``samples``
-    (decided when the step was scheduled: its tokens reached the request's end)."""
+    """vLLM's worker's output for ``out``: for each request in ``samples`` (decided
+    when the step was scheduled: its tokens reached the request's end) its accepted
+    drafts and one token more; the drafts are the worker's own (the scheduler holds
+    placeholders)."""
     from vllm.v1.outputs import ModelRunnerOutput
 
     req_ids = list(out.num_scheduled_tokens)
@@ -45,7 +65,8 @@ def _answer(scheduler: Any, out: Any, samples: set[str]) -> None:
         if req_id not in samples or request is None:
             sampled.append([])
             continue
-        sampled.append([100 + len(request.output_token_ids) % 800])
+        num_drafts = len(out.scheduled_spec_decode_tokens.get(req_id, ()))
+        sampled.append(sample(req_id, request, num_drafts))
     scheduler.update_from_output(
         out,
         ModelRunnerOutput(
@@ -107,8 +128,8 @@ def test_the_async_form_is_built_and_async_stays_on(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     """``--scheduler-cls hybridkv.vllm.Scheduler`` unchanged: with async scheduling on
-    the class builds vLLM's async bookkeeping (output placeholders) and keeps async on;
-    with drafts it turns async off with the reason and keeps the synchronous form."""
+    the class builds vLLM's async bookkeeping (output placeholders) and keeps async on,
+    with drafts too."""
     from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 
     from hybridkv.vllm import Scheduler
@@ -120,10 +141,12 @@ def test_the_async_form_is_built_and_async_stays_on(
     assert scheduler.kv_cache_manager.async_steps
     assert not isinstance(build_scheduler(model_dir, "hybrid"), AsyncScheduler)
     with caplog.at_level(logging.WARNING, logger="vllm.hybridkv"):
-        spec = build_scheduler(model_dir, "full", num_spec_tokens=3, async_scheduling=True)
-    assert spec.hybridkv_active and not isinstance(spec, AsyncScheduler)
-    assert not spec.vllm_config.scheduler_config.async_scheduling
-    assert "async scheduling turned off" in caplog.text
+        for layout in ("full", "hybrid"):
+            spec = build_scheduler(model_dir, layout, num_spec_tokens=3, async_scheduling=True)
+            assert spec.hybridkv_active and isinstance(spec, AsyncScheduler)
+            assert spec.vllm_config.scheduler_config.async_scheduling
+            assert spec.kv_cache_manager.async_steps
+    assert "async scheduling turned off" not in caplog.text
 
 
 @pytest.mark.parametrize("layout", ["full", "sliding", "hybrid"])
@@ -165,6 +188,96 @@ def test_async_preemption_and_aborts_with_steps_in_flight(model_dir: Path, layou
     for i, prompt in enumerate(_prompts(5, 40)):
         scheduler.add_request(make_request(f"r{i}", prompt, max_tokens=36))
     outputs = run_async(scheduler, worker, layout, abort_at={6: "r1", 40: "r4"})
+    assert worker.num_preempted > 0
+    finished = {r: t for r, t in outputs.items() if r not in ("r1", "r4")}
+    assert all(len(t) == 36 for t in finished.values()), {r: len(t) for r, t in outputs.items()}
+    check_drained(scheduler, num_blocks)
+
+
+def _sync_with_drafts(scheduler: Any, worker: Worker, layout: str, k: int) -> dict[str, list[int]]:
+    """The synchronous reference: the drafter proposes ``k`` tokens after every output
+    (vLLM's engine core with drafts), the worker accepts as `accept` says."""
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    from tests.vllm033.test_hybridkv_scheduler import propose
+
+    requests = dict(scheduler.requests)
+    for _ in range(2000):
+        if not scheduler.has_unfinished_requests():
+            break
+        out = scheduler.schedule()
+        worker.apply(out)
+        check_step(scheduler, worker, out, layout)
+        req_ids = list(out.num_scheduled_tokens)
+        sampled = []
+        for req_id in req_ids:
+            request = scheduler.requests[req_id]
+            drafts = out.scheduled_spec_decode_tokens.get(req_id, [])
+            assert list(drafts) == drafts_of(len(drafts))
+            if request.num_computed_tokens < request.num_tokens:
+                sampled.append([])  # a prefill chunk
+                continue
+            sampled.append(sample(req_id, request, len(drafts)))
+        scheduler.update_from_output(
+            out,
+            ModelRunnerOutput(
+                req_ids=req_ids,
+                req_id_to_index={r: i for i, r in enumerate(req_ids)},
+                sampled_token_ids=sampled,
+            ),
+        )
+        propose(scheduler, {r: k for r in scheduler.requests if r in out.num_scheduled_tokens})
+    return {r: list(q.output_token_ids) for r, q in requests.items()}
+
+
+@pytest.mark.parametrize("layout", ["full", "sliding", "hybrid"])
+def test_async_with_drafts_outputs_equal_sync(model_dir: Path, layout: str) -> None:  # noqa: F811
+    """Drafts (K = 3, 0..3 accepted a step) with one step in flight: every decode step
+    is scheduled before the step before reports its accepted count (vLLM schedules it
+    as if all were accepted and rolls back at the output); hybridkv holds the blocks of
+    the latest start and commits at the real one. The same outputs as the synchronous
+    scheduler with the same drafts, rows checked every step, prefix hits, every block
+    back."""
+    k = 3
+    results = []
+    for async_on in (False, True):
+        scheduler = build_scheduler(
+            model_dir,
+            layout,
+            max_num_batched_tokens=64,
+            num_spec_tokens=k,
+            async_scheduling=async_on,
+        )
+        for i, prompt in enumerate(_prompts(6, 30, shared=40)):
+            scheduler.add_request(make_request(f"r{i}", prompt, max_tokens=20 + i))
+        worker = Worker()
+        if async_on:
+            outputs = run_async(scheduler, worker, layout)
+        else:
+            outputs = _sync_with_drafts(scheduler, worker, layout, k)
+        hits = scheduler.kv_cache_manager.cache.stats().num_hit_tokens
+        check_drained(scheduler, 200)
+        results.append((outputs, hits))
+    (sync_out, sync_hits), (async_out, async_hits) = results
+    assert async_out == sync_out
+    assert all(len(t) == 20 + i for i, t in enumerate(async_out.values()))
+    assert any(7 in t for t in async_out.values())  # drafts were accepted
+    assert sync_hits > 0 and async_hits > 0
+
+
+@pytest.mark.parametrize("layout", ["full", "hybrid"])
+def test_async_with_drafts_preemption_and_aborts(model_dir: Path, layout: str) -> None:  # noqa: F811
+    """Drafts under async scheduling in a 14-block pool (vLLM preempts requests with a
+    step ahead in flight) and two aborts right after a schedule: every other request
+    produces all its tokens, rows stay consistent, every block returns."""
+    num_blocks = 14
+    scheduler = build_scheduler(
+        model_dir, layout, num_blocks=num_blocks, num_spec_tokens=3, async_scheduling=True
+    )
+    worker = Worker()
+    for i, prompt in enumerate(_prompts(5, 40)):
+        scheduler.add_request(make_request(f"r{i}", prompt, max_tokens=36))
+    outputs = run_async(scheduler, worker, layout, abort_at={6: "r1", 30: "r4"})
     assert worker.num_preempted > 0
     finished = {r: t for r, t in outputs.items() if r not in ("r1", "r4")}
     assert all(len(t) == 36 for t in finished.values()), {r: len(t) for r, t in outputs.items()}
