@@ -596,6 +596,9 @@ def _drive_async(
             # output reaches the scheduler (vLLM's update_from_output)
             if in_flight is not None:
                 sampled = run_on_worker(in_flight)
+                kv.outputs_arriving(
+                    {r: len(new) for r, (_, new) in sampled.items() if r in kv.ledger.ahead}
+                )
                 for e in in_flight.entries:
                     req, rid = e.req, e.req.request_id
                     if req not in running or e.epoch != req.epoch or rid not in sampled:
@@ -1283,3 +1286,26 @@ def test_random_lives_async_drafts(
         draft_groups=frozenset({2}) if layout == "draft_model" else frozenset(),
         head_groups=frozenset({1}) if layout == "mtp" else frozenset(),
     )
+
+
+def test_reset_prefix_cache_with_waiting_requests() -> None:
+    """vLLM's ``reset_prefix_cache(reset_running_requests=True)`` preempts every running
+    request, then resets: requests still waiting were looked up but hold no block, so
+    the reset succeeds and they are looked up again in the new cache; a request that
+    holds blocks refuses it."""
+    kv = _manager(HYBRID, 100)
+    first = FakeRequest("a", list(range(1, 30)), 29, 4)
+    kv.get_computed_blocks(first)
+    kv.new_step_starts()
+    assert kv.allocate_slots(first, 16) is not None
+    kv.schedule_done()
+    waiting = FakeRequest("b", list(range(1, 30)), 29, 4)
+    kv.get_computed_blocks(waiting)
+    assert not kv.reset_prefix_cache()  # "a" holds blocks
+    kv.free(first)
+    assert kv.reset_prefix_cache()
+    kv.check_invariants()
+    assert kv.get_computed_blocks(waiting)[1] == 0  # nothing cached survives the reset
+    kv.new_step_starts()
+    assert kv.allocate_slots(waiting, 16) is not None
+    kv.check_invariants()

@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 
 from tests.vllm033.test_hybridkv_scheduler import (
+    BLOCK_SIZE,
     Worker,
     build_scheduler,
     check_drained,
@@ -282,3 +283,63 @@ def test_async_with_drafts_preemption_and_aborts(model_dir: Path, layout: str) -
     finished = {r: t for r, t in outputs.items() if r not in ("r1", "r4")}
     assert all(len(t) == 36 for t in finished.values()), {r: len(t) for r, t in outputs.items()}
     check_drained(scheduler, num_blocks)
+
+
+def _chat(model_dir: Path, layout: str, async_on: bool, k: int = 3) -> list[list[int]]:  # noqa: F811
+    """Three turns of six sessions with drafts; each next prompt is the previous turn's
+    tokens and three more. Returns each turn's per-session hits (vLLM's
+    hit at admission)."""
+    scheduler = build_scheduler(
+        model_dir, layout, max_num_batched_tokens=128, num_spec_tokens=k, async_scheduling=async_on
+    )
+    worker = Worker()
+    manager = scheduler.kv_cache_manager
+    admitted: dict[str, int] = {}  # request -> prefix hit at admission
+    allocate = manager.allocate_slots
+
+    def spy(request: Any, num_new_tokens: int, num_new_computed_tokens: int = 0, *a: Any, **k: Any):
+        first = request.request_id not in manager.ledger.steps and not request.num_computed_tokens
+        blocks = allocate(request, num_new_tokens, num_new_computed_tokens, *a, **k)
+        if blocks is not None and first:
+            admitted.setdefault(request.request_id, num_new_computed_tokens)
+        return blocks
+
+    manager.allocate_slots = spy
+    contexts = [[5 + (i * 31 + j) % 900 for j in range(40 + 7 * i)] for i in range(6)]
+    hits = []
+    for turn in range(3):
+        requests = [
+            make_request(f"r{10 * turn + i}", ctx, max_tokens=9 + i)
+            for i, ctx in enumerate(contexts)
+        ]
+        for request in requests:
+            scheduler.add_request(request)
+        if async_on:
+            run_async(scheduler, worker, layout)
+        else:
+            _sync_with_drafts(scheduler, worker, layout, k)
+        hits.append([admitted[r.request_id] for r in requests])
+        contexts = [
+            [*r.prompt_token_ids, *r.output_token_ids, 11 + turn, 12 + turn, 13 + turn]
+            for r in requests
+        ]
+    check_drained(scheduler, 200)
+    return hits
+
+
+@pytest.mark.parametrize("layout", ["full", "hybrid"])
+def test_async_with_drafts_multi_turn_hits(model_dir: Path, layout: str) -> None:  # noqa: F811
+    """Multi-turn chat with drafts: a turn that stops with its next step in flight keeps
+    a turn end covering every token where vLLM kept every token the worker sampled (the
+    step ahead is committed too), else (tokens dropped at the stop) attention keeps its
+    turn end and a state group its last boundary checkpoint. Every later turn hits at
+    least its last state boundary; attention-only plans hit at least what the
+    synchronous run hits."""
+    sync_hits = _chat(model_dir, layout, False)
+    async_hits = _chat(model_dir, layout, True)
+    assert sync_hits[0] == async_hits[0] == [0] * 6
+    for turn in (1, 2):
+        for sync_hit, async_hit in zip(sync_hits[turn], async_hits[turn], strict=True):
+            assert async_hit >= sync_hit // BLOCK_SIZE * BLOCK_SIZE
+        if layout == "full":
+            assert sum(async_hits[turn]) >= sum(sync_hits[turn])

@@ -147,6 +147,7 @@ class VllmKVCacheManager:
         self.log_stats = log_stats and stats_cls is not None
         self.prefix_cache_stats = stats_cls() if self.log_stats else None
         self.ledger = StepLedger(async_steps)  # steps in flight (`hybridkv.vllm.steps`)
+        self._sampled: dict[str, int] = {}  # `outputs_arriving`
         self._num_tokens: dict[str, int] = {}  # tokens hybridkv holds per request
         self._copies: list[tuple[int, int]] = []
         self._new_block_ids: list[int] = []
@@ -191,9 +192,15 @@ class VllmKVCacheManager:
             if request is not None and self.ledger.committable(step, request):
                 self._commit(request)
 
+    def outputs_arriving(self, num_sampled: dict[str, int]) -> None:
+        """vLLM is about to process an output: the tokens its worker sampled per request
+        with a step ahead (before vLLM drops those past a stop)."""
+        self._sampled = num_sampled
+
     def outputs_processed(self, requests: Any, req_ids: Iterable[str]) -> None:
         """vLLM processed a step's output for ``req_ids``: the pending steps with a step
         ahead commit now, before the step ahead's own output rolls vLLM's count back."""
+        self._sampled = {}
         ahead = self.ledger.ahead
         for req_id in req_ids:
             if req_id in ahead:
@@ -390,10 +397,22 @@ class VllmKVCacheManager:
         ledger = self.ledger
         step = ledger.steps.get(req_id)
         if step is not None and ledger.committable(step, request):
-            # a step ahead the worker runs stays pending (`hybridkv.vllm.steps`)
             ahead = ledger.ahead.get(req_id)
-            runs = ahead is not None and ledger.submitted(ahead.step_id)
-            self._commit(request, go_ahead=runs, last=True)
+            if ahead is None or not ledger.submitted(ahead.step_id):
+                self._commit(request, go_ahead=False, last=True)
+            elif self._sampled.get(req_id) == request.num_tokens - step.computed - step.num_new:
+                # The worker runs the step ahead after this free, from the request's last
+                # token (vLLM kept every token the step sampled): committed too, its
+                # drafts unverified, so the turn end covers every token.
+                self._commit(request)
+                self._commit(request)
+            else:
+                # vLLM dropped sampled tokens at the stop: the worker runs the step ahead
+                # from a token the request does not hold. With state groups it stays
+                # pending, so no turn end covers a state it may update in place
+                # (`hybridkv.vllm.steps`); attention slots it writes lie past every
+                # turn end, which is read only below its length.
+                self._commit(request, go_ahead=bool(self.state_group_ids), last=True)
         ledger.drop(req_id)
         if self.cache.has_request(req_id):
             self.cache.free(req_id)
@@ -477,8 +496,10 @@ class VllmKVCacheManager:
         """hybridkv caches full verified blocks at commit."""
 
     def reset_prefix_cache(self) -> bool:
-        if self._num_tokens:  # requests hold blocks
+        if self.rows.requests:  # admitted requests hold blocks
             return False
+        # waiting requests hold none: they are looked up again in the new cache
+        self._num_tokens.clear()
         if self.events is not None:
             self.events.record(self.cache.take_events(), None)
             self.events.clear()
