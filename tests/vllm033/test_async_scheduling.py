@@ -285,10 +285,15 @@ def test_async_with_drafts_preemption_and_aborts(model_dir: Path, layout: str) -
     check_drained(scheduler, num_blocks)
 
 
-def _chat(model_dir: Path, layout: str, async_on: bool, k: int = 3) -> list[list[int]]:  # noqa: F811
+def chat(
+    model_dir: Path,  # noqa: F811
+    layout: str,
+    async_on: bool,
+    k: int = 3,
+) -> tuple[list[list[int]], list[list[int]]]:
     """Three turns of six sessions with drafts; each next prompt is the previous turn's
-    tokens and three more. Returns each turn's per-session hits (vLLM's
-    hit at admission)."""
+    tokens and three more. Returns each turn's per-session hits at admission and their
+    bounds (every token of the session before the turn's new ones)."""
     scheduler = build_scheduler(
         model_dir, layout, max_num_batched_tokens=128, num_spec_tokens=k, async_scheduling=async_on
     )
@@ -306,8 +311,9 @@ def _chat(model_dir: Path, layout: str, async_on: bool, k: int = 3) -> list[list
 
     manager.allocate_slots = spy
     contexts = [[5 + (i * 31 + j) % 900 for j in range(40 + 7 * i)] for i in range(6)]
-    hits = []
+    hits, bounds = [], []
     for turn in range(3):
+        bounds.append([len(ctx) - 3 if turn else 0 for ctx in contexts])
         requests = [
             make_request(f"r{10 * turn + i}", ctx, max_tokens=9 + i)
             for i, ctx in enumerate(contexts)
@@ -324,7 +330,7 @@ def _chat(model_dir: Path, layout: str, async_on: bool, k: int = 3) -> list[list
             for r in requests
         ]
     check_drained(scheduler, 200)
-    return hits
+    return hits, bounds
 
 
 @pytest.mark.parametrize("layout", ["full", "hybrid"])
@@ -335,11 +341,14 @@ def test_async_with_drafts_multi_turn_hits(model_dir: Path, layout: str) -> None
     turn end and a state group its last boundary checkpoint. Every later turn hits at
     least its last state boundary; attention-only plans hit at least what the
     synchronous run hits."""
-    sync_hits = _chat(model_dir, layout, False)
-    async_hits = _chat(model_dir, layout, True)
+    sync_hits, bounds = chat(model_dir, layout, False)
+    async_hits, _ = chat(model_dir, layout, True)
     assert sync_hits[0] == async_hits[0] == [0] * 6
     for turn in (1, 2):
-        for sync_hit, async_hit in zip(sync_hits[turn], async_hits[turn], strict=True):
+        for sync_hit, async_hit, bound in zip(
+            sync_hits[turn], async_hits[turn], bounds[turn], strict=True
+        ):
+            assert bound // BLOCK_SIZE * BLOCK_SIZE <= async_hit <= bound
             assert async_hit >= sync_hit // BLOCK_SIZE * BLOCK_SIZE
         if layout == "full":
             assert sum(async_hits[turn]) >= sum(sync_hits[turn])

@@ -40,9 +40,13 @@ how many were accepted: ``num_computed_tokens - (c + n)`` once the output is in.
 A free while steps are in flight commits the pending step when its output (or, without
 drafts, its input) is known and the schedule that allocated it returned (vLLM's worker
 runs it), and drops it otherwise. Dropping is always safe: the blocks go back uncached,
-and later steps that reuse them run after it. A step ahead that the worker still runs
-becomes the pending step before the free: the cache keeps no turn-end entry over a
-state that step may still update in place (block-boundary checkpoints stay).
+and later steps that reuse them run after it. A step ahead the worker still runs (the
+request stopped at the pending step's output) computes the request's last token: where
+vLLM kept every token the worker sampled, it is committed too (its drafts unverified),
+so the turn end covers every token; where vLLM dropped tokens past a stop, it runs from
+a token the request does not hold, so with state groups it stays pending and the cache
+keeps no turn-end entry over a state it may update in place (block-boundary checkpoints
+stay; attention-only plans keep their turn ends: it writes past them).
 """
 
 from __future__ import annotations
