@@ -351,13 +351,15 @@ def _drive(
                 kept = new[: req.max_new - req.produced]
                 if trim_at_stop:
                     req.num_computed_tokens -= len(new) - len(kept)
-                new = kept
+                sampled, new = new, kept
                 req.all_token_ids.extend(new)
                 verified = n - req.spec + accepted
                 worker.sampled(req, req.num_computed_tokens - verified, verified)
                 req.produced += len(new)
                 if req.produced >= req.max_new:
                     running.remove(req)
+                    # what the worker sampled (vLLM's ModelRunnerOutput)
+                    kv.outputs_arriving({req.request_id: 0}, [sampled])
                     kv.free(req)
                     worker.drop(req.request_id)
                     finished.append(req)
@@ -596,8 +598,9 @@ def _drive_async(
             # output reaches the scheduler (vLLM's update_from_output)
             if in_flight is not None:
                 sampled = run_on_worker(in_flight)
+                order = list(sampled)
                 kv.outputs_arriving(
-                    {r: len(new) for r, (_, new) in sampled.items() if r in kv.ledger.ahead}
+                    {r: i for i, r in enumerate(order)}, [sampled[r][1] for r in order]
                 )
                 for e in in_flight.entries:
                     req, rid = e.req, e.req.request_id

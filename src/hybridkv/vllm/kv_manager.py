@@ -22,7 +22,7 @@ start-up by `hybridkv.vllm.scheduler`.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence, Sized
 from types import SimpleNamespace
 from typing import Any
 
@@ -147,7 +147,8 @@ class VllmKVCacheManager:
         self.log_stats = log_stats and stats_cls is not None
         self.prefix_cache_stats = stats_cls() if self.log_stats else None
         self.ledger = StepLedger(async_steps)  # steps in flight (`hybridkv.vllm.steps`)
-        self._sampled: dict[str, int] = {}  # `outputs_arriving`
+        # the output vLLM is processing: request -> index, tokens sampled per index
+        self._output: tuple[Mapping[str, int], Sequence[Sized]] | None = None
         self._num_tokens: dict[str, int] = {}  # tokens hybridkv holds per request
         self._copies: list[tuple[int, int]] = []
         self._new_block_ids: list[int] = []
@@ -192,15 +193,25 @@ class VllmKVCacheManager:
             if request is not None and self.ledger.committable(step, request):
                 self._commit(request)
 
-    def outputs_arriving(self, num_sampled: dict[str, int]) -> None:
-        """vLLM is about to process an output: the tokens its worker sampled per request
-        with a step ahead (before vLLM drops those past a stop)."""
-        self._sampled = num_sampled
+    def outputs_arriving(
+        self, req_id_to_index: Mapping[str, int], sampled_token_ids: Sequence[Sized]
+    ) -> None:
+        """vLLM is about to process an output (its worker's ``ModelRunnerOutput``): what
+        the worker sampled per request, before vLLM drops the tokens past a stop."""
+        self._output = (req_id_to_index, sampled_token_ids)
+
+    def _num_sampled(self, req_id: str) -> int | None:
+        """Tokens the worker sampled for ``req_id`` in the output being processed."""
+        if self._output is None:
+            return None
+        index, sampled = self._output
+        i = index.get(req_id)
+        return None if i is None or i >= len(sampled) else len(sampled[i])
 
     def outputs_processed(self, requests: Any, req_ids: Iterable[str]) -> None:
         """vLLM processed a step's output for ``req_ids``: the pending steps with a step
         ahead commit now, before the step ahead's own output rolls vLLM's count back."""
-        self._sampled = {}
+        self._output = None
         ahead = self.ledger.ahead
         for req_id in req_ids:
             if req_id in ahead:
@@ -219,12 +230,13 @@ class VllmKVCacheManager:
         del ledger.steps[req_id]
         known = self._num_tokens[req_id]
         new_ids = list(request.all_token_ids[known:])
-        if last and new_ids and known + len(new_ids) > step.computed + step.num_new:
-            # The step's last sampled token was not computed, and where the request
-            # stopped inside the step, vLLM keeps only the tokens up to the stop and
-            # (0.33) counts the last kept one as not computed while its worker may have
-            # accepted drafts past it: committing without it tells the cache no token
-            # follows, so it keeps no state it cannot be sure of (`state_columns`).
+        kept = len(request.all_token_ids) - step.computed - step.num_new  # sampled, kept
+        if last and new_ids and kept > 0 and self._num_sampled(req_id) != kept:
+            # The request stopped inside the step and vLLM dropped the tokens past the
+            # stop (or what the worker sampled is unknown): vLLM 0.33 then counts the
+            # last kept token as not computed while its worker may have accepted drafts
+            # past it. Committed without that token, the cache sees no token follow and
+            # keeps no state it cannot be sure of (`state_columns`).
             new_ids.pop()
         # vLLM's count may include the drafts past a stop (0.32)
         accepted = min(accepted, known + len(new_ids) - step.computed - step.num_new)
@@ -400,7 +412,7 @@ class VllmKVCacheManager:
             ahead = ledger.ahead.get(req_id)
             if ahead is None or not ledger.submitted(ahead.step_id):
                 self._commit(request, go_ahead=False, last=True)
-            elif self._sampled.get(req_id) == request.num_tokens - step.computed - step.num_new:
+            elif self._num_sampled(req_id) == request.num_tokens - step.computed - step.num_new:
                 # The worker runs the step ahead after this free, from the request's last
                 # token (vLLM kept every token the step sampled): committed too, its
                 # drafts unverified, so the turn end covers every token.

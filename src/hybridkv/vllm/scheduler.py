@@ -152,13 +152,10 @@ class Scheduler(VllmScheduler):
             return super().update_from_output(scheduler_output, model_runner_output)
         manager = self.kv_cache_manager
         manager.mark_executed()  # type: ignore[attr-defined]
-        ahead = manager.ledger.ahead  # type: ignore[attr-defined]
-        sampled = model_runner_output.sampled_token_ids
-        if ahead and sampled:
-            index = model_runner_output.req_id_to_index
-            manager.outputs_arriving(  # type: ignore[attr-defined]
-                {r: len(sampled[index[r]]) for r in ahead if r in index}
-            )
+        # what the worker sampled, before vLLM drops the tokens past a stop
+        manager.outputs_arriving(  # type: ignore[attr-defined]
+            model_runner_output.req_id_to_index, model_runner_output.sampled_token_ids or ()
+        )
         outputs = super().update_from_output(scheduler_output, model_runner_output)
         # steps scheduled ahead of this output start where its accepted drafts end
         manager.outputs_processed(  # type: ignore[attr-defined]
