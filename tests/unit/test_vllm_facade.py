@@ -866,33 +866,54 @@ def test_random_lives_hybrid_with_drafts(
     )
 
 
-def _without_last(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The facade committing a freed request with its last sampled token, as before."""
-    commit = VllmKVCacheManager._commit
-
-    def keep_last(
-        self: VllmKVCacheManager, request: Any, go_ahead: bool = True, last: bool = False
-    ):
-        return commit(self, request, go_ahead, False)
-
-    monkeypatch.setattr(VllmKVCacheManager, "_commit", keep_last)
-
-
 def test_stop_inside_a_step_with_vllm_033_counts() -> None:
     """vLLM 0.33 takes the tokens past a stop out of the computed count, the last kept
     one too, while its worker may have accepted drafts past it (and moved a boundary's
-    state into the running column): a freed request commits without its last sampled
-    token, so no turn end claims a state the worker moved on from."""
+    state into the running column): where vLLM dropped tokens at a stop, a freed
+    request counts every kept token computed, so the cache sees no token after them and
+    no turn end claims a state the worker moved on from."""
     for seed in range(12):
         _drive(HYBRID, 300, sessions=4, turns=3, seed=seed, spec=3, shared=16, trim_at_stop=True)
 
 
-def test_stop_inside_a_step_committed_with_the_last_token_reads_a_moved_state(
+def test_mtp_turn_end_after_a_stop_at_the_bonus_token() -> None:
+    """A turn that stops at its step's last token (vLLM dropped nothing): the turn end
+    covers every computed token, the MTP head's group (keyed one token ahead) too, which
+    needs the token after its last position."""
+    kv = _manager(MTP, 100, spec=3, lookahead=3)
+    req = FakeRequest("a", list(range(1, 21)), 20, 2)
+    kv.get_computed_blocks(req)
+    kv.new_step_starts()
+    assert kv.allocate_slots(req, 20, num_lookahead_tokens=3) is not None
+    kv.mark_executed()
+    req.num_computed_tokens = 20
+    req.all_token_ids.append(70)
+    kv.settle({"a": req})
+    kv.new_step_starts()
+    assert kv.allocate_slots(req, 4, num_lookahead_tokens=3) is not None  # 70 + 3 drafts
+    kv.mark_executed()
+    req.num_computed_tokens = 21  # no draft accepted
+    req.all_token_ids.append(71)  # the token after them: max tokens reached
+    kv.outputs_arriving({"a": 0}, [[71]])
+    kv.free(req)
+    nxt = FakeRequest("b", [*req.all_token_ids, 5, 6], 24, 1)
+    assert kv.get_computed_blocks(nxt)[1] == 21
+    kv.check_invariants()
+
+
+def test_stop_inside_a_step_counted_as_vllm_033_does_reads_a_moved_state(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """The check above can fail: committed with its last token, a request that stopped
-    inside a step stores a turn end whose state the worker's post-copy moved on."""
-    _without_last(monkeypatch)
+    """The check above can fail: committed with vLLM 0.33's count, a request that
+    stopped inside a step stores a turn end whose state the worker's post-copy moved on."""
+    commit = VllmKVCacheManager._commit
+
+    def vllm_count(
+        self: VllmKVCacheManager, request: Any, go_ahead: bool = True, last: bool = False
+    ):
+        return commit(self, request, go_ahead, False)
+
+    monkeypatch.setattr(VllmKVCacheManager, "_commit", vllm_count)
     with pytest.raises(AssertionError, match=r"\('s\dt\d', \d+, \d\)"):
         for seed in range(12):
             _drive(

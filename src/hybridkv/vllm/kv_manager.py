@@ -231,13 +231,15 @@ class VllmKVCacheManager:
         known = self._num_tokens[req_id]
         new_ids = list(request.all_token_ids[known:])
         kept = len(request.all_token_ids) - step.computed - step.num_new  # sampled, kept
-        if last and new_ids and kept > 0 and self._num_sampled(req_id) != kept:
+        sampled = self._num_sampled(req_id) if last else None
+        if sampled is not None and sampled > kept > 0:
             # The request stopped inside the step and vLLM dropped the tokens past the
-            # stop (or what the worker sampled is unknown): vLLM 0.33 then counts the
-            # last kept token as not computed while its worker may have accepted drafts
-            # past it. Committed without that token, the cache sees no token follow and
-            # keeps no state it cannot be sure of (`state_columns`).
-            new_ids.pop()
+            # stop (it does so only while processing an output): every kept token is a
+            # draft the worker accepted, so computed (vLLM 0.33 counts the last one as
+            # not), and its worker may have accepted more. Counted so, the cache sees no
+            # token follow and keeps no state those further drafts may have moved
+            # (`state_columns`).
+            accepted = kept
         # vLLM's count may include the drafts past a stop (0.32)
         accepted = min(accepted, known + len(new_ids) - step.computed - step.num_new)
         self.cache.commit(req_id, max(accepted, 0), new_ids)
