@@ -258,12 +258,10 @@ class VllmKVCacheManager:
         n = ahead.num_scheduled - ahead.num_drafts
         unknown = max(0, c + n - self._num_tokens[req_id])
         delta = self.cache.allocate(req_id, n, ahead.num_drafts + ahead.num_lookahead, unknown)
-        moved = delta is None or bool(delta.taken) or bool(delta.copies)
-        if not moved:
-            assert delta is not None
+        rows = None
+        if delta is not None and not delta.taken and not delta.copies:
             rows = self.rows.step(req_id, delta, self._state_slots(req_id), ahead.num_scheduled)
-            moved = any(rows.appended) or bool(rows.copies)
-        if moved:
+        if rows is None or any(rows.appended) or rows.copies:
             raise InvariantError(
                 f"request {req_id!r}: its step scheduled in schedule {ahead.step_id}, now "
                 f"starting at {c}, needs blocks hybridkv did not hold for it then"
