@@ -213,6 +213,8 @@ class VllmKVCacheManager:
         ahead commit now, before the step ahead's own output rolls vLLM's count back."""
         self._output = None
         ahead = self.ledger.ahead
+        if not ahead:
+            return
         for req_id in req_ids:
             if req_id in ahead:
                 request = requests.get(req_id)

@@ -153,8 +153,9 @@ class Scheduler(VllmScheduler):
         manager = self.kv_cache_manager
         manager.mark_executed()  # type: ignore[attr-defined]
         # what the worker sampled, before vLLM drops the tokens past a stop
+        sampled = model_runner_output.sampled_token_ids
         manager.outputs_arriving(  # type: ignore[attr-defined]
-            model_runner_output.req_id_to_index, model_runner_output.sampled_token_ids or ()
+            model_runner_output.req_id_to_index, () if sampled is None else sampled
         )
         outputs = super().update_from_output(scheduler_output, model_runner_output)
         # steps scheduled ahead of this output start where its accepted drafts end
