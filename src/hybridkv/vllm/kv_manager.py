@@ -30,6 +30,7 @@ from hybridkv.cache import CacheManager
 from hybridkv.errors import InvariantError
 from hybridkv.vllm.events import VllmEventLog
 from hybridkv.vllm.kv_plan import UnsupportedVllmSetup, VllmGroup, plan_for_vllm
+from hybridkv.vllm.manager_reads import Block, ManagerReads
 from hybridkv.vllm.rows import WorkerRows
 from hybridkv.vllm.steps import Step, StepAhead, StepLedger
 
@@ -62,25 +63,7 @@ def tuple2(src: int, dst: int) -> tuple[int, int]:
     return (src, dst)
 
 
-class _Block:
-    """The part of vLLM's ``KVCacheBlock`` its scheduler reads from an allocation."""
-
-    __slots__ = ("block_id",)
-    block_hash = None
-    block_hash_num_tokens = None
-
-    def __init__(self, block_id: int) -> None:
-        self.block_id = block_id
-
-    @property
-    def is_null(self) -> bool:
-        return self.block_id == 0
-
-    def __repr__(self) -> str:
-        return f"_Block({self.block_id})"
-
-
-class VllmKVCacheManager:
+class VllmKVCacheManager(ManagerReads):
     """A stand-in for vLLM's ``KVCacheManager`` backed by `CacheManager`.
 
     ``blocks_cls``: vLLM's ``KVCacheBlocks`` (the scheduler builds its outputs from it);
@@ -398,7 +381,7 @@ class VllmKVCacheManager:
         for gid, taken in delta.taken.items():
             if gid not in self.state_group_ids:
                 self._new_block_ids.extend(taken)
-        return self._blocks_cls(tuple([_Block(b) for b in row] for row in rows.appended))
+        return self._blocks_cls(tuple([Block(b) for b in row] for row in rows.appended))
 
     def _forget_hit(self, request: Any) -> None:
         req_id = request.request_id
@@ -439,75 +422,6 @@ class VllmKVCacheManager:
         """Where the request's next prefill chunk should end for a junction checkpoint."""
         req_id = request.request_id
         return self.cache.junction_point(req_id) if self.cache.has_request(req_id) else 0
-
-    # ------------------------------------------------------------------ queries
-    @property
-    def usage(self) -> float:
-        return self.cache.usage()
-
-    def get_blocks(self, request_id: str) -> Any:
-        return self._blocks_cls(
-            tuple([_Block(b) for b in row] for row in self.rows.rows(request_id))
-        )
-
-    def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
-        return tuple(list(row) for row in self.rows.rows(request_id))
-
-    def get_block_ids_for_computed_tokens(
-        self, request_id: str, num_computed_tokens: int
-    ) -> tuple[list[int], ...]:
-        return self.get_block_ids(request_id)
-
-    def get_num_common_prefix_blocks(self, running_request_id: str) -> list[int]:
-        return [0] * self.num_kv_cache_groups
-
-    def estimate_cached_tokens(self, request: Any) -> int:
-        if not self.cache.has_request(request.request_id):
-            return 0
-        return self.cache.num_computed_tokens(request.request_id)
-
-    def prefix_cache_lookup_enabled(self, request: Any) -> bool:
-        return self.enable_caching and not getattr(request, "skip_reading_prefix_cache", False)
-
-    def record_prefix_cache_stats(self, request: Any, num_hits: int) -> None:
-        if self.prefix_cache_stats is None or not self.prefix_cache_lookup_enabled(request):
-            return
-        self.prefix_cache_stats.record(
-            num_tokens=request.num_tokens,
-            num_hits=num_hits,
-            preempted=request.num_preemptions > 0,
-        )
-
-    def make_prefix_cache_stats(self) -> Any:
-        if self.prefix_cache_stats is None:
-            return None
-        stats, self.prefix_cache_stats = self.prefix_cache_stats, self._stats_cls()
-        return stats
-
-    def take_events(self) -> list[Any]:
-        if self.events is None:
-            return []
-        self.events.record(self.cache.take_events(), None)  # evictions since
-        return self.events.take()
-
-    def take_kv_cache_block_copies(self) -> tuple[list[Any], list[Any]]:
-        copies, self._copies = self._copies, []
-        # hybridkv pins a copy's source itself until the step commits: nothing to retain
-        make = self._copy_cls
-        return [make(src, dst) for src, dst in copies], []
-
-    def take_new_block_ids(self) -> list[int]:
-        ids, self._new_block_ids = self._new_block_ids, []
-        return ids
-
-    def take_boundary_state_offloads(self) -> dict[str, list[tuple[int, int, int]]]:
-        return {}
-
-    def remove_skipped_blocks(self, *_: Any, **__: Any) -> None:
-        """hybridkv releases blocks that leave a window at commit."""
-
-    def cache_blocks(self, *_: Any, **__: Any) -> None:
-        """hybridkv caches full verified blocks at commit."""
 
     def reset_prefix_cache(self) -> bool:
         if self.rows.requests:  # admitted requests hold blocks
